@@ -1,0 +1,258 @@
+"""Moving one block between a primary-tier row and its file.
+
+Threading: a ``BlockIO`` is shared by every I/O thread. It holds only
+immutable settings; the per-thread scratch pages live in ``threading.local``.
+Callers run ``store``/``load``/``exists`` on I/O threads only -- they block
+on the filesystem.
+
+Zero copy: the payload goes straight between the caller's row (a slice of
+the page-aligned primary mmap) and the file with ``pwritev``/``preadv``;
+the trailer travels in the same syscall from a per-thread aligned page.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import enum
+import errno
+import mmap
+import os
+import socket
+import stat
+import threading
+import time
+
+from llmkv_fs.layout.blockfile import (
+    TRAILER_SIZE,
+    BlockFileError,
+    pack_trailer,
+    payload_checksum,
+    verify_block,
+)
+from llmkv_fs.layout.paths import CacheLayout, temp_path
+
+__all__ = ["BlockIO", "BlockMissing", "IoOptions", "Outcome", "probe_o_direct"]
+
+O_DIRECT = getattr(os, "O_DIRECT", 0)
+_PAGE = mmap.PAGESIZE
+# A gc removing empty directories may delete a parent between our makedirs
+# and open; a few retries close that race without looping forever.
+_DIR_RACE_RETRIES = 4
+
+
+class Outcome(enum.Enum):
+    """What happened to one block. Anything not listed is an exception."""
+
+    WRITTEN = "written"          # store: published a new file
+    PRESENT = "present"          # store: a valid-sized file was already there
+    VERIFIED = "verified"        # load: trailer, length, key and checksum checked
+    UNVERIFIED = "unverified"    # load: trailer-less file (vLLM's built-in wrote it)
+
+
+class BlockMissing(Exception):
+    """The block file does not exist (never stored, or removed)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class IoOptions:
+    block_size: int
+    use_o_direct: bool
+    fsync_file: bool
+    fsync_dir: bool
+    checksum: bool
+    accept_trailerless: bool = True
+    file_mode: int = 0o644
+    dir_mode: int = 0o755
+
+
+def probe_o_direct(directory: str) -> bool:
+    """Whether an aligned O_DIRECT write works in ``directory`` (tmpfs before
+    6.6, overlayfs and some FUSE/NFS mounts refuse it with EINVAL)."""
+    if not O_DIRECT:
+        return False
+    path = f"{directory}/.llmkv_fs_o_direct_probe.{socket.gethostname()}~{os.getpid()}"
+    page = mmap.mmap(-1, _PAGE)
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_WRONLY | os.O_TRUNC | O_DIRECT, 0o600)
+        try:
+            os.write(fd, page)
+        finally:
+            os.close(fd)
+        return True
+    except OSError:
+        return False
+    finally:
+        page.close()
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+
+
+def _transfer_all(op, fd: int, buffers: list[memoryview]) -> int:
+    """Loop ``os.preadv``/``os.pwritev`` until every buffer is done or the
+    file ends (reads). Partial transfers happen on FUSE and NFS."""
+    offset = 0
+    total = sum(b.nbytes for b in buffers)
+    pending = buffers
+    while pending:
+        n = op(fd, pending, offset)
+        if n == 0:
+            if op is os.pwritev:
+                raise OSError(errno.EIO, "pwritev wrote 0 bytes")
+            break
+        offset += n
+        while pending and n >= pending[0].nbytes:
+            n -= pending[0].nbytes
+            pending = pending[1:]
+        if n:
+            pending = [pending[0][n:], *pending[1:]]
+    return offset if pending else total
+
+
+class BlockIO:
+    def __init__(self, layout: CacheLayout, options: IoOptions):
+        self.layout = layout
+        self.options = options
+        self._host = socket.gethostname()
+        self._pid = os.getpid()
+        self._local = threading.local()
+        trailerless = (options.block_size,) if options.accept_trailerless else ()
+        self._valid_sizes = frozenset((options.block_size + TRAILER_SIZE, *trailerless))
+
+    # -- per-thread scratch ------------------------------------------------
+
+    def _scratch(self) -> memoryview:
+        # Two pages: the trailer, plus one more so a read can tell a file
+        # longer than payload + trailer from a correct one without fstat.
+        scratch = getattr(self._local, "pages", None)
+        if scratch is None:
+            scratch = memoryview(mmap.mmap(-1, 2 * _PAGE))
+            self._local.pages = scratch
+        return scratch
+
+    def _open_flags(self, base: int) -> int:
+        flags = base | os.O_NOFOLLOW | os.O_CLOEXEC
+        return flags | O_DIRECT if self.options.use_o_direct else flags
+
+    # -- queries -------------------------------------------------------------
+
+    def exists(self, key: bytes) -> bool:
+        """A regular file of a size our reader accepts is at the block's path
+        (lstat: a planted symlink is not a block)."""
+        try:
+            st = os.lstat(self.layout.block_path(key))
+        except FileNotFoundError:
+            return False
+        return stat.S_ISREG(st.st_mode) and st.st_size in self._valid_sizes
+
+    # -- store -----------------------------------------------------------------
+
+    def store(self, key: bytes, row: memoryview) -> Outcome:
+        """Publish ``row`` as the block file of ``key``: temp file named after
+        this writer, optional fsync, rename. Never leaves a partial file under
+        the final name; removes its temp file on any failure."""
+        if self.exists(key):
+            return Outcome.PRESENT
+        opts = self.options
+        path = self.layout.block_path(key)
+        trailer = self._scratch()[:TRAILER_SIZE]
+        checksum = payload_checksum(row) if opts.checksum else None
+        pack_trailer(trailer, key, row.nbytes, checksum, time.time_ns())
+        tmp = temp_path(path, self._host, self._pid, f"{threading.get_native_id():x}")
+        fd = self._create_temp(tmp)
+        try:
+            try:
+                _transfer_all(os.pwritev, fd, [row, trailer])
+                if opts.fsync_file:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.rename(tmp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+        if opts.fsync_dir:
+            self._fsync_dir(os.path.dirname(path))
+        return Outcome.WRITTEN
+
+    def _create_temp(self, tmp: str) -> int:
+        flags = self._open_flags(os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+        for _ in range(_DIR_RACE_RETRIES):
+            try:
+                return os.open(tmp, flags, self.options.file_mode)
+            except FileNotFoundError:
+                os.makedirs(os.path.dirname(tmp), mode=self.options.dir_mode, exist_ok=True)
+            except FileExistsError:
+                # Our own name: left by a previous process that had our pid
+                # and died mid-write. Nobody else can own it.
+                os.unlink(tmp)
+        return os.open(tmp, flags, self.options.file_mode)
+
+    @staticmethod
+    def _fsync_dir(directory: str) -> None:
+        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    # -- load ------------------------------------------------------------------
+
+    def load(self, key: bytes, row: memoryview) -> Outcome:
+        """Read the block of ``key`` into ``row`` and verify it.
+
+        Raises BlockMissing, BlockFileError (the file is bad: it has been
+        moved to quarantine when this returns) or OSError. On any raise the
+        row holds garbage and must not be reported as loaded.
+        """
+        path = self.layout.block_path(key)
+        scratch = self._scratch()
+        try:
+            fd = os.open(path, self._open_flags(os.O_RDONLY))
+        except FileNotFoundError as exc:
+            raise BlockMissing(path) from exc
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:  # a symlink planted at a block path
+                raise BlockFileError("symlink", path) from exc
+            raise
+        bad: BlockFileError | None = None
+        try:
+            n = _transfer_all(os.preadv, fd, [row, scratch])
+            try:
+                return self._check(key, row, scratch, n)
+            except BlockFileError as exc:
+                bad, inode = exc, os.fstat(fd).st_ino
+        finally:
+            os.close(fd)
+        self.quarantine(path, bad.reason, inode)
+        raise bad
+
+    def _check(self, key: bytes, row: memoryview, scratch: memoryview, n: int) -> Outcome:
+        opts = self.options
+        if n == opts.block_size + TRAILER_SIZE:
+            verify_block(row, scratch[:TRAILER_SIZE], key, opts.checksum)
+            return Outcome.VERIFIED
+        if n == opts.block_size and opts.accept_trailerless:
+            return Outcome.UNVERIFIED
+        reason = "truncated" if n < opts.block_size else "bad-length"
+        raise BlockFileError(reason, f"{n} bytes, expected {opts.block_size + TRAILER_SIZE}")
+
+    def quarantine(self, path: str, reason: str, inode: int | None = None) -> str | None:
+        """Move a bad block file aside so no lookup finds it again. Skips the
+        move if ``path`` now names another inode than the one we read (a
+        writer republished it meanwhile). Returns the new path, or None."""
+        try:
+            if inode is None:
+                inode = os.lstat(path).st_ino
+            elif os.lstat(path).st_ino != inode:
+                return None
+            target = (
+                f"{self.layout.quarantine_dir}/{os.path.basename(path)}"
+                f".{reason}.{time.time_ns()}"
+            )
+            os.makedirs(self.layout.quarantine_dir, mode=self.options.dir_mode, exist_ok=True)
+            os.rename(path, target)
+            return target
+        except FileNotFoundError:
+            return None

@@ -1,0 +1,251 @@
+"""FsEngine: the tier's machinery without vLLM -- block I/O on a two-priority
+thread pool, batched off-thread lookups, NUMA pinning, counters.
+
+It speaks in plain terms (keys are bytes, chunks are row indices into one
+flat buffer of ``num_chunks * block_size`` bytes), so it can be driven by the
+vLLM adapter, by benchmarks or by tests alike.
+
+Threading rules
+---------------
+The owner calls every public method from one thread at a time (in vLLM:
+under the tiering manager's lock, from the scheduler or tier-poll thread).
+``submit_*``, ``take_finished``, ``lookup``, ``end_step`` and
+``forget_request`` never wait on the filesystem; ``drain`` and ``shutdown``
+block by design. I/O threads touch only the rows of the jobs they run and
+the job objects; counters are updated by the owner in ``take_finished``.
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import dataclasses
+import logging
+import mmap
+import os
+import time
+from collections.abc import Sequence
+
+from llmkv_fs.config import TierSettings
+from llmkv_fs.engine.blockio import BlockIO, BlockMissing, IoOptions, Outcome, probe_o_direct
+from llmkv_fs.engine.lookup import AsyncExistence
+from llmkv_fs.engine.numa import PinningPlan, plan_pinning, read_topology
+from llmkv_fs.engine.pool import CANCELLED, IoJob, IoPool, QueueFull
+from llmkv_fs.layout.blockfile import BlockFileError
+from llmkv_fs.layout.paths import CacheLayout
+from llmkv_fs.layout.run_config import ensure_run_config
+
+__all__ = ["EngineError", "FinishedJob", "FsEngine", "prepare_volume"]
+
+logger = logging.getLogger("vllm.llmkv_fs.engine")
+
+
+class EngineError(RuntimeError):
+    """The engine cannot run with these settings on this volume."""
+
+
+@dataclasses.dataclass(frozen=True)
+class FinishedJob:
+    job_id: int
+    is_load: bool
+    succeeded: list[bytes]
+    failed: list[bytes]
+    io_seconds: float
+    nbytes: int  # bytes actually moved (existing blocks and failures excluded)
+
+    @property
+    def success(self) -> bool:
+        return not self.failed
+
+
+def prepare_volume(layout: CacheLayout) -> str:
+    """Check the root, then create or verify ``config.json`` and the rank
+    directory. Returns ensure_run_config's verdict. Raises EngineError with
+    the path and the fix; RunConfigMismatch passes through.
+
+    A missing root is an error, not something to create: an unmounted
+    volume must not silently become a cache on the container's own disk.
+    """
+    root = layout.root_dir
+    if not os.path.exists(root):
+        raise EngineError(
+            f"root_dir {root!r} does not exist. Mount the shared volume there "
+            f"(or create the directory) before starting vLLM."
+        )
+    if not os.path.isdir(root):
+        raise EngineError(f"root_dir {root!r} is not a directory. Point root_dir at a directory.")
+    if not os.access(root, os.W_OK | os.X_OK):
+        raise EngineError(
+            f"root_dir {root!r} is not writable by uid {os.getuid()}. Fix its "
+            f"ownership/mode or the volume's mount options (read-only?)."
+        )
+    try:
+        verdict = ensure_run_config(layout)
+        os.makedirs(layout.rank_dir, exist_ok=True)
+    except OSError as exc:
+        raise EngineError(f"cannot prepare {layout.base_path!r} under root_dir: {exc}") from exc
+    return verdict
+
+
+def _buffer_address(buf: memoryview) -> int | None:
+    if buf.readonly:
+        return None
+    return ctypes.addressof(ctypes.c_char.from_buffer(buf))
+
+
+class FsEngine:
+    def __init__(
+        self,
+        settings: TierSettings,
+        layout: CacheLayout,
+        primary,
+        block_size: int,
+    ):
+        self.settings = settings
+        self.layout = layout
+        self.block_size = block_size
+        self._flat = memoryview(primary).cast("B")
+        if block_size <= 0 or self._flat.nbytes % block_size:
+            raise EngineError(
+                f"primary buffer of {self._flat.nbytes} bytes is not a whole "
+                f"number of {block_size}-byte blocks"
+            )
+        self.num_chunks = self._flat.nbytes // block_size
+        self.use_o_direct = self._choose_io_mode()
+        self.pinning: PinningPlan = plan_pinning(read_topology(), settings.numa_node, self._flat)
+        self.blockio = BlockIO(
+            layout,
+            IoOptions(
+                block_size=block_size,
+                use_o_direct=self.use_o_direct,
+                fsync_file=settings.durability in ("file", "full"),
+                fsync_dir=settings.durability == "full",
+                checksum=settings.checksum,
+            ),
+        )
+        self.counters: collections.Counter[str] = collections.Counter()
+        self._rejected: list[FinishedJob] = []
+        self._pool = IoPool(
+            self._execute,
+            settings.n_read_threads,
+            settings.n_write_threads,
+            settings.max_pending_store_blocks,
+            pin_cpus=self.pinning.cpus,
+        )
+        self._lookups = AsyncExistence(self.blockio.exists, settings.lookup_threads)
+        logger.info(
+            "llmkv_fs engine: %s, %s I/O, %d read + %d write threads, durability=%s, "
+            "checksum=%s, numa: %s",
+            layout.rank_dir, "O_DIRECT" if self.use_o_direct else "buffered",
+            settings.n_read_threads, settings.n_write_threads, settings.durability,
+            settings.checksum, self.pinning.reason,
+        )
+
+    def _choose_io_mode(self) -> bool:
+        mode = self.settings.io_mode
+        if mode == "buffered":
+            return False
+        address = _buffer_address(self._flat)
+        aligned = (
+            address is not None
+            and address % mmap.PAGESIZE == 0
+            and self.block_size % mmap.PAGESIZE == 0
+        )
+        works = aligned and probe_o_direct(self.layout.rank_dir)
+        if mode == "direct" and not works:
+            raise EngineError(
+                f"io_mode=direct but O_DIRECT does not work here "
+                f"({'the volume refuses it' if aligned else 'the primary buffer or block size is not page aligned'}): "
+                f"{self.layout.rank_dir}. Use io_mode=auto or buffered."
+            )
+        return works
+
+    # -- I/O threads -----------------------------------------------------------------
+
+    def _execute(self, job: IoJob, index: int) -> Outcome:
+        chunk = job.chunks[index]
+        if not 0 <= chunk < self.num_chunks:
+            # A memoryview slice would clamp silently and copy the wrong bytes.
+            raise IndexError(f"chunk {chunk} outside the primary buffer (0..{self.num_chunks - 1})")
+        start = chunk * self.block_size
+        row = self._flat[start:start + self.block_size]
+        if job.is_load:
+            return self.blockio.load(job.keys[index], row)
+        return self.blockio.store(job.keys[index], row)
+
+    # -- owner side --------------------------------------------------------------------
+
+    def submit_store(self, job_id: int, keys: Sequence[bytes], chunks: Sequence[int]) -> bool:
+        """Queue a store; False if the bounded store queue refused it (the job
+        is then reported failed by the next take_finished, without I/O)."""
+        try:
+            self._pool.submit(IoJob(job_id, False, keys, chunks))
+            return True
+        except QueueFull:
+            self.counters["store_blocks_dropped_queue_full"] += len(keys)
+            self._rejected.append(FinishedJob(job_id, False, [], list(keys), 0.0, 0))
+            return False
+
+    def submit_load(self, job_id: int, keys: Sequence[bytes], chunks: Sequence[int]) -> None:
+        self._pool.submit(IoJob(job_id, True, keys, chunks))
+
+    def take_finished(self) -> list[FinishedJob]:
+        results, self._rejected = self._rejected, []
+        for job in self._pool.take_finished():
+            results.append(self._account(job))
+        for result in results:
+            if result.is_load:
+                self._lookups.set_verdict(result.failed, False)
+            else:
+                self._lookups.set_verdict(result.succeeded, True)
+        return results
+
+    def _account(self, job: IoJob) -> FinishedJob:
+        succeeded, failed, moved = [], [], 0
+        count = self.counters
+        for key, outcome in zip(job.keys, job.outcomes):
+            if isinstance(outcome, Outcome):
+                succeeded.append(key)
+                count[f"blocks_{outcome.value}"] += 1
+                if outcome is not Outcome.PRESENT:
+                    moved += self.block_size
+                continue
+            failed.append(key)
+            direction = "load" if job.is_load else "store"
+            if isinstance(outcome, BlockFileError):
+                count[f"load_corrupt_{outcome.reason}"] += 1
+                count["quarantined"] += 1
+                logger.warning("llmkv_fs: bad block file quarantined: %s", outcome)
+            elif isinstance(outcome, BlockMissing):
+                count["load_missing"] += 1
+            elif outcome == CANCELLED:
+                count[f"{direction}_cancelled"] += 1
+            else:
+                count[f"{direction}_errors"] += 1
+                logger.warning("llmkv_fs: %s of a block failed: %r", direction, outcome)
+        count["bytes_read" if job.is_load else "bytes_written"] += moved
+        return FinishedJob(job.job_id, job.is_load, succeeded, failed, job.io_seconds, moved)
+
+    def lookup(self, key: bytes, request_id: str) -> bool | None:
+        return self._lookups.lookup(key, request_id)
+
+    def end_step(self) -> None:
+        self._lookups.end_step()
+
+    def forget_request(self, request_id: str) -> None:
+        self._lookups.forget_request(request_id)
+
+    def has_pending_work(self) -> bool:
+        return self._pool.busy() or bool(self._rejected)
+
+    def queued_store_blocks(self) -> int:
+        return self._pool.queued_store_blocks()
+
+    def drain(self) -> None:
+        self._pool.drain()
+
+    def shutdown(self) -> None:
+        started = time.monotonic()
+        self._lookups.shutdown()
+        self._pool.shutdown()
+        logger.info("llmkv_fs engine stopped in %.3fs", time.monotonic() - started)

@@ -1,0 +1,168 @@
+"""Existence checks that never block the scheduler.
+
+A lookup that has no verdict yet returns None (vLLM: RETRY) and joins this
+step's batch; ``end_step`` hands the batch to a background thread, which
+checks the files (in parallel on ``n_threads`` for network filesystems,
+where each check is a round trip) and posts verdicts that the next step's
+first lookup applies. A key keeps its verdict while some request refers to
+it; ``set_verdict`` overrides it when a load fails or a store lands, so a
+failed promotion turns into MISS instead of being retried forever.
+
+Threading rules
+---------------
+* ``lookup``, ``end_step``, ``set_verdict``, ``forget_request`` and
+  ``shutdown`` belong to the owner (one caller at a time: vLLM's manager
+  lock). They touch ``_states`` without a lock.
+* The background thread sees only the batches it is handed (key and
+  generation) and answers through a SimpleQueue; it never touches
+  ``_states``. A generation number lets the owner drop answers for states
+  that were forgotten and recreated meanwhile.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import queue
+import threading
+from collections.abc import Callable, Iterable
+
+__all__ = ["AsyncExistence"]
+
+logger = logging.getLogger("vllm.llmkv_fs.lookup")
+
+# Below this many keys a batch is checked inline on the lookup thread:
+# handing tiny batches to the executor costs more than it saves.
+_PARALLEL_MIN_KEYS = 8
+
+
+class _State:
+    __slots__ = ("generation", "verdict", "in_flight", "override", "requests")
+
+    def __init__(self, generation: int):
+        self.generation = generation
+        self.verdict: bool | None = None
+        self.in_flight = False
+        self.override: bool | None = None  # set while in flight; wins over the probe
+        self.requests: set[str] = set()
+
+
+class AsyncExistence:
+    def __init__(self, exists: Callable[[bytes], bool], n_threads: int, name: str = "llmkv_fs"):
+        self._exists = exists
+        self._states: dict[bytes, _State] = {}
+        self._request_keys: dict[str, set[bytes]] = {}
+        self._batch: list[tuple[bytes, int]] = []
+        self._next_generation = 0
+        self._batches_out = 0  # posted batches whose answers are not applied yet
+        self._to_worker: queue.SimpleQueue[list[tuple[bytes, int]] | None] = queue.SimpleQueue()
+        self._answers: queue.SimpleQueue[list[tuple[bytes, int, bool]]] = queue.SimpleQueue()
+        self._executor = (
+            concurrent.futures.ThreadPoolExecutor(n_threads, thread_name_prefix=f"{name}_stat")
+            if n_threads > 1 else None
+        )
+        self._thread = threading.Thread(target=self._worker, name=f"{name}_lookup", daemon=True)
+        self._thread.start()
+
+    # -- owner side ----------------------------------------------------------------
+
+    def lookup(self, key: bytes, request_id: str) -> bool | None:
+        """True/False when known, None while the check is pending."""
+        if self._batches_out:
+            self._apply_answers()
+        state = self._states.get(key)
+        if state is None:
+            state = _State(self._next_generation)
+            self._next_generation += 1
+            self._states[key] = state
+            self._batch.append((key, state.generation))
+        if request_id not in state.requests:
+            state.requests.add(request_id)
+            self._request_keys.setdefault(request_id, set()).add(key)
+        return state.verdict
+
+    def end_step(self) -> None:
+        """Apply answers that arrived and post this step's batch (one queue
+        item per step, however many keys)."""
+        self._apply_answers()
+        batch, self._batch = self._batch, []
+        live = []
+        for key, generation in batch:
+            state = self._states.get(key)
+            if state is not None and state.generation == generation:
+                state.in_flight = True
+                live.append((key, generation))
+        if live:
+            self._to_worker.put(live)
+            self._batches_out += 1
+
+    def set_verdict(self, keys: Iterable[bytes], verdict: bool) -> None:
+        """Force what the next lookups of these keys say (a load failed: False;
+        a store landed: True). Keys nobody is looking up are ignored."""
+        for key in keys:
+            state = self._states.get(key)
+            if state is None:
+                continue
+            if state.in_flight:
+                state.override = verdict
+            else:
+                state.verdict = verdict
+
+    def forget_request(self, request_id: str) -> None:
+        for key in self._request_keys.pop(request_id, ()):
+            state = self._states.get(key)
+            if state is None:
+                continue
+            state.requests.discard(request_id)
+            if not state.requests and not state.in_flight:
+                del self._states[key]
+
+    def tracked_keys(self) -> int:
+        return len(self._states)
+
+    def shutdown(self) -> None:
+        self._to_worker.put(None)
+        self._thread.join()
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+        self._apply_answers()
+
+    def _apply_answers(self) -> None:
+        while True:
+            try:
+                answers = self._answers.get_nowait()
+            except queue.Empty:
+                return
+            self._batches_out -= 1
+            for key, generation, found in answers:
+                state = self._states.get(key)
+                if state is None or state.generation != generation:
+                    continue
+                state.in_flight = False
+                if not state.requests:
+                    del self._states[key]
+                    continue
+                state.verdict = found if state.override is None else state.override
+                state.override = None
+
+    # -- lookup thread ---------------------------------------------------------------
+
+    def _check(self, key: bytes) -> bool:
+        try:
+            return self._exists(key)
+        except OSError as exc:
+            # An unreachable volume is a miss, not a crash and not a stall.
+            logger.warning("llmkv_fs: existence check failed (%s); treating as a miss", exc)
+            return False
+
+    def _worker(self) -> None:
+        while True:
+            batch = self._to_worker.get()
+            if batch is None:
+                return
+            keys = [key for key, _ in batch]
+            if self._executor is not None and len(keys) >= _PARALLEL_MIN_KEYS:
+                found = list(self._executor.map(self._check, keys))
+            else:
+                found = [self._check(key) for key in keys]
+            self._answers.put([(k, g, f) for (k, g), f in zip(batch, found)])

@@ -1,0 +1,141 @@
+"""The block file format: the payload exactly as vLLM's built-in fs tier
+writes it, then one trailer page.
+
+    [ payload: block_size bytes ][ trailer: TRAILER_SIZE bytes ]
+
+vLLM's reader reads only the first ``block_size`` bytes, so our files stay
+readable by it; a file of exactly ``block_size`` bytes (written by vLLM) is
+accepted by ours as *unverified*.
+
+Trailer (little-endian, rest of the page zero)::
+
+    0   8s  magic  b"LLMKVFS\\x00"
+    8   H   format version (FORMAT_VERSION)
+    10  H   flags (FLAG_CHECKSUM: payload_xxh3 is meaningful)
+    12  I   reserved (0)
+    16  Q   payload length in bytes
+    24  Q   xxh3-64 of the payload
+    32  Q   creation time, ns since the epoch
+    40  H   key length
+    42  ..  key (the OffloadKey: block hash + 4-byte group)
+    ..  Q   xxh3-64 of bytes [0, 42 + key length): the trailer's own checksum
+
+One page keeps O_DIRECT I/O aligned and leaves room for later fields.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import struct
+
+import xxhash
+
+__all__ = [
+    "FLAG_CHECKSUM",
+    "FORMAT_VERSION",
+    "MAGIC",
+    "TRAILER_SIZE",
+    "BlockFileError",
+    "Trailer",
+    "pack_trailer",
+    "payload_checksum",
+    "unpack_trailer",
+    "verify_block",
+]
+
+MAGIC = b"LLMKVFS\x00"
+FORMAT_VERSION = 1
+FLAG_CHECKSUM = 0x1
+TRAILER_SIZE = 4096
+MAX_KEY_LEN = 1024
+
+_HEAD = struct.Struct("<8sHHIQQQH")  # up to and including the key length
+_TAIL = struct.Struct("<Q")
+
+
+class BlockFileError(Exception):
+    """A block file failed verification. ``reason`` is a short stable token
+    (used in quarantine names and metrics)."""
+
+    def __init__(self, reason: str, detail: str):
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+
+
+@dataclasses.dataclass(frozen=True)
+class Trailer:
+    version: int
+    flags: int
+    payload_len: int
+    payload_xxh3: int
+    created_ns: int
+    key: bytes
+
+    @property
+    def has_checksum(self) -> bool:
+        return bool(self.flags & FLAG_CHECKSUM)
+
+
+def payload_checksum(payload) -> int:
+    """xxh3-64 of a buffer (zero-copy: xxhash reads the buffer protocol)."""
+    return xxhash.xxh3_64_intdigest(payload)
+
+
+def pack_trailer(
+    out: memoryview, key: bytes, payload_len: int, checksum: int | None, created_ns: int
+) -> None:
+    """Fill ``out`` (TRAILER_SIZE writable bytes, reused per thread) in place."""
+    if len(key) > MAX_KEY_LEN:
+        raise ValueError(f"key of {len(key)} bytes exceeds {MAX_KEY_LEN}")
+    flags = FLAG_CHECKSUM if checksum is not None else 0
+    _HEAD.pack_into(
+        out, 0, MAGIC, FORMAT_VERSION, flags, 0, payload_len,
+        checksum or 0, created_ns, len(key),
+    )
+    key_end = _HEAD.size + len(key)
+    out[_HEAD.size:key_end] = key
+    _TAIL.pack_into(out, key_end, xxhash.xxh3_64_intdigest(out[:key_end]))
+    # Zero what a longer key from an earlier use of this buffer left behind.
+    tail_end = key_end + _TAIL.size
+    out[tail_end:tail_end + MAX_KEY_LEN] = bytes(MAX_KEY_LEN)
+
+
+def unpack_trailer(buf) -> Trailer:
+    """Parse and self-check a trailer page; raise BlockFileError if it is not
+    one of ours, is from another format version, or is damaged."""
+    view = memoryview(buf).cast("B")
+    if len(view) < _HEAD.size + _TAIL.size:
+        raise BlockFileError("truncated", "trailer shorter than its header")
+    magic, version, flags, _reserved, payload_len, xxh, created, key_len = (
+        _HEAD.unpack_from(view, 0)
+    )
+    if magic != MAGIC:
+        raise BlockFileError("bad-magic", f"trailer magic {magic!r}")
+    if version != FORMAT_VERSION:
+        raise BlockFileError(
+            "bad-version", f"format version {version}, this reader knows {FORMAT_VERSION}"
+        )
+    key_end = _HEAD.size + key_len
+    if key_len > MAX_KEY_LEN or key_end + _TAIL.size > len(view):
+        raise BlockFileError("bad-trailer", f"key length {key_len}")
+    (stored,) = _TAIL.unpack_from(view, key_end)
+    if stored != xxhash.xxh3_64_intdigest(view[:key_end]):
+        raise BlockFileError("bad-trailer", "trailer checksum mismatch")
+    return Trailer(version, flags, payload_len, xxh, created, bytes(view[_HEAD.size:key_end]))
+
+
+def verify_block(payload, trailer_page, key: bytes, verify_checksum: bool) -> Trailer:
+    """Check a payload against its trailer: length, key, and (when both the
+    writer recorded one and the reader wants it) the xxh3 checksum."""
+    trailer = unpack_trailer(trailer_page)
+    payload_len = memoryview(payload).nbytes
+    if trailer.payload_len != payload_len:
+        raise BlockFileError(
+            "bad-length", f"trailer says {trailer.payload_len} bytes, block is {payload_len}"
+        )
+    if trailer.key != key:
+        raise BlockFileError("wrong-key", "file holds another block's key")
+    if verify_checksum and trailer.has_checksum:
+        if payload_checksum(payload) != trailer.payload_xxh3:
+            raise BlockFileError("bad-checksum", "payload xxh3 mismatch")
+    return trailer

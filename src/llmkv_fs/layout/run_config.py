@@ -1,0 +1,87 @@
+"""``<root>/<model>_<digest>/config.json``: written atomically, compared when
+present.
+
+vLLM's built-in writes the file in place (a concurrent reader may see half of
+it); we write to a temp name and rename, with the same bytes vLLM would
+write, so either tier can own a digest first.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from typing import Any
+
+from llmkv_fs.layout.paths import CacheLayout
+
+__all__ = ["RunConfigMismatch", "ensure_run_config", "render_run_config"]
+
+# A config.json that does not parse may be another replica's half-written
+# file (vLLM's built-in writes in place); give it this long to complete.
+_PARTIAL_WRITE_GRACE_S = 2.0
+
+
+class RunConfigMismatch(RuntimeError):
+    """config.json under our digest describes another run config."""
+
+
+def render_run_config(run_config: dict[str, Any]) -> bytes:
+    # Same serialisation as vLLM 0.33 (json.dump, indent=2, sort_keys=True).
+    return json.dumps(run_config, indent=2, sort_keys=True).encode("utf-8")
+
+
+def _read_json(path: str) -> Any:
+    with open(path, "rb") as f:
+        return json.loads(f.read().decode("utf-8"))
+
+
+def _write_atomically(path: str, data: bytes, dir_mode: int = 0o755) -> None:
+    directory = os.path.dirname(path)
+    os.makedirs(directory, mode=dir_mode, exist_ok=True)
+    tmp = f"{directory}/.{os.path.basename(path)}.{socket.gethostname()}~{os.getpid()}~0.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        os.write(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.rename(tmp, path)
+
+
+def ensure_run_config(layout: CacheLayout) -> str:
+    """Make sure ``config.json`` of ``layout`` holds our run config.
+
+    Returns "created", "matched" or "repaired" (an unparsable file was
+    replaced). Raises RunConfigMismatch when the file parses but describes
+    something else -- another tool's data under our digest must never be
+    silently overwritten.
+    """
+    path = layout.config_path
+    wanted = layout.run_config
+    deadline = time.monotonic() + _PARTIAL_WRITE_GRACE_S
+    while True:
+        try:
+            existing = _read_json(path)
+        except FileNotFoundError:
+            _write_atomically(path, render_run_config(wanted))
+            return "created"
+        except (ValueError, UnicodeDecodeError):
+            if time.monotonic() < deadline:
+                time.sleep(0.05)  # another writer may still be mid-write
+                continue
+            _write_atomically(path, render_run_config(wanted))
+            return "repaired"
+        if existing == wanted:
+            return "matched"
+        diff = sorted(
+            k for k in set(existing) | set(wanted)
+            if not isinstance(existing, dict) or existing.get(k) != wanted.get(k)
+        )
+        raise RunConfigMismatch(
+            f"{path} describes a different run config than this engine "
+            f"(fields differing: {', '.join(diff)}). The digest directory "
+            f"{layout.base_path} belongs to another configuration; refusing to "
+            f"overwrite it. Move it aside or point root_dir elsewhere."
+        )

@@ -1,0 +1,172 @@
+"""FsTier: the thin vLLM adapter. Translates vLLM's SecondaryTierManager
+calls into FsEngine calls; holds no I/O logic of its own.
+
+Threading: vLLM calls every method under the TieringOffloadingManager lock,
+from the scheduler thread or its tier-poll thread, never concurrently. Each
+method only enqueues, polls or consults in-memory state; the filesystem is
+touched by the engine's threads. ``drain_jobs`` and ``shutdown`` block by
+contract (reset and exit).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from vllm.v1.kv_offload.base import (
+    Locality,
+    LookupResult,
+    Medium,
+    OffloadingEvent,
+    OffloadKey,
+    ReqContext,
+    RequestOffloadingContext,
+    ScheduleEndContext,
+)
+from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
+
+from llmkv_fs import __version__
+from llmkv_fs.config import TierSettings
+from llmkv_fs.engine.engine import FsEngine, prepare_volume
+from llmkv_fs.layout.paths import CacheLayout, RunIdentity
+
+if TYPE_CHECKING:
+    from vllm.v1.kv_offload.base import OffloadingSpec
+    from vllm.v1.kv_offload.tiering.backpressure import BackpressureDetector
+
+__all__ = ["FsTier", "identity_from_spec"]
+
+logger = logging.getLogger("vllm.llmkv_fs.tier")
+
+_VERDICT = {None: LookupResult.RETRY, True: LookupResult.HIT, False: LookupResult.MISS}
+
+
+def identity_from_spec(spec: OffloadingSpec) -> RunIdentity:
+    """The run identity vLLM's FileMapper derives for its fs tier
+    (``from_offloading_spec(..., parallel_agnostic=True)``)."""
+    config = spec.config
+    parallel = config.parallel
+    canonical_format = None
+    if config.canonical_layout:
+        from vllm.distributed.kv_transfer.kv_connector.v1.offloading.canonical_mapping import (
+            canonical_format_id,
+        )
+
+        assert config.kv_cache_layout is not None
+        canonical_format = canonical_format_id(config.kv_cache_layout)
+    return RunIdentity(
+        model_name=config.model.name,
+        dtype=config.model.dtype,
+        tokens_per_hash=config.cache.tokens_per_hash,
+        blocks_per_file=spec.blocks_per_chunk,
+        kv_cache_groups=tuple(
+            (group.tokens_per_block, tuple(group.layer_names)) for group in config.groups
+        ),
+        tp_size=parallel.tp_size,
+        pp_size=parallel.pp_size,
+        pcp_size=parallel.pcp_size,
+        dcp_size=parallel.dcp_size,
+        rank=parallel.rank,
+        parallel_agnostic=parallel.is_parallelism_agnostic or config.replicated_layout,
+        replicated_layout=config.replicated_layout,
+        canonical_format=canonical_format,
+    )
+
+
+class FsTier(SecondaryTierManager):
+    """Shared-filesystem KV tier, on-disk compatible with vLLM's ``fs`` tier."""
+
+    medium: ClassVar[Medium] = Medium.STORAGE
+
+    def __init__(
+        self,
+        offloading_spec: OffloadingSpec,
+        primary_kv_view: memoryview,
+        tier_type: str,
+        backpressure_detector: BackpressureDetector | None = None,
+        **tier_config: Any,
+    ):
+        super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
+        self.settings = TierSettings.from_mapping(tier_config)
+        self.locality = Locality(self.settings.locality) if self.settings.locality else None
+        self._events: list[OffloadingEvent] | None = None
+        if self.settings.enable_kv_events:
+            if offloading_spec.kv_events_config.enable_kv_cache_events:
+                self._events = []
+            else:
+                logger.warning(
+                    "enable_kv_events is set on tier %r but KV cache events are "
+                    "disabled globally; no events will be emitted.", tier_type,
+                )
+        self.layout = CacheLayout.for_identity(
+            self.settings.root_dir, identity_from_spec(offloading_spec)
+        )
+        config_state = prepare_volume(self.layout)
+        self.engine = FsEngine(self.settings, self.layout, primary_kv_view, self.block_size_bytes)
+        logger.info(
+            "llmkv_fs %s tier %r ready at %s (config.json %s)",
+            __version__, tier_type, self.layout.rank_dir, config_state,
+        )
+
+    # -- lookups -----------------------------------------------------------------
+
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        return _VERDICT[self.engine.lookup(key, req_context.req_id)]
+
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        return RequestOffloadingContext()
+
+    def on_request_finished(self, req_context: ReqContext) -> None:
+        self.engine.forget_request(req_context.req_id)
+
+    def on_schedule_end(self, context: ScheduleEndContext) -> None:
+        self.engine.end_step()
+
+    # -- transfers ---------------------------------------------------------------
+
+    def submit_store(self, job_metadata: TransferJob) -> None:
+        self.engine.submit_store(
+            job_metadata.job_id, list(job_metadata.keys), job_metadata.chunk_ids.tolist()
+        )
+
+    def submit_load(self, job_metadata: TransferJob) -> None:
+        self.engine.submit_load(
+            job_metadata.job_id, list(job_metadata.keys), job_metadata.chunk_ids.tolist()
+        )
+
+    def get_finished_jobs(self) -> Iterable[JobResult]:
+        results = []
+        for job in self.engine.take_finished():
+            partial = job.is_load and job.failed and job.succeeded
+            results.append(
+                JobResult(
+                    job_id=job.job_id,
+                    success=job.success,
+                    successful_keys=tuple(job.succeeded) if partial else None,
+                    transfer_time=job.io_seconds,
+                    transfer_bytes=len(job.succeeded) * self.block_size_bytes,
+                )
+            )
+            if self._events is not None and not job.is_load and job.succeeded:
+                self._events.append(
+                    OffloadingEvent(
+                        keys=job.succeeded, medium=self.medium, removed=False,
+                        locality=self.locality,
+                    )
+                )
+        return results
+
+    def take_events(self) -> Iterable[OffloadingEvent]:
+        if self._events:
+            events, self._events = self._events, []
+            yield from events
+
+    def has_pending_work(self) -> bool:
+        return self.engine.has_pending_work()
+
+    def drain_jobs(self) -> None:
+        self.engine.drain()
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()

@@ -1,0 +1,181 @@
+"""The tier inside vLLM 0.33's real TieringOffloadingManager, on real files."""
+
+import glob
+import os
+
+import numpy as np
+import pytest
+from harness import Replica, builtin, make_keys, offloading_config, ours, payload_for, wait_until
+from vllm.v1.kv_offload.base import LookupResult
+
+from llmkv_fs import FsTier
+
+HIT, MISS, RETRY, HIT_PENDING = (LookupResult.HIT, LookupResult.MISS, LookupResult.RETRY,
+                                 LookupResult.HIT_PENDING)
+
+
+def start(replicas, tier, **kw):
+    replica = Replica(offloading_config(tiers=[tier], **kw))
+    replicas.append(replica)
+    return replica
+
+
+def block_files(root):
+    return sorted(glob.glob(f"{root}/*_r*/*/*/*.bin"))
+
+
+def test_second_manager_finds_and_promotes_byte_exact(volume, replicas):
+    a = start(replicas, ours(volume))
+    assert isinstance(a.tier, FsTier)
+    keys = make_keys(6)
+    a.store(keys)
+    assert len(block_files(volume)) == 6
+
+    b = start(replicas, ours(volume))  # another engine id, same root
+    ctx = b.new_request()
+    final, history = b.find(keys, ctx)
+    assert history[0] == [RETRY] * 6  # the check runs off-thread first
+    assert HIT_PENDING in {r for step in history for r in step}
+    assert final == dict.fromkeys(keys, HIT)
+    for key in keys:
+        assert b.read_primary(key, ctx) == payload_for(key, b.row_bytes)
+    assert b.tier.engine.counters["blocks_verified"] == 6
+
+
+def test_unknown_keys_are_a_miss_not_a_retry_forever(volume, replicas):
+    b = start(replicas, ours(volume))
+    final, history = b.find(make_keys(3, seed="never-stored"))
+    assert final == dict.fromkeys(make_keys(3, seed="never-stored"), MISS)
+    assert len(history) <= 3
+
+
+def test_builtin_written_root_is_read_by_ours(volume, replicas):
+    writer = start(replicas, builtin(volume))
+    keys = make_keys(4, seed="vllm")
+    writer.store(keys)
+    files = block_files(volume)
+    assert [os.path.getsize(f) for f in files] == [writer.row_bytes] * 4  # vLLM: no trailer
+
+    reader = start(replicas, ours(volume))
+    ctx = reader.new_request()
+    final, _ = reader.find(keys, ctx)
+    assert final == dict.fromkeys(keys, HIT)
+    for key in keys:
+        assert reader.read_primary(key, ctx) == payload_for(key, reader.row_bytes)
+    assert reader.tier.engine.counters["blocks_unverified"] == 4
+
+
+def test_ours_is_read_by_builtin(volume, replicas):
+    writer = start(replicas, ours(volume))
+    keys = make_keys(4, seed="ours")
+    writer.store(keys)
+    assert {os.path.getsize(f) for f in block_files(volume)} == {writer.row_bytes + 4096}
+
+    reader = start(replicas, builtin(volume))
+    ctx = reader.new_request()
+    final, _ = reader.find(keys, ctx)
+    assert final == dict.fromkeys(keys, HIT)
+    for key in keys:
+        assert reader.read_primary(key, ctx) == payload_for(key, reader.row_bytes)
+
+
+def test_bit_flip_is_never_loaded_and_is_quarantined(volume, replicas):
+    a = start(replicas, ours(volume))
+    keys = make_keys(3, seed="flip")
+    a.store(keys)
+    bad = a.tier.layout.block_path(keys[1])
+    with open(bad, "r+b") as f:  # same size, one bit flipped in the payload
+        f.seek(12345)
+        byte = f.read(1)[0]
+        f.seek(12345)
+        f.write(bytes([byte ^ 0x10]))
+
+    b = start(replicas, ours(volume))
+    ctx = b.new_request()
+    final, _ = b.find(keys, ctx)
+    # The corrupt block became a MISS (promotion failed, verdict forced),
+    # the others were kept (partial success) and are byte exact.
+    assert final == {keys[0]: HIT, keys[1]: MISS, keys[2]: HIT}
+    for key in (keys[0], keys[2]):
+        assert b.read_primary(key, ctx) == payload_for(key, b.row_bytes)
+    with b.manager.lock:
+        assert b.manager.primary_tier.lookup(keys[1], ctx) is MISS
+    assert not os.path.exists(bad)
+    (moved,) = glob.glob(f"{b.tier.layout.quarantine_dir}/*")
+    assert ".bad-checksum." in moved
+    assert b.tier.engine.counters["load_corrupt_bad-checksum"] == 1
+
+    # A fresh request does not find it again (no livelock, no re-load).
+    final, _ = b.find([keys[1]])
+    assert final == {keys[1]: MISS}
+    assert b.tier.engine.counters["load_corrupt_bad-checksum"] == 1
+
+
+def test_truncated_and_wrong_key_files_are_rejected(disk_root, replicas):
+    a = start(replicas, ours(disk_root))
+    keys = make_keys(3, seed="damage")
+    a.store(keys)
+    layout = a.tier.layout
+    os.truncate(layout.block_path(keys[0]), a.row_bytes // 2)
+    # keys[1]'s file replaced by keys[2]'s (a valid file under the wrong name)
+    os.replace(layout.block_path(keys[2]), layout.block_path(keys[1]))
+
+    b = start(replicas, ours(disk_root))
+    final, _ = b.find(keys[:2])
+    # The truncated file has a size no reader accepts: the lookup says MISS.
+    assert final[keys[0]] is MISS
+    assert final[keys[1]] is MISS
+    assert b.tier.engine.counters["load_corrupt_wrong-key"] == 1
+
+
+def test_store_skips_blocks_already_present(disk_root, replicas):
+    a = start(replicas, ours(disk_root))
+    keys = make_keys(3, seed="dup")
+    a.store(keys)
+    mtimes = [os.stat(p).st_mtime_ns for p in block_files(disk_root)]
+    b = start(replicas, ours(disk_root))
+    b.store(keys)
+    assert [os.stat(p).st_mtime_ns for p in block_files(disk_root)] == mtimes
+    assert b.tier.engine.counters["blocks_present"] == 3
+
+
+def test_reset_cache_with_jobs_in_flight(disk_root, replicas):
+    a = start(replicas, ours(disk_root), cpu_bytes=128 << 20)
+    keys = make_keys(24, seed="reset")
+    a.store(keys, settle=False)  # 24 stores queued on 4 threads
+    with a.manager.lock:
+        a.manager.reset_cache()  # drains the tier before freeing primary rows
+        assert not a.manager.has_pending_work()
+    assert len(block_files(disk_root)) == 24
+    assert not glob.glob(f"{disk_root}/**/.*.tmp", recursive=True)
+    a.manager.on_reset_flushed()
+    final, _ = a.find(keys)  # primary was reset: found again through our tier
+    assert set(final.values()) == {HIT}
+
+
+def test_shutdown_with_jobs_queued_leaves_no_partial_files(disk_root, replicas):
+    a = Replica(offloading_config(tiers=[ours(disk_root, n_read_threads=1, n_write_threads=1)],
+                                  cpu_bytes=128 << 20))
+    keys = make_keys(40, seed="shutdown")
+    a.store(keys, settle=False)
+    a.close()  # cancels queued blocks, finishes running ones
+    files = block_files(disk_root)
+    assert 0 < len(files) <= 40
+    for path in files:
+        assert os.path.getsize(path) == a.spec.kv_bytes_per_chunk + 4096
+    assert not glob.glob(f"{disk_root}/**/.*.tmp", recursive=True)
+
+
+def test_write_queue_bound_fails_stores_instead_of_growing(disk_root, replicas):
+    a = start(replicas, ours(disk_root, n_read_threads=1, n_write_threads=1,
+                             max_pending_store_blocks=4), cpu_bytes=128 << 20)
+    keys = make_keys(30, seed="burst")
+    for i in range(0, 30, 3):
+        a.store(keys[i:i + 3], settle=False)
+    a.settle()
+    dropped = a.tier.engine.counters["store_blocks_dropped_queue_full"]
+    assert dropped > 0
+    assert len(block_files(disk_root)) == 30 - dropped
+    # Dropped blocks are still in the CPU tier: nothing is lost for serving.
+    final, _ = a.find(keys)
+    assert set(final.values()) == {HIT}
