@@ -179,3 +179,19 @@ def test_write_queue_bound_fails_stores_instead_of_growing(disk_root, replicas):
     # Dropped blocks are still in the CPU tier: nothing is lost for serving.
     final, _ = a.find(keys)
     assert set(final.values()) == {HIT}
+
+
+def test_shutdown_after_a_failed_load_releases_the_primary_mapping(disk_root, replicas):
+    a = start(replicas, ours(disk_root))
+    keys = make_keys(2, seed="release")
+    a.store(keys)
+    os.truncate(a.tier.layout.block_path(keys[0]), 10)  # lookup says MISS
+    with open(a.tier.layout.block_path(keys[1]), "r+b") as f:
+        f.write(b"\xff" * 64)  # same size, bad checksum: the load fails
+    b = Replica(offloading_config(tiers=[ours(disk_root)]))
+    b.find(keys)
+    assert b.tier.engine.counters["quarantined"] == 1
+    region = b.manager.primary_tier._mmap_region
+    b.close()
+    # vLLM keeps the mapping (and warns) if any view of it is still exported.
+    assert region.mmap_obj is None

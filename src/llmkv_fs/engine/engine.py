@@ -248,4 +248,6 @@ class FsEngine:
         started = time.monotonic()
         self._lookups.shutdown()
         self._pool.shutdown()
+        # Our view pins the primary mmap; vLLM unmaps it right after us.
+        self._flat.release()
         logger.info("llmkv_fs engine stopped in %.3fs", time.monotonic() - started)

@@ -77,6 +77,19 @@ class IoJob:
         return self.last_end - self.first_start if self.first_start is not None else 0.0
 
 
+def _without_tracebacks(exc: BaseException) -> BaseException:
+    """Drop the frames an exception holds: they reference the primary-buffer
+    row being copied, and an idle worker keeping that alive stops vLLM from
+    unmapping the region at shutdown."""
+    seen = set()
+    link: BaseException | None = exc
+    while link is not None and id(link) not in seen:
+        seen.add(id(link))
+        link.__traceback__ = None
+        link = link.__cause__ or link.__context__
+    return exc
+
+
 class IoPool:
     def __init__(
         self,
@@ -176,8 +189,9 @@ class IoPool:
             try:
                 outcome = self._execute(job, index)
             except Exception as exc:  # recorded per block; never kills the thread
-                outcome = exc
+                outcome = _without_tracebacks(exc)
             self._complete(job, index, outcome, started)
+            del job, outcome
 
     def _complete(self, job: IoJob, index: int, outcome: Any, started: float) -> None:
         if job._block_done(index, outcome, started):

@@ -1,0 +1,56 @@
+"""``llmkv-fs``: the operator's command line. Subcommands import what they
+need lazily, so ``llmkv-fs --help`` and layout-only tools start without vLLM."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from llmkv_fs import __version__
+
+
+def _demo(args: argparse.Namespace) -> int:
+    # vLLM logs every tier creation at INFO; the demo's own story is the point.
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    from llmkv_fs.tier.demo import run_demo
+
+    return run_demo(args.root, args.blocks, args.block_mib, args.threads, args.keep)
+
+
+def _config_doc(args: argparse.Namespace) -> int:
+    from llmkv_fs.config import SETTINGS
+
+    print("| key | default | vLLM built-in key | meaning |")
+    print("|---|---|---|---|")
+    for s in SETTINGS:
+        default = "(required)" if s.required else f"`{s.default!r}`".replace("'", '"')
+        print(f"| `{s.key}` | {default} | {'yes' if s.vllm_builtin else 'no'} | {s.doc} |")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="llmkv-fs", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"llmkv-fs {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    demo = sub.add_parser("demo", help="two vLLM engines share KV blocks through llmkv_fs")
+    demo.add_argument("--root", help="cache root (default: a temporary directory)")
+    demo.add_argument("--blocks", type=int, default=32, help="chunks to store (default 32)")
+    demo.add_argument("--block-mib", type=int, default=2, help="chunk size in MiB (default 2)")
+    demo.add_argument("--threads", type=int, default=4, help="read and write threads each")
+    demo.add_argument("--keep", action="store_true", help="keep the temporary root")
+    demo.set_defaults(func=_demo)
+
+    doc = sub.add_parser("config-doc", help="print the settings table (docs/configuration.md)")
+    doc.set_defaults(func=_config_doc)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

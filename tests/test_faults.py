@@ -1,0 +1,67 @@
+"""Bad volumes through the real vLLM stack: a full disk and a read-only
+root. The scheduler never sees an exception and no wrong byte reaches the
+CPU tier."""
+
+import glob
+import os
+import subprocess
+import uuid
+
+import pytest
+from harness import Replica, make_keys, offloading_config, ours, payload_for
+from vllm.v1.kv_offload.base import LookupResult
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """A real 12 MiB tmpfs: room for five 2 MiB blocks and their trailers."""
+    mountpoint = tmp_path / f"small-{uuid.uuid4().hex[:6]}"
+    mountpoint.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=12m", "tmpfs", str(mountpoint)],
+                          capture_output=True, text=True)
+    if done.returncode:
+        pytest.skip(f"cannot mount a tmpfs here (needs root): {done.stderr.strip()}")
+    yield str(mountpoint)
+    subprocess.run(["umount", "-l", str(mountpoint)], check=False)
+
+
+def test_full_disk_fails_stores_cleanly_and_reads_continue(small_tmpfs):
+    replica = Replica(offloading_config(tiers=[ours(small_tmpfs)], cpu_bytes=64 << 20))
+    try:
+        keys = make_keys(10, seed="enospc")
+        replica.store(keys)  # raises nothing into the "scheduler"
+        counters = replica.tier.engine.counters
+        files = glob.glob(f"{small_tmpfs}/*_r0/*/*/*.bin")
+        assert 0 < len(files) < 10
+        assert counters["store_errors"] == 10 - len(files)
+        # Nothing torn under a final name, no temp file left behind.
+        assert {os.path.getsize(f) for f in files} == {replica.row_bytes + 4096}
+        assert not glob.glob(f"{small_tmpfs}/**/.*.tmp", recursive=True)
+
+        reader = Replica(offloading_config(tiers=[ours(small_tmpfs)], cpu_bytes=64 << 20))
+        try:
+            ctx = reader.new_request()
+            final, _ = reader.find(keys, ctx)
+            stored = {k for k in keys if os.path.exists(reader.tier.layout.block_path(k))}
+            assert {k for k, v in final.items() if v is LookupResult.HIT} == stored
+            for key in stored:
+                assert reader.read_primary(key, ctx) == payload_for(key, reader.row_bytes)
+        finally:
+            reader.close()
+    finally:
+        replica.close()
+
+
+def test_read_only_root_is_a_clear_startup_error(tmp_path):
+    mountpoint = tmp_path / "ro"
+    mountpoint.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(mountpoint)],
+                          capture_output=True, text=True)
+    if done.returncode:
+        pytest.skip(f"cannot mount a tmpfs here (needs root): {done.stderr.strip()}")
+    try:
+        with pytest.raises(Exception, match="not writable") as info:
+            Replica(offloading_config(tiers=[ours(str(mountpoint))]))
+        assert str(mountpoint) in str(info.value)
+    finally:
+        subprocess.run(["umount", "-l", str(mountpoint)], check=False)

@@ -1,0 +1,79 @@
+"""The vllm.general_plugins entry point, exercised in fresh processes so the
+global tier registry of the test process stays vLLM's own."""
+
+import json
+import os
+import subprocess
+import sys
+from importlib.metadata import entry_points
+
+PROBE = r"""
+import json, logging, sys
+from vllm.plugins import load_general_plugins
+from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory as F
+records = []
+class Grab(logging.Handler):
+    def emit(self, record):
+        if record.name.startswith("vllm.llmkv_fs"):
+            records.append(record.getMessage())
+logging.getLogger("vllm.llmkv_fs").addHandler(Grab())
+logging.getLogger("vllm.llmkv_fs").setLevel(logging.INFO)
+def resolve(name):
+    try:
+        cls = F.get_tier_class({"type": name})
+    except ValueError:
+        return None
+    return f"{cls.__module__}.{cls.__name__}"
+load_general_plugins()
+seen = {"fs": resolve("fs"), "llmkv_fs": resolve("llmkv_fs")}
+from llmkv_fs.tier.plugin import register
+register()  # vLLM may call it again in the same process: must be a no-op
+seen["fs_after_second_call"] = resolve("fs")
+seen["logs"] = records
+print(json.dumps(seen))
+"""
+
+OURS = "llmkv_fs.tier.fs_tier.FsTier"
+BUILTIN = "vllm.v1.kv_offload.tiering.fs.manager.FileSystemTierManager"
+
+
+def probe(**env):
+    result = subprocess.run(
+        [sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=300,
+        env={**os.environ, **env},
+    )
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def test_entry_point_is_declared():
+    names = {ep.name: ep.value for ep in entry_points(group="vllm.general_plugins")}
+    assert names.get("llmkv_fs") == "llmkv_fs.tier.plugin:register"
+
+
+def test_plugin_replaces_builtin_fs_and_logs_once():
+    seen = probe()
+    assert seen["fs"] == OURS
+    assert seen["llmkv_fs"] == OURS
+    assert seen["fs_after_second_call"] == OURS
+    assert len(seen["logs"]) == 1 and "llmkv_fs 0.1.0" in seen["logs"][0]
+
+
+def test_opt_out_keeps_builtin_fs():
+    seen = probe(LLMKV_FS_REPLACE_BUILTIN="0")
+    assert seen["fs"] == BUILTIN
+    assert seen["llmkv_fs"] == OURS
+    assert "LLMKV_FS_REPLACE_BUILTIN=0" in seen["logs"][0]
+
+
+def test_vllm_plugins_filter_is_respected():
+    seen = probe(VLLM_PLUGINS="some_other_plugin")
+    assert seen["fs"] == BUILTIN
+    assert seen["llmkv_fs"] is None  # vLLM never called us
+
+
+def test_plugin_import_is_light():
+    code = ("import sys, llmkv_fs, llmkv_fs.tier.plugin; "
+            "heavy = [m for m in ('torch', 'vllm', 'numpy') if m in sys.modules]; "
+            "assert not heavy, heavy")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
