@@ -262,12 +262,6 @@ def test_store_without_checksum_records_none(disk_root):
     assert trailer.key == KEY20 and not trailer.has_checksum
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: BlockIO reuses its per-thread scratch page for reads and for the "
-    "trailer it writes; pack_trailer zeroes only MAX_KEY_LEN bytes past the "
-    "key, so bytes of a previously read (bad) file leak into a new block "
-    "file's trailer page, which the format says is zero past the key"
-))
 def test_trailer_page_is_zero_after_reading_a_bad_file(disk_root):
     bio = _blockio(disk_root, False)
     bad_key, key = make_key("bad"), make_key("good")

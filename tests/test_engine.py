@@ -616,11 +616,6 @@ def test_planted_symlink_is_not_a_block(disk_root, engines, tmp_path):
         assert unpack_trailer(f.read()[BS:]).key == key
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: a load refused because of a planted symlink raises "
-    "BlockFileError('symlink') without quarantining anything, but "
-    "FsEngine._account counts every BlockFileError as 'quarantined'"
-))
 def test_symlink_refusal_is_not_counted_as_quarantined(disk_root, engines, tmp_path):
     engine, layout, primary = engines(disk_root, n_blocks=4)
     key = make_key("linked")
@@ -682,11 +677,6 @@ def test_chunk_outside_buffer_fails_that_block_only(disk_root, engines, caplog, 
         assert os.path.exists(layout.block_path(keys[3]))
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: IoPool.submit counts a job with no blocks as unfinished but queues "
-    "no task, so it never reaches take_finished, has_pending_work stays True "
-    "and drain() would block forever"
-))
 @pytest.mark.parametrize("is_load", [False, True], ids=["store", "load"])
 def test_empty_job_finishes(disk_root, engines, is_load):
     engine, _, _ = engines(disk_root, n_blocks=2)

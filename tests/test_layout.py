@@ -22,8 +22,8 @@ from harness import Replica, builtin, offloading_config, ours
 from vllm.v1.kv_offload.base import make_offload_key
 from vllm.v1.kv_offload.config import OffloadingCacheConfig
 from vllm.v1.kv_offload.file_mapper import FileMapper
-from vllm.v1.kv_offload.tiering.fs.manager import FileSystemTierManager
 from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
+from vllm.v1.kv_offload.tiering.fs.manager import FileSystemTierManager
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
 from llmkv_fs.layout import run_config as run_config_module
@@ -184,8 +184,6 @@ def test_base_path_matches_vllm_for_root_spellings(root):
     assert_same_layout(spec_for(), root)
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: CacheLayout.base_path raises LayoutError for root_dir "
-                   "'.' and '/' (normpath/dirname check), where vLLM's FileMapper works")
 @pytest.mark.parametrize("root", [".", "/"])
 def test_base_path_matches_vllm_for_cwd_and_filesystem_root(root):
     assert_same_layout(spec_for(), root)
@@ -271,9 +269,6 @@ def test_ensure_run_config_writes_through_a_temp_name_and_rename(disk_root, monk
     assert os.listdir(layout.base_path) == ["config.json"]
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: config.json temp name uses a constant nonce '0', so two "
-                   "writers in one process (same host+pid) share the temp file and the second "
-                   "rename fails with FileNotFoundError")
 def test_two_writers_in_one_process_both_succeed(disk_root, monkeypatch):
     layout = our_layout(spec_for(), disk_root)
     real_rename = os.rename
@@ -336,9 +331,6 @@ def test_mismatch_names_an_extra_field(disk_root):
         ensure_run_config(layout)
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: a config.json that parses to a JSON non-object (e.g. "
-                   "null, 42) makes ensure_run_config raise TypeError (set(existing)) instead of "
-                   "RunConfigMismatch")
 @pytest.mark.parametrize("content", [b"null", b"42", b"[{\"a\": 1}]"])
 def test_non_object_config_json_is_a_mismatch(disk_root, content):
     layout = our_layout(spec_for(), disk_root)
@@ -397,9 +389,6 @@ def test_longest_accepted_model_name_fits_a_path_component():
     assert layout.base_path == vllm_mapper(spec_for(model="m" * longest)).base_path
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: safe_model_component's length check assumes a "
-                   "one-digit rank ('_r0'); for rank >= 10 an accepted name yields a 256-byte "
-                   "rank directory name (ENAMETOOLONG later) instead of LayoutError")
 def test_accepted_name_fits_for_two_digit_rank():
     longest = max(n for n in range(200, 260) if _accepted("m" * n))
     identity = RunIdentity("m" * longest, "bfloat16", 16, 1, ONE_GROUP, tp_size=16, rank=10)
@@ -441,11 +430,8 @@ def test_hostile_model_names_stay_inside_root_and_match_vllm(name, root):
 HOSTS = [
     "node-1",
     "a",
-    pytest.param("node-1.cluster.local", marks=pytest.mark.xfail(
-        strict=True, reason="BUG: parse_temp_name's greedy '.+' splits a dotted hostname: "
-        "'node-1.cluster.local' parses as host 'local'")),
-    pytest.param("ip-10-0-0-1.ec2.internal", marks=pytest.mark.xfail(
-        strict=True, reason="BUG: parse_temp_name mis-parses hostnames containing dots")),
+    "node-1.cluster.local",
+    "ip-10-0-0-1.ec2.internal",
 ]
 
 

@@ -88,25 +88,44 @@ def probe_o_direct(directory: str) -> bool:
             os.unlink(path)
 
 
-def _transfer_all(op, fd: int, buffers: list[memoryview]) -> int:
-    """Loop ``os.preadv``/``os.pwritev`` until every buffer is done or the
-    file ends (reads). Partial transfers happen on FUSE and NFS."""
-    offset = 0
-    total = sum(b.nbytes for b in buffers)
-    pending = buffers
-    while pending:
-        n = op(fd, pending, offset)
-        if n == 0:
-            if op is os.pwritev:
-                raise OSError(errno.EIO, "pwritev wrote 0 bytes")
+def _advance(buffers: list[memoryview], n: int) -> list[memoryview]:
+    """The part of ``buffers`` left after the first ``n`` bytes."""
+    while buffers and n >= buffers[0].nbytes:
+        n -= buffers[0].nbytes
+        buffers = buffers[1:]
+    return [buffers[0][n:], *buffers[1:]] if n else buffers
+
+
+def _read_all(fd: int, buffers: list[memoryview], valid_sizes: frozenset[int]) -> int:
+    """Fill ``buffers`` from the file; returns the bytes read (short: EOF).
+
+    One ``preadv`` normally settles it: a regular file reads short only at
+    its end, and asking again to be sure would cost a round trip on NFS. Only
+    a count no valid block file has -- which FUSE or NFS could produce by
+    splitting a read -- is followed up before the file is judged bad.
+    """
+    done = os.preadv(fd, buffers, 0)
+    while done not in valid_sizes and 0 < done:
+        pending = _advance(buffers, done)
+        if not pending:
             break
+        n = os.preadv(fd, pending, done)
+        if n == 0:
+            break
+        done += n
+    return done
+
+
+def _write_all(fd: int, buffers: list[memoryview]) -> None:
+    """Loop ``pwritev`` until every buffer is written (FUSE and NFS may
+    accept part of a large write)."""
+    offset = 0
+    while buffers:
+        n = os.pwritev(fd, buffers, offset)
+        if n == 0:
+            raise OSError(errno.EIO, "pwritev wrote 0 bytes")
         offset += n
-        while pending and n >= pending[0].nbytes:
-            n -= pending[0].nbytes
-            pending = pending[1:]
-        if n:
-            pending = [pending[0][n:], *pending[1:]]
-    return offset if pending else total
+        buffers = _advance(buffers, n)
 
 
 class BlockIO:
@@ -162,7 +181,7 @@ class BlockIO:
         fd = self._create_temp(tmp)
         try:
             try:
-                _transfer_all(os.pwritev, fd, [row, trailer])
+                _write_all(fd, [row, trailer])
                 if opts.fsync_file:
                     os.fsync(fd)
             finally:
@@ -218,14 +237,14 @@ class BlockIO:
             raise
         bad: BlockFileError | None = None
         try:
-            n = _transfer_all(os.preadv, fd, [row, scratch])
+            n = _read_all(fd, [row, scratch], self._valid_sizes)
             try:
                 return self._check(key, row, scratch, n)
             except BlockFileError as exc:
                 bad, inode = exc, os.fstat(fd).st_ino
         finally:
             os.close(fd)
-        self.quarantine(path, bad.reason, inode)
+        bad.quarantined_to = self.quarantine(path, bad.reason, inode)
         raise bad
 
     def _check(self, key: bytes, row: memoryview, scratch: memoryview, n: int) -> Outcome:

@@ -214,8 +214,11 @@ class FsEngine:
             direction = "load" if job.is_load else "store"
             if isinstance(outcome, BlockFileError):
                 count[f"load_corrupt_{outcome.reason}"] += 1
-                count["quarantined"] += 1
-                logger.warning("llmkv_fs: bad block file quarantined: %s", outcome)
+                if outcome.quarantined_to:
+                    count["quarantined"] += 1
+                logger.warning(
+                    "llmkv_fs: bad block file (%s); moved to %s", outcome, outcome.quarantined_to
+                )
             elif isinstance(outcome, BlockMissing):
                 count["load_missing"] += 1
             elif outcome == CANCELLED:

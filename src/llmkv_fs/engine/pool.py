@@ -129,6 +129,9 @@ class IoPool:
         with self._cond:
             if self._stopping:
                 raise RuntimeError("llmkv_fs I/O pool is shut down")
+            if not tasks:  # nothing to move: done now, or it would never finish
+                self._finished.append(job)
+                return
             if job.is_load:
                 self._loads.extend(tasks)
             else:

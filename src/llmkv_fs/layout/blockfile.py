@@ -60,6 +60,7 @@ class BlockFileError(Exception):
     def __init__(self, reason: str, detail: str):
         super().__init__(f"{reason}: {detail}")
         self.reason = reason
+        self.quarantined_to: str | None = None  # set by whoever moved the file aside
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,9 +96,10 @@ def pack_trailer(
     key_end = _HEAD.size + len(key)
     out[_HEAD.size:key_end] = key
     _TAIL.pack_into(out, key_end, xxhash.xxh3_64_intdigest(out[:key_end]))
-    # Zero what a longer key from an earlier use of this buffer left behind.
+    # The page is reused (and also serves reads): the format promises zeros
+    # after the trailer, so nothing from an earlier use may leak into a file.
     tail_end = key_end + _TAIL.size
-    out[tail_end:tail_end + MAX_KEY_LEN] = bytes(MAX_KEY_LEN)
+    out[tail_end:] = bytes(len(out) - tail_end)
 
 
 def unpack_trailer(buf) -> Trailer:

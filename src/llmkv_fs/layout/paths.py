@@ -14,6 +14,7 @@ size, parallelism (unless parallel-agnostic) and KV groups share a directory.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import os
@@ -120,7 +121,8 @@ def safe_model_component(model_name: str) -> str:
     if "\0" in model_name:
         raise LayoutError(f"model name {model_name!r} contains a NUL byte")
     safe = model_name.replace("/", "_")
-    if len(f"{safe}_{'0' * _DIGEST_LEN}_r0".encode()) > _NAME_MAX:
+    # Longest sibling we create: the rank directory, with room for 5-digit ranks.
+    if len(f"{safe}_{'0' * _DIGEST_LEN}_r99999".encode()) > _NAME_MAX:
         raise LayoutError(
             f"model name {model_name!r} is too long for a path component "
             f"({_NAME_MAX} bytes including the digest suffix)"
@@ -131,7 +133,8 @@ def safe_model_component(model_name: str) -> str:
 @dataclasses.dataclass(frozen=True)
 class CacheLayout:
     """Paths of one run config under one root. Immutable: every thread may
-    call its methods concurrently."""
+    call its methods concurrently. Derived paths are computed once (the
+    digest is a sha256 over JSON: far too slow to redo per block)."""
 
     root_dir: str
     run_config: dict[str, Any]
@@ -141,32 +144,30 @@ class CacheLayout:
     def for_identity(cls, root_dir: str, identity: RunIdentity) -> CacheLayout:
         return cls(root_dir, identity.run_config(), identity.effective_rank)
 
-    @property
+    @functools.cached_property
     def digest(self) -> str:
         return run_config_digest(self.run_config)
 
-    @property
+    @functools.cached_property
     def digest_dir_name(self) -> str:
         return f"{safe_model_component(self.run_config['model_name'])}_{self.digest}"
 
-    @property
+    @functools.cached_property
     def base_path(self) -> str:
         # String concatenation, not os.path.join, to match vLLM byte for byte.
-        base = f"{self.root_dir}/{self.digest_dir_name}"
-        resolved_root = os.path.normpath(self.root_dir)
-        if os.path.dirname(os.path.normpath(base)) != resolved_root:
-            raise LayoutError(f"digest directory {base!r} is not inside {self.root_dir!r}")
-        return base
+        # digest_dir_name is one path component ending in "_<digest>", so
+        # it can be neither "." nor ".." nor contain "/": it stays in root.
+        return f"{self.root_dir}/{self.digest_dir_name}"
 
-    @property
+    @functools.cached_property
     def config_path(self) -> str:
         return f"{self.base_path}/{CONFIG_FILENAME}"
 
-    @property
+    @functools.cached_property
     def rank_dir(self) -> str:
         return f"{self.base_path}_r{self.rank}"
 
-    @property
+    @functools.cached_property
     def quarantine_dir(self) -> str:
         return f"{self.rank_dir}/{QUARANTINE_DIRNAME}"
 
@@ -185,7 +186,10 @@ class TempName:
 
 # ".<final name>.<host>~<pid>~<nonce>.tmp": hidden (a leading dot keeps it out
 # of globbing tools), and it names its writer so gc can prove a writer dead.
-_TEMP_RE = re.compile(r"^\..+\.(?P<host>[^~/]+)~(?P<pid>\d+)~(?P<nonce>[0-9a-z]+)\.tmp$")
+# Host names contain dots, so the final name is anchored on its suffix.
+_TEMP_RE = re.compile(
+    r"^\.(?P<final>.+?\.(?:bin|json))\.(?P<host>[^~/]+)~(?P<pid>\d+)~(?P<nonce>[0-9a-z]+)\.tmp$"
+)
 
 
 def temp_path(final_path: str, host: str, pid: int, nonce: str) -> str:

@@ -12,9 +12,10 @@ import json
 import os
 import socket
 import time
+import uuid
 from typing import Any
 
-from llmkv_fs.layout.paths import CacheLayout
+from llmkv_fs.layout.paths import CacheLayout, temp_path
 
 __all__ = ["RunConfigMismatch", "ensure_run_config", "render_run_config"]
 
@@ -40,7 +41,8 @@ def _read_json(path: str) -> Any:
 def _write_atomically(path: str, data: bytes, dir_mode: int = 0o755) -> None:
     directory = os.path.dirname(path)
     os.makedirs(directory, mode=dir_mode, exist_ok=True)
-    tmp = f"{directory}/.{os.path.basename(path)}.{socket.gethostname()}~{os.getpid()}~0.tmp"
+    nonce = uuid.uuid4().hex[:12]  # unique even for two writers in one process
+    tmp = temp_path(path, socket.gethostname(), os.getpid(), nonce)
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         os.write(fd, data)
@@ -75,10 +77,10 @@ def ensure_run_config(layout: CacheLayout) -> str:
             return "repaired"
         if existing == wanted:
             return "matched"
-        diff = sorted(
-            k for k in set(existing) | set(wanted)
-            if not isinstance(existing, dict) or existing.get(k) != wanted.get(k)
-        )
+        if isinstance(existing, dict):
+            diff = sorted(k for k in set(existing) | set(wanted) if existing.get(k) != wanted.get(k))
+        else:
+            diff = [f"(the file holds a JSON {type(existing).__name__}, not an object)"]
         raise RunConfigMismatch(
             f"{path} describes a different run config than this engine "
             f"(fields differing: {', '.join(diff)}). The digest directory "

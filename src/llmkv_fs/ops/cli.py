@@ -19,13 +19,17 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _config_doc(args: argparse.Namespace) -> int:
+    import json
+
     from llmkv_fs.config import SETTINGS
 
     print("| key | default | vLLM built-in key | meaning |")
     print("|---|---|---|---|")
     for s in SETTINGS:
-        default = "(required)" if s.required else f"`{s.default!r}`".replace("'", '"')
+        default = "(required)" if s.required else f"`{json.dumps(s.default)}`"
         print(f"| `{s.key}` | {default} | {'yes' if s.vllm_builtin else 'no'} | {s.doc} |")
+    print("| `backpressure` | (none) | yes | Consumed by vLLM's tier factory, which hands "
+          "the tier a detector; same meaning as for the built-in. |")
     return 0
 
 
