@@ -5,7 +5,9 @@ import uuid
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(__file__))  # tests/harness.py
+sys.path.insert(0, os.path.dirname(__file__))  # tests/harness.py, tests/engine_kit.py
+
+from engine_kit import engines, gate_for  # noqa: E402,F401  (engine fixtures)
 
 SHM = "/dev/shm"
 

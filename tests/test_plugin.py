@@ -77,3 +77,31 @@ def test_plugin_import_is_light():
             "heavy = [m for m in ('torch', 'vllm', 'numpy') if m in sys.modules]; "
             "assert not heavy, heavy")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+SERVE_WITH_FS_TYPE = r"""
+import glob, json, sys
+from vllm.plugins import load_general_plugins
+load_general_plugins()
+from llmkv_fs.tier.driver import Replica, make_keys, offloading_config
+root = sys.argv[1]
+# The operator's config, unchanged from vLLM's built-in fs tier.
+tier = {"type": "fs", "root_dir": root, "n_read_threads": 2, "n_write_threads": 1,
+        "enable_kv_events": False, "backpressure": {"backpressure_cls": "EMABackpressureDetector"}}
+replica = Replica(offloading_config(tiers=[tier]))
+replica.store(make_keys(3))
+sizes = sorted({__import__("os").path.getsize(p) for p in glob.glob(f"{root}/*_r0/*/*/*.bin")})
+print(json.dumps({"tier": type(replica.tier).__name__, "sizes": sizes, "row": replica.row_bytes,
+                  "bp": type(replica.tier.bp_detector).__name__}))
+replica.close()
+"""
+
+
+def test_builtin_fs_config_runs_on_our_tier(tmp_path):
+    result = subprocess.run([sys.executable, "-c", SERVE_WITH_FS_TYPE, str(tmp_path)],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    seen = json.loads(result.stdout.strip().splitlines()[-1])
+    assert seen["tier"] == "FsTier"
+    assert seen["bp"] == "EMABackpressureDetector"  # vLLM's factory handed it to us
+    assert seen["sizes"] == [seen["row"] + 4096]

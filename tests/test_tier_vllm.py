@@ -3,9 +3,7 @@
 import glob
 import os
 
-import numpy as np
-import pytest
-from harness import Replica, builtin, make_keys, offloading_config, ours, payload_for, wait_until
+from harness import Replica, builtin, make_keys, offloading_config, ours, payload_for
 from vllm.v1.kv_offload.base import LookupResult
 
 from llmkv_fs import FsTier

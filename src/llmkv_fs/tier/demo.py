@@ -76,7 +76,7 @@ def run_demo(root: str | None, blocks: int, block_mib: int, threads: int, keep: 
         started = time.perf_counter()
         final, history = b.find(keys, ctx)
         found_s = time.perf_counter() - started
-        print(f"\n[replica B] another engine, same root: lookups step by step")
+        print("\n[replica B] another engine, same root: lookups step by step")
         for first, last, summary in _collapse_steps(history):
             steps = f"step {first}" if first == last else f"steps {first}-{last}"
             print(f"  {steps:>12}: {summary}")
@@ -98,7 +98,7 @@ def run_demo(root: str | None, blocks: int, block_mib: int, threads: int, keep: 
         misses = [k for k, v in final.items() if v.name == "MISS"]
         quarantined = glob.glob(f"{c.tier.layout.quarantine_dir}/*")
         ok &= misses == [keys[blocks // 2]] and len(quarantined) == 1
-        print(f"\n[replica C] after flipping one bit in one file:")
+        print("\n[replica C] after flipping one bit in one file:")
         print(f"  {blocks - len(misses)} HIT, {len(misses)} MISS (recomputed, never served); "
               f"quarantined: {[os.path.basename(q) for q in quarantined]}")
         print(f"\n{'OK' if ok else 'FAILED'}: blocks stored once, found by other engines, "

@@ -1,0 +1,237 @@
+"""FsEngine's two-priority pool without vLLM: jobs split across threads, load
+priority, the bounded store queue, drain, shutdown, empty jobs, NUMA pinning."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+
+from llmkv_fs.layout.blockfile import TRAILER_SIZE
+
+from engine_kit import BS, DEADLINE_S, files_under, fill, make_key, pattern, row, store_blocks, wait_jobs, wait_until
+
+
+# -- thread pool ----------------------------------------------------------------------------
+
+
+def test_job_blocks_run_on_four_threads_at_once(disk_root, engines, monkeypatch):
+    engine, _, primary = engines(disk_root, n_blocks=8, n_read_threads=2, n_write_threads=2)
+    store_blocks(engine, primary, 1, range(4), range(4))
+    barrier = threading.Barrier(4, timeout=10)
+    names = []
+    real_load = engine.blockio.load
+
+    def load_together(key, row_view):
+        names.append(threading.current_thread().name)
+        barrier.wait()  # breaks (and the block fails) unless 4 threads are here
+        return real_load(key, row_view)
+
+    monkeypatch.setattr(engine.blockio, "load", load_together)
+    engine.submit_load(2, [make_key(i) for i in range(4)], [4, 5, 6, 7])
+    job = wait_jobs(engine, [2])[2]
+    assert job.success, f"blocks did not run concurrently: failed {len(job.failed)}"
+    assert len(set(names)) == 4, names
+    for i in range(4):
+        assert row(primary, 4 + i) == pattern(i)
+
+
+def test_read_priority_thread_takes_loads_first(disk_root, engines, gate_for):
+    engine, _, primary = engines(disk_root, n_blocks=16, n_read_threads=1, n_write_threads=1)
+    store_blocks(engine, primary, 1, ["L"], [0])  # the block to load later
+    gate = gate_for(engine)
+    for c in range(1, 9):
+        fill(primary, c, pattern(c))
+    # Occupy both threads.
+    assert engine.submit_store(10, [make_key(1), make_key(2)], [1, 2])
+    gate.wait_entered(2)
+    # Later stores also wait for the load to start: if the read-priority
+    # thread wrongly picked a store, both threads would sit in stores and the
+    # order below would show it.
+    later = [make_key(c) for c in range(3, 9)]
+    for key in later:
+        gate.extra_wait[key] = gate.load_entered
+    for n, key in enumerate(later):
+        assert engine.submit_store(20 + n, [key], [3 + n])
+    engine.submit_load(30, [make_key("L")], [9])
+    gate.open()
+    done = wait_jobs(engine, [10, 30, *range(20, 26)])
+    assert all(job.success for job in done.values())
+    by_thread: dict[str, list[str]] = {}
+    for name, kind, _key in gate.entries:
+        by_thread.setdefault(name[-2:], []).append(kind)
+    assert set(by_thread) == {"r0", "w0"}, by_thread
+    assert by_thread["r0"][0] == "store" and by_thread["w0"][0] == "store"  # the gated pair
+    assert by_thread["r0"][1] == "load", f"read-priority thread ran {by_thread['r0']}"
+    assert by_thread["w0"][1] == "store", f"write-priority thread ran {by_thread['w0']}"
+    assert row(primary, 9) == pattern("L")
+
+
+def test_bounded_store_queue_rejects_without_io(disk_root, engines, gate_for):
+    engine, layout, primary = engines(
+        disk_root, n_blocks=16, n_read_threads=1, n_write_threads=1, max_pending_store_blocks=4,
+    )
+    for c in range(16):
+        fill(primary, c, pattern(c))
+    gate = gate_for(engine)
+    assert engine.submit_store(1, [make_key(0), make_key(1)], [0, 1])
+    gate.wait_entered(2)  # both threads held; the store queue is empty
+    assert engine.queued_store_blocks() == 0
+
+    assert engine.submit_store(2, [make_key(c) for c in (2, 3, 4)], [2, 3, 4]) is True
+    rejected_keys = [make_key(c) for c in (5, 6, 7)]
+    assert engine.submit_store(3, rejected_keys, [5, 6, 7]) is False
+    assert engine.queued_store_blocks() == 3
+    assert engine.counters["store_blocks_dropped_queue_full"] == 3
+    assert engine.has_pending_work()
+
+    rejected = wait_jobs(engine, [3], deadline_s=0.5)[3]  # reported at once
+    assert not rejected.success and not rejected.is_load
+    assert rejected.failed == rejected_keys and rejected.succeeded == []
+    assert rejected.nbytes == 0
+
+    # The bound is inclusive: one more block fills it exactly, the next does not fit.
+    assert engine.submit_store(4, [make_key(8)], [8]) is True
+    assert engine.submit_store(5, [make_key(9)], [9]) is False
+    assert engine.counters["store_blocks_dropped_queue_full"] == 4
+    # Loads are not bounded by the store queue.
+    engine.submit_load(6, [make_key(c) for c in (10, 11, 12, 13, 14)], [10, 11, 12, 13, 14])
+
+    gate.open()
+    done = wait_jobs(engine, [1, 2, 4, 5, 6])
+    assert done[1].success and done[2].success and done[4].success
+    assert not done[5].success and done[5].failed == [make_key(9)]
+    assert engine.counters["blocks_written"] == 6
+    for key in rejected_keys + [make_key(9)]:
+        assert not os.path.lexists(layout.block_path(key)), "a rejected store reached the disk"
+    for c in (0, 1, 2, 3, 4, 8):
+        assert os.path.exists(layout.block_path(make_key(c)))
+    assert all(gate_kind != "store" or key not in rejected_keys
+               for _n, gate_kind, key in gate.entries)
+
+
+def test_drain_waits_for_every_job(disk_root, engines, gate_for):
+    engine, _, primary = engines(disk_root, n_blocks=16)
+    store_blocks(engine, primary, 1, range(4), range(4))
+    gate = gate_for(engine)
+    for c in range(4, 12):
+        fill(primary, c, pattern(c))
+    ids = []
+    for n in range(4):
+        assert engine.submit_store(10 + n, [make_key(4 + 2 * n), make_key(5 + 2 * n)],
+                                   [4 + 2 * n, 5 + 2 * n])
+        ids.append(10 + n)
+    engine.submit_load(20, [make_key(i) for i in range(4)], [12, 13, 14, 15])
+    ids.append(20)
+    gate.wait_entered(4)
+
+    drainer = threading.Thread(target=engine.drain, daemon=True)
+    drainer.start()
+    drainer.join(0.3)
+    assert drainer.is_alive(), "drain returned while blocks were still held"
+    assert engine.take_finished() == []
+    gate.open()
+    drainer.join(DEADLINE_S)
+    assert not drainer.is_alive()
+
+    finished = engine.take_finished()  # one call: everything is already there
+    assert sorted(job.job_id for job in finished) == sorted(ids)
+    assert all(job.success for job in finished)
+    assert engine.counters["blocks_written"] == 4 + 8
+    assert not engine.has_pending_work()
+    for i in range(4):
+        assert row(primary, 12 + i) == pattern(i)
+
+
+def test_shutdown_cancels_queued_blocks_and_leaves_no_partial_files(disk_root, engines, gate_for):
+    engine, layout, primary = engines(disk_root, n_blocks=16, n_read_threads=1, n_write_threads=1)
+    for c in range(16):
+        fill(primary, c, pattern(c))
+    gate = gate_for(engine)
+    assert engine.submit_store(1, [make_key(0), make_key(1)], [0, 1])
+    gate.wait_entered(2)
+    queued_store_ids = []
+    for n in range(3):
+        assert engine.submit_store(10 + n, [make_key(2 + 2 * n), make_key(3 + 2 * n)],
+                                   [2 + 2 * n, 3 + 2 * n])
+        queued_store_ids.append(10 + n)
+    engine.submit_load(20, [make_key("absent-1"), make_key("absent-2")], [14, 15])
+
+    stopper = threading.Thread(target=engine.shutdown, daemon=True)
+    stopper.start()
+    pool = engine._pool
+
+    def stopping():
+        with pool._cond:  # set and queues cleared under this lock
+            return pool._stopping
+
+    wait_until(stopping, "shutdown to cancel the queues")
+    gate.open()
+    stopper.join(DEADLINE_S)
+    assert not stopper.is_alive(), "shutdown did not return"
+
+    done = wait_jobs(engine, [1, 20, *queued_store_ids], deadline_s=2)
+    assert done[1].success  # it was running: completed, not cut short
+    for job_id in queued_store_ids:
+        assert not done[job_id].success and len(done[job_id].failed) == 2
+    assert sorted(done[20].failed) == sorted([make_key("absent-1"), make_key("absent-2")])
+    assert engine.counters["store_cancelled"] == 6
+    assert engine.counters["load_cancelled"] == 2
+    assert engine.counters["load_missing"] == 0  # cancelled, never tried
+    assert engine.counters["blocks_written"] == 2
+    assert len(gate.entries) == 2  # nothing ran after the first two blocks
+
+    files = files_under(layout.rank_dir)
+    assert not [f for f in files if f.endswith(".tmp")], files
+    blocks = [f for f in files if f.endswith(".bin")]
+    assert sorted(blocks) == sorted(layout.block_path(make_key(c)) for c in (0, 1))
+    for path in blocks:
+        assert os.path.getsize(path) == BS + TRAILER_SIZE
+    with pytest.raises(RuntimeError):
+        engine.submit_load(99, [make_key(0)], [0])
+
+
+
+@pytest.mark.parametrize("is_load", [False, True])
+def test_empty_job_finishes(disk_root, engines, is_load):
+    engine, _, _ = engines(disk_root, n_blocks=2)
+    if is_load:
+        engine.submit_load(7, [], [])
+    else:
+        assert engine.submit_store(7, [], [])
+    job = wait_jobs(engine, [7], deadline_s=2)[7]
+    assert job.success and job.nbytes == 0
+    assert not engine.has_pending_work()
+
+
+# -- NUMA placement ---------------------------------------------------------------------
+
+
+def test_io_threads_pin_to_the_node_holding_the_primary_buffer(disk_root, engines, monkeypatch):
+    """A two-node topology (faked: this machine has one node) whose node 1
+    owns one real CPU; the buffer is reported on node 1. Every I/O thread
+    must then run on exactly that CPU."""
+    from llmkv_fs.engine import engine as engine_module
+    from llmkv_fs.engine import numa
+
+    cpus = sorted(os.sched_getaffinity(0))
+    node1 = frozenset(cpus[-1:])
+    node0 = frozenset(cpus) - node1 or frozenset({max(cpus) + 1})
+    fake = numa.NumaTopology(nodes={0: node0, 1: node1}, allowed_cpus=frozenset(cpus))
+    monkeypatch.setattr(engine_module, "read_topology", lambda: fake)
+    monkeypatch.setattr(numa, "node_of_buffer", lambda buf, samples=8: 1)
+
+    engine, _layout, primary = engines(disk_root, n_blocks=8)
+    assert engine.pinning.cpus == node1 and engine.pinning.node == 1
+    seen = []
+    real_store = engine.blockio.store
+
+    def record(key, row_view):
+        seen.append(frozenset(os.sched_getaffinity(0)))
+        return real_store(key, row_view)
+
+    monkeypatch.setattr(engine.blockio, "store", record)
+    store_blocks(engine, primary, 1, range(8), range(8))
+    assert seen and set(seen) == {node1}
+    assert frozenset(os.sched_getaffinity(0)) == frozenset(cpus)  # the caller is untouched
