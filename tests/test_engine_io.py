@@ -341,15 +341,3 @@ def test_chunk_outside_buffer_fails_that_block_only(disk_root, engines, caplog, 
         assert not os.path.lexists(layout.block_path(keys[2]))
         assert os.path.exists(layout.block_path(keys[3]))
 
-
-@pytest.mark.parametrize("is_load", [False, True], ids=["store", "load"])
-def test_empty_job_finishes(disk_root, engines, is_load):
-    engine, _, _ = engines(disk_root, n_blocks=2)
-    if is_load:
-        engine.submit_load(7, [], [])
-    else:
-        assert engine.submit_store(7, [], [])
-    job = wait_jobs(engine, [7], deadline_s=2)[7]
-    assert job.success and job.nbytes == 0
-    assert not engine.has_pending_work()
-

@@ -9,24 +9,16 @@ parallel_agnostic=True)``), then asks our ``CacheLayout`` the same questions.
 from __future__ import annotations
 
 import dataclasses
-import glob
 import hashlib
 import itertools
-import json
 import os
 import socket
-import uuid
 
 import pytest
-from harness import Replica, builtin, offloading_config, ours
-from vllm.v1.kv_offload.base import make_offload_key
+from harness import offloading_config
 from vllm.v1.kv_offload.config import OffloadingCacheConfig
-from vllm.v1.kv_offload.file_mapper import FileMapper
-from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
-from vllm.v1.kv_offload.tiering.fs.manager import FileSystemTierManager
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
-from llmkv_fs.layout import run_config as run_config_module
 from llmkv_fs.layout.paths import (
     CacheLayout,
     LayoutError,
@@ -35,55 +27,8 @@ from llmkv_fs.layout.paths import (
     safe_model_component,
     temp_path,
 )
-from llmkv_fs.layout.run_config import RunConfigMismatch, ensure_run_config, render_run_config
-from llmkv_fs.tier.fs_tier import identity_from_spec
 
-ROOT = "/mnt/kvcache"
-ONE_GROUP = ((16, ("model.layers.0.self_attn", "model.layers.1.self_attn")),)
-TWO_GROUPS = (
-    (16, ("model.layers.0.self_attn", "model.layers.2.self_attn")),
-    (32, ("model.layers.1.self_attn.sliding", "model.layers.3.self_attn.sliding")),
-)
-KEYS = [
-    make_offload_key(hashlib.sha256(b"first").digest(), 0),
-    make_offload_key(hashlib.sha256(b"second").digest(), 0),
-    make_offload_key(hashlib.sha256(b"first").digest(), 1),
-    make_offload_key(hashlib.sha256(b"third").digest(), 1),
-    make_offload_key(b"\x00\x00\x01" + bytes(29), 0),  # leading zero nibbles
-    make_offload_key(bytes.fromhex("0123456789abcdef"), 1),  # a short (8-byte) hash
-    make_offload_key(hashlib.sha256(b"big-group").digest(), 0x80000001),
-]
-
-
-def vllm_mapper(spec: TieringOffloadingSpec, root: str = ROOT) -> FileMapper:
-    """Exactly how vLLM's FileSystemTierManager builds its mapper."""
-    return FileMapper.from_offloading_spec(
-        root_dir=root,
-        offloading_spec=spec,
-        blocks_per_file=spec.blocks_per_chunk,
-        parallel_agnostic=True,
-    )
-
-
-def our_layout(spec: TieringOffloadingSpec, root: str = ROOT) -> CacheLayout:
-    return CacheLayout.for_identity(root, identity_from_spec(spec))
-
-
-def spec_for(**kw) -> TieringOffloadingSpec:
-    kw.setdefault("tiers", [])
-    return TieringOffloadingSpec(offloading_config(**kw))
-
-
-def assert_same_layout(spec: TieringOffloadingSpec, root: str = ROOT) -> CacheLayout:
-    theirs = vllm_mapper(spec, root)
-    mine = our_layout(spec, root)
-    assert mine.base_path == theirs.base_path
-    assert mine.config_path == theirs.get_config_file_path()
-    assert mine.run_config == theirs.get_run_config()
-    assert render_run_config(mine.run_config) == render_run_config(theirs.get_run_config())
-    for key in KEYS:
-        assert mine.block_path(key) == theirs.get_file_name(key), key.hex()
-    return mine
+from layout_kit import ROOT, ONE_GROUP, TWO_GROUPS, KEYS, vllm_mapper, our_layout, spec_for, assert_same_layout
 
 
 def _matrix():
@@ -187,172 +132,6 @@ def test_base_path_matches_vllm_for_root_spellings(root):
 @pytest.mark.parametrize("root", [".", "/"])
 def test_base_path_matches_vllm_for_cwd_and_filesystem_root(root):
     assert_same_layout(spec_for(), root)
-
-
-# -- config.json ---------------------------------------------------------------------
-
-
-@pytest.fixture
-def vllm_builtin_fs(monkeypatch):
-    """Our plugin may have taken over type "fs" in this process; these tests
-    need vLLM's own implementation behind harness.builtin()."""
-    monkeypatch.setitem(SecondaryTierFactory._registry, "fs", lambda: FileSystemTierManager)
-
-
-def _builtin_is_vllms(replica: Replica) -> None:
-    assert type(replica.tier) is FileSystemTierManager
-
-
-@pytest.mark.parametrize("kw", [
-    dict(),
-    dict(model="meta-llama/Llama-3.1-8B-Instruct", tp_size=2, agnostic=True, groups=TWO_GROUPS),
-    dict(model="acme/modèl-ü", dtype="float16", tp_size=4, rank=0, replicated_layout=True),
-], ids=["default", "agnostic-two-groups", "unicode-replicated"])
-def test_rendered_config_json_is_byte_identical_to_builtin(disk_root, kw, vllm_builtin_fs):
-    replica = Replica(offloading_config(tiers=[builtin(disk_root)], **kw))
-    try:
-        _builtin_is_vllms(replica)
-        layout = our_layout(replica.spec, disk_root)
-        assert layout.config_path == replica.tier.file_mapper.get_config_file_path()
-        with open(layout.config_path, "rb") as f:
-            written_by_vllm = f.read()
-        assert render_run_config(layout.run_config) == written_by_vllm
-        # And our tier accepts vLLM's file as its own.
-        assert ensure_run_config(layout) == "matched"
-        with open(layout.config_path, "rb") as f:
-            assert f.read() == written_by_vllm
-    finally:
-        replica.close()
-
-
-def test_ensure_run_config_creates_then_matches(disk_root):
-    spec = spec_for(model="meta-llama/Llama-3.1-8B-Instruct", groups=TWO_GROUPS)
-    layout = our_layout(spec, disk_root)
-    assert not os.path.exists(layout.base_path)
-    assert ensure_run_config(layout) == "created"
-    assert os.listdir(layout.base_path) == ["config.json"]
-    with open(layout.config_path, "rb") as f:
-        first = f.read()
-    assert first == render_run_config(layout.run_config)
-    assert json.loads(first) == vllm_mapper(spec, disk_root).get_run_config()
-    assert ensure_run_config(layout) == "matched"
-    assert os.listdir(layout.base_path) == ["config.json"]
-    with open(layout.config_path, "rb") as f:
-        assert f.read() == first
-
-
-def test_ensure_run_config_writes_through_a_temp_name_and_rename(disk_root, monkeypatch):
-    layout = our_layout(spec_for(), disk_root)
-    wanted = render_run_config(layout.run_config)
-    renames = []
-    real_rename = os.rename
-
-    def checking_rename(src, dst):
-        src, dst = os.fspath(src), os.fspath(dst)
-        if dst == layout.config_path:
-            # At the moment of publication the final name does not exist yet
-            # and the temp file already holds every byte.
-            assert not os.path.exists(dst)
-            with open(src, "rb") as f:
-                assert f.read() == wanted
-            assert os.path.dirname(src) == os.path.dirname(dst)
-            parsed = parse_temp_name(os.path.basename(src))
-            assert parsed is not None
-            assert parsed.pid == os.getpid()
-            renames.append(src)
-        return real_rename(src, dst)
-
-    monkeypatch.setattr(run_config_module.os, "rename", checking_rename)
-    assert ensure_run_config(layout) == "created"
-    assert len(renames) == 1
-    assert not os.path.exists(renames[0])
-    assert os.listdir(layout.base_path) == ["config.json"]
-
-
-def test_two_writers_in_one_process_both_succeed(disk_root, monkeypatch):
-    layout = our_layout(spec_for(), disk_root)
-    real_rename = os.rename
-    results = []
-
-    def interleaving_rename(src, dst):
-        # Deterministic interleaving: a second writer (another thread of the
-        # same process) runs its whole ensure_run_config between our write
-        # and our rename.
-        if not results:
-            results.append("inner-started")
-            results.append(ensure_run_config(layout))
-        return real_rename(src, dst)
-
-    monkeypatch.setattr(run_config_module.os, "rename", interleaving_rename)
-    outer = ensure_run_config(layout)
-    assert results[1] in ("created", "matched")
-    assert outer in ("created", "matched")
-    with open(layout.config_path, "rb") as f:
-        assert f.read() == render_run_config(layout.run_config)
-
-
-def _other_run_config(layout: CacheLayout) -> dict:
-    other = dict(layout.run_config)
-    other["tokens_per_hash"] = layout.run_config["tokens_per_hash"] * 2
-    return other
-
-
-def test_mismatching_config_json_raises_and_is_left_untouched(disk_root):
-    layout = our_layout(spec_for(), disk_root)
-    os.makedirs(layout.base_path)
-    foreign = json.dumps(_other_run_config(layout), indent=2, sort_keys=True).encode()
-    with open(layout.config_path, "wb") as f:
-        f.write(foreign)
-    before = os.stat(layout.config_path)
-
-    with pytest.raises(RunConfigMismatch) as info:
-        ensure_run_config(layout)
-    message = str(info.value)
-    assert layout.config_path in message
-    assert "tokens_per_hash" in message
-    assert "model_name" not in message  # only the differing field is named
-
-    after = os.stat(layout.config_path)
-    assert (after.st_ino, after.st_mtime_ns, after.st_size) == \
-        (before.st_ino, before.st_mtime_ns, before.st_size)
-    with open(layout.config_path, "rb") as f:
-        assert f.read() == foreign
-    assert os.listdir(layout.base_path) == ["config.json"]
-    assert not os.path.exists(layout.rank_dir)
-
-
-def test_mismatch_names_an_extra_field(disk_root):
-    layout = our_layout(spec_for(), disk_root)
-    os.makedirs(layout.base_path)
-    other = dict(layout.run_config, replicated_layout=True)
-    with open(layout.config_path, "w") as f:
-        json.dump(other, f)
-    with pytest.raises(RunConfigMismatch, match="replicated_layout"):
-        ensure_run_config(layout)
-
-
-@pytest.mark.parametrize("content", [b"null", b"42", b"[{\"a\": 1}]"])
-def test_non_object_config_json_is_a_mismatch(disk_root, content):
-    layout = our_layout(spec_for(), disk_root)
-    os.makedirs(layout.base_path)
-    with open(layout.config_path, "wb") as f:
-        f.write(content)
-    with pytest.raises(RunConfigMismatch, match="different run config"):
-        ensure_run_config(layout)
-    with open(layout.config_path, "rb") as f:
-        assert f.read() == content
-
-
-def test_unparsable_config_json_is_repaired_after_grace(disk_root):
-    layout = our_layout(spec_for(), disk_root)
-    os.makedirs(layout.base_path)
-    with open(layout.config_path, "wb") as f:
-        f.write(b"\xff\xfe{ half a json docu")
-    assert ensure_run_config(layout) == "repaired"
-    with open(layout.config_path, "rb") as f:
-        assert f.read() == render_run_config(layout.run_config)
-    assert os.listdir(layout.base_path) == ["config.json"]
-    assert ensure_run_config(layout) == "matched"
 
 
 # -- model names ---------------------------------------------------------------------
@@ -476,38 +255,3 @@ def test_real_hostname_round_trips():
 def test_parse_temp_name_rejects_other_names(name):
     assert parse_temp_name(name) is None
 
-
-# -- starting our tier on someone else's digest --------------------------------------
-
-
-def test_our_tier_refuses_a_root_with_a_foreign_config_json(disk_root):
-    engine_id = f"llmkvtest_{uuid.uuid4().hex[:12]}"
-    cfg = offloading_config(tiers=[ours(disk_root)], engine_id=engine_id)
-    layout = our_layout(spec_for(engine_id=engine_id), disk_root)
-    os.makedirs(layout.base_path)
-    foreign = json.dumps(_other_run_config(layout), indent=2, sort_keys=True).encode()
-    with open(layout.config_path, "wb") as f:
-        f.write(foreign)
-
-    with pytest.raises(RunConfigMismatch, match="different run config") as info:
-        Replica(cfg)
-    assert layout.config_path in str(info.value)
-    with open(layout.config_path, "rb") as f:
-        assert f.read() == foreign
-    assert glob.glob(f"{disk_root}/**/*.bin", recursive=True) == []
-    assert not os.path.exists(layout.rank_dir)
-    assert sorted(os.listdir(disk_root)) == [os.path.basename(layout.base_path)]
-    assert glob.glob(f"/dev/shm/vllm_offload_{engine_id}.mmap*") == []
-
-
-def test_our_tier_starts_on_a_matching_root(disk_root):
-    """Control for the test above: the same setup with a matching file starts."""
-    engine_id = f"llmkvtest_{uuid.uuid4().hex[:12]}"
-    layout = our_layout(spec_for(engine_id=engine_id), disk_root)
-    assert ensure_run_config(layout) == "created"
-    replica = Replica(offloading_config(tiers=[ours(disk_root)], engine_id=engine_id))
-    try:
-        assert replica.tier.layout == layout
-        assert os.path.isdir(layout.rank_dir)
-    finally:
-        replica.close()

@@ -22,6 +22,16 @@ def block_files(root):
     return sorted(glob.glob(f"{root}/*_r*/*/*/*.bin"))
 
 
+def assert_all_promoted_byte_exact(replica, keys):
+    """Look keys up until resolved; all must HIT and read back exactly."""
+    ctx = replica.new_request()
+    final, history = replica.find(keys, ctx)
+    assert final == dict.fromkeys(keys, HIT)
+    for key in keys:
+        assert replica.read_primary(key, ctx) == payload_for(key, replica.row_bytes)
+    return history
+
+
 def test_second_manager_finds_and_promotes_byte_exact(volume, replicas):
     a = start(replicas, ours(volume))
     assert isinstance(a.tier, FsTier)
@@ -30,13 +40,9 @@ def test_second_manager_finds_and_promotes_byte_exact(volume, replicas):
     assert len(block_files(volume)) == 6
 
     b = start(replicas, ours(volume))  # another engine id, same root
-    ctx = b.new_request()
-    final, history = b.find(keys, ctx)
+    history = assert_all_promoted_byte_exact(b, keys)
     assert history[0] == [RETRY] * 6  # the check runs off-thread first
     assert HIT_PENDING in {r for step in history for r in step}
-    assert final == dict.fromkeys(keys, HIT)
-    for key in keys:
-        assert b.read_primary(key, ctx) == payload_for(key, b.row_bytes)
     assert b.tier.engine.counters["blocks_verified"] == 6
 
 
@@ -55,11 +61,7 @@ def test_builtin_written_root_is_read_by_ours(volume, replicas):
     assert [os.path.getsize(f) for f in files] == [writer.row_bytes] * 4  # vLLM: no trailer
 
     reader = start(replicas, ours(volume))
-    ctx = reader.new_request()
-    final, _ = reader.find(keys, ctx)
-    assert final == dict.fromkeys(keys, HIT)
-    for key in keys:
-        assert reader.read_primary(key, ctx) == payload_for(key, reader.row_bytes)
+    assert_all_promoted_byte_exact(reader, keys)
     assert reader.tier.engine.counters["blocks_unverified"] == 4
 
 
@@ -70,11 +72,7 @@ def test_ours_is_read_by_builtin(volume, replicas):
     assert {os.path.getsize(f) for f in block_files(volume)} == {writer.row_bytes + 4096}
 
     reader = start(replicas, builtin(volume))
-    ctx = reader.new_request()
-    final, _ = reader.find(keys, ctx)
-    assert final == dict.fromkeys(keys, HIT)
-    for key in keys:
-        assert reader.read_primary(key, ctx) == payload_for(key, reader.row_bytes)
+    assert_all_promoted_byte_exact(reader, keys)
 
 
 def test_bit_flip_is_never_loaded_and_is_quarantined(volume, replicas):
