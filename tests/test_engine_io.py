@@ -341,3 +341,15 @@ def test_chunk_outside_buffer_fails_that_block_only(disk_root, engines, caplog, 
         assert not os.path.lexists(layout.block_path(keys[2]))
         assert os.path.exists(layout.block_path(keys[3]))
 
+
+
+def test_a_crashing_existence_check_answers_miss_not_retry_forever(disk_root, engines):
+    engine, _, primary = engines(disk_root, n_blocks=2)
+    store_blocks(engine, primary, 1, [0], [0])
+
+    def broken(key):
+        raise RuntimeError("bug in a check")
+
+    engine._lookups._exists = broken  # a non-OSError escapes _check
+    assert settle(engine, make_key(0), "req") is False
+    assert settle(engine, make_key(5), "req") is False

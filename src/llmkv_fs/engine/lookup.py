@@ -161,8 +161,13 @@ class AsyncExistence:
             if batch is None:
                 return
             keys = [key for key, _ in batch]
-            if self._executor is not None and len(keys) >= _PARALLEL_MIN_KEYS:
-                found = list(self._executor.map(self._check, keys))
-            else:
-                found = [self._check(key) for key in keys]
+            try:
+                if self._executor is not None and len(keys) >= _PARALLEL_MIN_KEYS:
+                    found = list(self._executor.map(self._check, keys))
+                else:
+                    found = [self._check(key) for key in keys]
+            except Exception:
+                # Every batch must be answered, or its keys say RETRY forever.
+                logger.exception("llmkv_fs: lookup batch failed; answering miss")
+                found = [False] * len(keys)
             self._answers.put([(k, g, f) for (k, g), f in zip(batch, found)])
