@@ -250,3 +250,15 @@ def test_root_dir_that_is_a_file_fails(tmp_path):
     assert "not a directory" in message
     assert path.read_bytes() == b"not a directory"
     assert not os.path.exists(shm_region(eid))
+
+
+def test_configuration_doc_is_the_generated_table(capsys):
+    """docs/configuration.md carries `llmkv-fs config-doc` verbatim."""
+    from pathlib import Path
+
+    from llmkv_fs.ops.cli import main
+
+    assert main(["config-doc"]) == 0
+    table = capsys.readouterr().out
+    doc = (Path(__file__).parent.parent / "docs" / "configuration.md").read_text()
+    assert table in doc

@@ -191,3 +191,34 @@ def test_shutdown_after_a_failed_load_releases_the_primary_mapping(disk_root, re
     b.close()
     # vLLM keeps the mapping (and warns) if any view of it is still exported.
     assert region.mmap_obj is None
+
+
+def test_trailerless_files_are_refused_when_configured(disk_root, replicas):
+    writer = start(replicas, builtin(disk_root))
+    keys = make_keys(2, seed="strict")
+    writer.store(keys)
+    strict = start(replicas, ours(disk_root, accept_trailerless=False))
+    final, _ = strict.find(keys)
+    assert final == dict.fromkeys(keys, MISS)  # lookup already rejects the size
+    assert strict.tier.engine.counters["blocks_unverified"] == 0
+
+
+STORE_IN_ANOTHER_PROCESS = r"""
+import sys
+from llmkv_fs.tier.driver import Replica, make_keys, offloading_config, ours
+replica = Replica(offloading_config(tiers=[ours(sys.argv[1], n_read_threads=1, n_write_threads=2)]))
+replica.store(make_keys(5, seed="cross-process"))
+replica.close()
+"""
+
+
+def test_blocks_stored_by_another_process_are_found_byte_exact(volume, replicas):
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", STORE_IN_ANOTHER_PROCESS, volume],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    reader = start(replicas, ours(volume))
+    assert_all_promoted_byte_exact(reader, make_keys(5, seed="cross-process"))
+    assert reader.tier.engine.counters["blocks_verified"] == 5

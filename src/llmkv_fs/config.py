@@ -133,6 +133,13 @@ SETTINGS: tuple[Setting, ...] = (
         _boolean,
     ),
     Setting(
+        "accept_trailerless", True,
+        "Load trailer-less files of exactly one chunk (what vLLM's built-in fs "
+        "tier writes) as unverified. Set false on a volume only llmkv_fs writes, "
+        "so nothing unverified ever reaches the CPU tier.",
+        _boolean,
+    ),
+    Setting(
         "io_mode", "auto",
         "auto: O_DIRECT where the volume accepts it (probed once), else "
         "buffered; direct: require O_DIRECT; buffered: never use it.",
@@ -174,6 +181,7 @@ class TierSettings:
     locality: str | None = None
     durability: str = "none"
     checksum: bool = True
+    accept_trailerless: bool = True
     io_mode: str = "auto"
     numa_node: str | int = "auto"
     max_pending_store_blocks: int = 1024

@@ -121,6 +121,7 @@ class FsEngine:
                 fsync_file=settings.durability in ("file", "full"),
                 fsync_dir=settings.durability == "full",
                 checksum=settings.checksum,
+                accept_trailerless=settings.accept_trailerless,
             ),
         )
         self.counters: collections.Counter[str] = collections.Counter()
