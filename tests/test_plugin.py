@@ -105,3 +105,32 @@ def test_builtin_fs_config_runs_on_our_tier(tmp_path):
     assert seen["tier"] == "FsTier"
     assert seen["bp"] == "EMABackpressureDetector"  # vLLM's factory handed it to us
     assert seen["sizes"] == [seen["row"] + 4096]
+
+
+UNTESTED_VLLM = r"""
+import json, logging
+import llmkv_fs.tier.plugin as plugin
+records = []
+class Grab(logging.Handler):
+    def emit(self, record):
+        records.append((record.levelname, record.getMessage()))
+logging.getLogger("vllm.llmkv_fs").addHandler(Grab())
+logging.getLogger("vllm.llmkv_fs").setLevel(logging.INFO)
+plugin._vllm_version = lambda: "0.35.1"
+plugin.register()
+print(json.dumps(records))
+"""
+
+
+def test_an_untested_vllm_version_is_warned_about():
+    result = subprocess.run([sys.executable, "-c", UNTESTED_VLLM], capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    records = json.loads(result.stdout.strip().splitlines()[-1])
+    warnings = [msg for level, msg in records if level == "WARNING"]
+    assert len(warnings) == 1 and "0.35.1" in warnings[0] and "0.33." in warnings[0]
+
+
+def test_the_tested_vllm_version_gives_no_warning():
+    seen = probe()
+    assert not [m for m in seen["logs"] if "tested with" in m]

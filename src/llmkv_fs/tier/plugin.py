@@ -18,6 +18,8 @@ import os
 __all__ = ["REPLACE_ENV", "register"]
 
 REPLACE_ENV = "LLMKV_FS_REPLACE_BUILTIN"
+# The tier interface is experimental upstream; we test against this series.
+TESTED_VLLM_SERIES = "0.33."
 _MODULE, _CLASS = "llmkv_fs.tier.fs_tier", "FsTier"
 
 
@@ -27,6 +29,13 @@ def _load_tier_class():
     return getattr(importlib.import_module(_MODULE), _CLASS)
 
 
+def _vllm_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("vllm")
+    except PackageNotFoundError:
+        return "unknown"
 
 
 def register() -> None:
@@ -45,7 +54,15 @@ def register() -> None:
         # built-in "fs" is the point of this plugin, so set it directly.
         registry[name] = _load_tier_class
     if changed:
-        logging.getLogger("vllm.llmkv_fs").info(
+        logger = logging.getLogger("vllm.llmkv_fs")
+        vllm_version = _vllm_version()
+        if not vllm_version.startswith(TESTED_VLLM_SERIES):
+            logger.warning(
+                "llmkv_fs %s is tested with vLLM %sx, this is vLLM %s: the secondary "
+                "tier interface may have changed", __version__, TESTED_VLLM_SERIES,
+                vllm_version,
+            )
+        logger.info(
             "llmkv_fs %s registered secondary tier type(s) %s%s", __version__,
             ", ".join(repr(n) for n in wanted),
             "" if replace else f" ({REPLACE_ENV}=0: vLLM's built-in 'fs' kept)",
