@@ -93,6 +93,28 @@ def _buffer_address(buf: memoryview) -> int | None:
     return ctypes.addressof(ctypes.c_char.from_buffer(buf))
 
 
+class _ThrottledErrorLog:
+    """One warning per kind every ``interval`` seconds: a full or broken
+    volume fails every block, and a line per block would drown the log."""
+
+    def __init__(self, interval: float = 10.0):
+        self._interval = interval
+        self._last: dict[str, float] = {}
+        self._suppressed: collections.Counter[str] = collections.Counter()
+
+    def report(self, kind: str, error: object) -> None:
+        now = time.monotonic()
+        if now - self._last.get(kind, -self._interval) < self._interval:
+            self._suppressed[kind] += 1
+            return
+        self._last[kind] = now
+        also = self._suppressed.pop(kind, 0)
+        logger.warning(
+            "llmkv_fs: %s of a block failed: %r%s", kind, error,
+            f" (and {also} more since the last report)" if also else "",
+        )
+
+
 class FsEngine:
     def __init__(
         self,
@@ -125,6 +147,7 @@ class FsEngine:
             ),
         )
         self.counters: collections.Counter[str] = collections.Counter()
+        self._error_log = _ThrottledErrorLog()
         self._rejected: list[FinishedJob] = []
         self._pool = IoPool(
             self._execute,
@@ -204,6 +227,7 @@ class FsEngine:
     def _account(self, job: IoJob) -> FinishedJob:
         succeeded, failed, moved = [], [], 0
         count = self.counters
+        direction = "load" if job.is_load else "store"
         for key, outcome in zip(job.keys, job.outcomes):
             if isinstance(outcome, Outcome):
                 succeeded.append(key)
@@ -212,11 +236,11 @@ class FsEngine:
                     moved += self.block_size
                 continue
             failed.append(key)
-            direction = "load" if job.is_load else "store"
             if isinstance(outcome, BlockFileError):
                 count[f"load_corrupt_{outcome.reason}"] += 1
                 if outcome.quarantined_to:
                     count["quarantined"] += 1
+                # Rare and important: every bad file is named.
                 logger.warning(
                     "llmkv_fs: bad block file (%s); moved to %s", outcome, outcome.quarantined_to
                 )
@@ -226,7 +250,7 @@ class FsEngine:
                 count[f"{direction}_cancelled"] += 1
             else:
                 count[f"{direction}_errors"] += 1
-                logger.warning("llmkv_fs: %s of a block failed: %r", direction, outcome)
+                self._error_log.report(direction, outcome)
         count["bytes_read" if job.is_load else "bytes_written"] += moved
         return FinishedJob(job.job_id, job.is_load, succeeded, failed, job.io_seconds, moved)
 
