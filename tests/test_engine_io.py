@@ -369,3 +369,36 @@ def test_repeated_block_errors_are_logged_once_per_interval(disk_root, engines, 
     assert engine.counters["store_errors"] == 3
     messages = [r.getMessage() for r in caplog.records if "store of a block failed" in r.getMessage()]
     assert len(messages) == 1 and "No space left" in messages[0]
+
+
+def test_rename_refused_because_another_writer_won_counts_as_present(disk_root, engines, monkeypatch):
+    engine, layout, primary = engines(disk_root, n_blocks=2)
+    real_rename = os.rename
+
+    def rename_like_a_shared_fs(src, dst):
+        if os.path.exists(dst):
+            raise FileExistsError(17, "File exists", dst)
+        return real_rename(src, dst)
+
+    fill(primary, 0, pattern(0))
+    assert engine.submit_store(1, [make_key(0)], [0])
+    assert wait_jobs(engine, [1])[1].success
+    os.unlink(layout.block_path(make_key(0)))
+    # Another writer publishes between our existence check and our rename.
+    real_access = os.access
+
+    def access_then_race(path, mode, **kw):
+        answer = real_access(path, mode, **kw)
+        if path == layout.block_path(make_key(0)) and not answer:
+            with open(path, "wb") as f:
+                f.write(b"\0" * (BS + TRAILER_SIZE))
+        return answer
+
+    monkeypatch.setattr(os, "rename", rename_like_a_shared_fs)
+    monkeypatch.setattr(os, "access", access_then_race)
+    assert engine.submit_store(2, [make_key(0)], [0])
+    assert wait_jobs(engine, [2])[2].success
+    assert engine.counters["blocks_present"] == 1
+    leftovers = [n for n in os.listdir(os.path.dirname(layout.block_path(make_key(0))))
+                 if n.endswith(".tmp")]
+    assert leftovers == []

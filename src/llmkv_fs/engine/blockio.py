@@ -188,7 +188,13 @@ class BlockIO:
                     os.fsync(fd)
             finally:
                 os.close(fd)
-            os.rename(tmp, path)
+            try:
+                os.rename(tmp, path)
+            except FileExistsError:
+                # Some shared filesystems refuse to rename over an existing
+                # name; names are content keys, so the file there is this block.
+                os.unlink(tmp)
+                return Outcome.PRESENT
         except BaseException:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
