@@ -133,7 +133,7 @@ def main() -> int:
                     samples[kind].append(bench_one(kind, root, args, round_no))
                 finally:
                     shutil.rmtree(root, ignore_errors=True)
-        row = {"medium": medium}
+        row = {"medium": medium, "samples": samples}
         for kind, runs in samples.items():
             for metric in ("store_gbps", "load_gbps", "sched_us_per_block"):
                 row[f"{kind}_{metric}"] = statistics.median(r[metric] for r in runs)
