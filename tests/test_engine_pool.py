@@ -111,6 +111,21 @@ def test_bounded_store_queue_rejects_without_io(disk_root, engines, gate_for):
                for _n, gate_kind, key in gate.entries)
 
 
+def test_a_job_larger_than_the_bound_fits_an_empty_queue_only(disk_root, engines, gate_for):
+    engine, layout, primary = engines(
+        disk_root, n_blocks=16, n_read_threads=1, n_write_threads=1, max_pending_store_blocks=4,
+    )
+    gate = gate_for(engine)
+    big = [make_key(c) for c in range(6)]
+    assert engine.submit_store(1, big, list(range(6))) is True  # empty queue: accepted
+    gate.wait_entered(2)
+    assert engine.submit_store(2, [make_key(c) for c in range(6, 12)], list(range(6, 12))) is False
+    gate.open()
+    done = wait_jobs(engine, [1, 2])
+    assert done[1].success and not done[2].success
+    assert all(os.path.exists(layout.block_path(k)) for k in big)
+
+
 def test_drain_waits_for_every_job(disk_root, engines, gate_for):
     engine, _, primary = engines(disk_root, n_blocks=16)
     store_blocks(engine, primary, 1, range(4), range(4))

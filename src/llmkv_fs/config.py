@@ -155,7 +155,8 @@ SETTINGS: tuple[Setting, ...] = (
     Setting(
         "max_pending_store_blocks", 1024,
         "Store blocks allowed to wait for an I/O thread. A store job that "
-        "would exceed it fails at once (the block stays in the CPU tier).",
+        "would exceed it fails at once (the block stays in the CPU tier); a "
+        "single job larger than the bound is accepted only into an empty queue.",
         _int_between(1, 1 << 24),
     ),
     Setting(

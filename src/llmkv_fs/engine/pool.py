@@ -135,7 +135,9 @@ class IoPool:
             if job.is_load:
                 self._loads.extend(tasks)
             else:
-                if len(self._stores) + len(tasks) > self._max_queued_stores:
+                # A job bigger than the bound alone still gets an empty queue,
+                # or a long prompt could never be stored at all.
+                if self._stores and len(self._stores) + len(tasks) > self._max_queued_stores:
                     raise QueueFull(job.job_id)
                 self._stores.extend(tasks)
             self._unfinished_jobs += 1
