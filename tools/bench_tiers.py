@@ -28,17 +28,21 @@ import numpy as np  # noqa: E402
 from vllm.v1.kv_offload.base import ReqContext  # noqa: E402
 from vllm.v1.kv_offload.tiering.base import TransferJob  # noqa: E402
 
-from llmkv_fs.tier.driver import Replica, make_keys, offloading_config  # noqa: E402
-
-MiB = 1 << 20
+from llmkv_fs.tier.driver import (  # noqa: E402
+    MiB,
+    Replica,
+    builtin,
+    make_keys,
+    offloading_config,
+    ours,
+)
 
 
 def tier_config(kind: str, root: str, args) -> dict:
-    base = {"root_dir": root, "n_read_threads": args.threads, "n_write_threads": args.threads}
+    threads = {"n_read_threads": args.threads, "n_write_threads": args.threads}
     if kind == "ours":
-        return {"type": "FsTier", "module_path": "llmkv_fs", **base,
-                "checksum": args.checksum, "durability": args.durability}
-    return {"type": "fs", **base}
+        return ours(root, checksum=args.checksum, durability=args.durability, **threads)
+    return builtin(root, **threads)
 
 
 def run_jobs(tier, jobs: list[TransferJob], load: bool) -> tuple[float, float]:

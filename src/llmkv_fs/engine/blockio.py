@@ -158,8 +158,11 @@ class BlockIO:
     def exists(self, key: bytes) -> bool:
         """A regular file of a size our reader accepts is at the block's path
         (lstat: a planted symlink is not a block)."""
+        return self._is_block_file(self.layout.block_path(key))
+
+    def _is_block_file(self, path: str) -> bool:
         try:
-            st = os.lstat(self.layout.block_path(key))
+            st = os.lstat(path)
         except FileNotFoundError:
             return False
         return stat.S_ISREG(st.st_mode) and st.st_size in self._valid_sizes
@@ -174,7 +177,7 @@ class BlockIO:
         path = self.layout.block_path(key)
         # access() answers "absent" without raising FileNotFoundError, the
         # common case here and measurably cheaper than lstat under the GIL.
-        if os.access(path, os.F_OK, follow_symlinks=False) and self.exists(key):
+        if os.access(path, os.F_OK, follow_symlinks=False) and self._is_block_file(path):
             return Outcome.PRESENT
         trailer = self._scratch()[:TRAILER_SIZE]
         checksum = payload_checksum(row) if opts.checksum else None

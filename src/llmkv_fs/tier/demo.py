@@ -16,9 +16,7 @@ import shutil
 import tempfile
 import time
 
-from llmkv_fs.tier.driver import Replica, make_keys, offloading_config, ours, payload_for
-
-MiB = 1 << 20
+from llmkv_fs.tier.driver import MiB, Replica, make_keys, offloading_config, ours, payload_for
 
 
 def _replica(name: str, root: str, blocks: int, block_bytes: int, threads: int) -> Replica:

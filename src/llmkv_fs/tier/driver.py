@@ -1,7 +1,8 @@
 """Drive vLLM 0.33's real scheduler-side offloading stack on CPU.
 
-Used by the demo, the benchmark and the tests. ``Replica`` builds a real ``TieringOffloadingSpec`` -> ``TieringOffloadingManager``
-(with a real ``SharedOffloadRegion`` in /dev/shm) and plays the parts vLLM's
+Used by the demo, the benchmark and the tests. ``Replica`` builds a real
+``TieringOffloadingSpec`` -> ``TieringOffloadingManager`` (with a real
+``SharedOffloadRegion`` in /dev/shm) and plays the parts vLLM's
 scheduler and GPU workers would: it writes bytes into primary rows where the
 GPU->CPU copy would, calls ``complete_store``, steps ``on_schedule_end``, and
 reads promoted rows back. Waiting is polling with a deadline, never a bare
