@@ -12,6 +12,7 @@ key and what is valid, before any thread or file exists.
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -81,6 +82,54 @@ def _locality(key: str, value: Any) -> str | None:
     if isinstance(value, str) and value.upper() in ("LOCAL", "REMOTE"):
         return value.upper()
     raise _fail(key, value, "LOCAL, REMOTE or null")
+
+
+def _mode(required_bits: int, what: str) -> Callable[[str, Any], int]:
+    # JSON has no octal literals; "0640" (a string) is what operators write.
+    def check(key: str, value: Any) -> int:
+        if isinstance(value, str) and re.fullmatch(r"0?[0-7]{3,4}", value.strip()):
+            mode = int(value.strip(), 8)
+        elif isinstance(value, int) and not isinstance(value, bool):
+            mode = value
+        else:
+            raise _fail(key, value, 'an octal mode string such as "0640"')
+        if not 0 <= mode <= 0o7777:
+            raise _fail(key, value, "a mode within 0o7777")
+        if mode & required_bits != required_bits:
+            raise _fail(key, value, f"a mode that keeps {what} ({required_bits:#o})")
+        return mode
+
+    return check
+
+
+_SIZE_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def _byte_size(key: str, value: Any) -> int:
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    if isinstance(value, str):
+        match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*", value, re.I)
+        if match:
+            return int(float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()])
+    raise _fail(key, value, 'a byte count: an integer >= 0 or a string such as "20GiB"')
+
+
+def _positive_seconds(high: float) -> Callable[[str, Any], float]:
+    def check(key: str, value: Any) -> float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise _fail(key, value, f"seconds, a number in (0, {high:g}]")
+        if not 0 < value <= high:
+            raise _fail(key, value, f"seconds, a number in (0, {high:g}]")
+        return float(value)
+
+    return check
+
+
+def _percent(key: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 100:
+        raise _fail(key, value, "a percentage in (0, 100]")
+    return float(value)
 
 
 def _numa_node(key: str, value: Any) -> str | int:
@@ -165,6 +214,51 @@ SETTINGS: tuple[Setting, ...] = (
         "(each check is one metadata round trip on a network filesystem).",
         _int_between(1, 256),
     ),
+    Setting(
+        "job_timeout_s", 30.0,
+        "Deadline of one transfer job. A store past it fails (blocks in flight "
+        "are abandoned and never published). A load past it fails its queued "
+        "blocks at once; a load whose read is still inside the kernel is "
+        "reported only when that read returns, because the kernel may still "
+        "write into the CPU-tier chunk, which vLLM would reuse. While a job is "
+        "overdue the volume counts as stalled: new jobs fail at once and "
+        "lookups miss, until an I/O returns.",
+        _positive_seconds(86400),
+    ),
+    Setting(
+        "max_usage_percent", 95.0,
+        "Space guard: when the volume (statvfs, sampled about once a second "
+        "off the scheduler thread) is fuller than this, new stores are dropped "
+        "(reported failed, counted) and loads continue.",
+        _percent,
+    ),
+    Setting(
+        "min_free_bytes", 0,
+        'Space guard: drop new stores while fewer bytes than this are free '
+        '(an integer or a string such as "20GiB"). ENOSPC also trips the guard '
+        "until the next sample shows room.",
+        _byte_size,
+    ),
+    Setting(
+        "file_mode", 0o640,
+        'Mode of block and config files ("0640"). KV bytes reveal prompt '
+        "content, so others get nothing; the group may read, which is how "
+        "replicas running as different users in one fsGroup share.",
+        _mode(0o600, "owner read and write"),
+    ),
+    Setting(
+        "dir_mode", 0o770,
+        'Mode of directories this tier creates ("0770"). Group write lets '
+        "replicas and gc running as other users of the group add, "
+        "quarantine and remove files.",
+        _mode(0o700, "owner read, write and search"),
+    ),
+    Setting(
+        "lease_interval_s", 30.0,
+        "How often the tier refreshes its lease file under the digest "
+        "directory; gc treats a lease older than 4 intervals as dead.",
+        _positive_seconds(3600),
+    ),
 )
 
 _BY_KEY = {s.key: s for s in SETTINGS}
@@ -187,6 +281,12 @@ class TierSettings:
     numa_node: str | int = "auto"
     max_pending_store_blocks: int = 1024
     lookup_threads: int = 4
+    job_timeout_s: float = 30.0
+    max_usage_percent: float = 95.0
+    min_free_bytes: int = 0
+    file_mode: int = 0o640
+    dir_mode: int = 0o770
+    lease_interval_s: float = 30.0
 
     @classmethod
     def from_mapping(cls, config: Mapping[str, Any]) -> TierSettings:

@@ -26,6 +26,7 @@ One page keeps O_DIRECT I/O aligned and leaves room for later fields.
 from __future__ import annotations
 
 import dataclasses
+import os
 import struct
 
 import xxhash
@@ -141,3 +142,15 @@ def verify_block(payload, trailer_page, key: bytes, verify_checksum: bool) -> Tr
         if payload_checksum(payload) != trailer.payload_xxh3:
             raise BlockFileError("bad-checksum", "payload xxh3 mismatch")
     return trailer
+
+
+# The tier stamps a block's atime explicitly when it loads it (relatime and
+# noatime make implicit atime useless), at most once per this many seconds per
+# file so a hot block costs one metadata write a minute, not one per hit.
+ACCESS_STAMP_INTERVAL_S = 60.0
+
+
+def last_used(st: os.stat_result) -> float:
+    """When a block was last stored or loaded, for LRU eviction: the explicit
+    access stamp (atime), or the store time (mtime) if that is later."""
+    return max(st.st_atime, st.st_mtime)

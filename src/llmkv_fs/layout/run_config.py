@@ -9,13 +9,11 @@ write, so either tier can own a digest first.
 from __future__ import annotations
 
 import json
-import os
-import socket
 import time
-import uuid
 from typing import Any
 
-from llmkv_fs.layout.paths import CacheLayout, temp_path
+from llmkv_fs.layout.files import DEFAULT_DIR_MODE, DEFAULT_FILE_MODE, write_file_atomically
+from llmkv_fs.layout.paths import CacheLayout
 
 __all__ = ["RunConfigMismatch", "ensure_run_config", "render_run_config"]
 
@@ -38,21 +36,9 @@ def _read_json(path: str) -> Any:
         return json.loads(f.read().decode("utf-8"))
 
 
-def _write_atomically(path: str, data: bytes, dir_mode: int = 0o755) -> None:
-    directory = os.path.dirname(path)
-    os.makedirs(directory, mode=dir_mode, exist_ok=True)
-    nonce = uuid.uuid4().hex[:12]  # unique even for two writers in one process
-    tmp = temp_path(path, socket.gethostname(), os.getpid(), nonce)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        os.write(fd, data)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.rename(tmp, path)
-
-
-def ensure_run_config(layout: CacheLayout) -> str:
+def ensure_run_config(
+    layout: CacheLayout, file_mode: int = DEFAULT_FILE_MODE, dir_mode: int = DEFAULT_DIR_MODE
+) -> str:
     """Make sure ``config.json`` of ``layout`` holds our run config.
 
     Returns "created", "matched" or "repaired" (an unparsable file was
@@ -67,13 +53,13 @@ def ensure_run_config(layout: CacheLayout) -> str:
         try:
             existing = _read_json(path)
         except FileNotFoundError:
-            _write_atomically(path, render_run_config(wanted))
+            write_file_atomically(path, render_run_config(wanted), file_mode, dir_mode)
             return "created"
         except (ValueError, UnicodeDecodeError):
             if time.monotonic() < deadline:
                 time.sleep(0.05)  # another writer may still be mid-write
                 continue
-            _write_atomically(path, render_run_config(wanted))
+            write_file_atomically(path, render_run_config(wanted), file_mode, dir_mode)
             return "repaired"
         if existing == wanted:
             return "matched"

@@ -33,6 +33,30 @@ def _config_doc(args: argparse.Namespace) -> int:
     return 0
 
 
+# Operator tools that read the volume only (layout room, no vLLM). Each module
+# exposes ``add_arguments(parser)`` and ``run(args) -> int``.
+_VOLUME_TOOLS = {
+    "gc": ("llmkv_fs.ops.gc", "keep a cache volume healthy: orphaned digests, stale temp files, capacity"),
+    "stats": ("llmkv_fs.ops.stats", "what is on a cache volume, per digest"),
+    "verify": ("llmkv_fs.ops.verify", "check every block's trailer and checksum"),
+}
+
+
+def _add_volume_tools(sub: argparse._SubParsersAction) -> None:
+    import importlib
+
+    for name, (module_name, help_text) in _VOLUME_TOOLS.items():
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as exc:
+            if exc.name != module_name:
+                raise
+            continue  # not written yet
+        parser = sub.add_parser(name, help=help_text, description=module.__doc__)
+        module.add_arguments(parser)
+        parser.set_defaults(func=module.run)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="llmkv-fs", description=__doc__)
     parser.add_argument("--version", action="version", version=f"llmkv-fs {__version__}")
@@ -48,6 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     doc = sub.add_parser("config-doc", help="print the settings table (docs/configuration.md)")
     doc.set_defaults(func=_config_doc)
+    _add_volume_tools(sub)
     return parser
 
 

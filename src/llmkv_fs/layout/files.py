@@ -1,0 +1,97 @@
+"""Creating files and directories on the shared volume with the configured
+modes, whatever the process umask is.
+
+Replicas of one deployment may run as different users of one group (a
+Kubernetes fsGroup); a umask of 022 would silently strip the group write bit
+they need, so modes are set explicitly with chmod after creation.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import uuid
+
+from llmkv_fs.layout.paths import temp_path
+
+DEFAULT_FILE_MODE = 0o640
+DEFAULT_DIR_MODE = 0o770
+
+
+def _umask() -> int:
+    # os.umask can only be read by setting it; done once, at import, before
+    # any I/O thread exists.
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+PROCESS_UMASK = _umask()
+
+
+def needs_chmod(mode: int) -> bool:
+    """Whether creating with ``mode`` under this process's umask loses bits
+    (then a chmod after creation restores them)."""
+    return bool(mode & PROCESS_UMASK) or bool(mode & 0o7000)
+
+
+def make_dirs(path: str, dir_mode: int = DEFAULT_DIR_MODE) -> None:
+    """``os.makedirs(path, exist_ok=True)``, giving every directory it creates
+    exactly ``dir_mode``. Safe against a concurrent creator or remover of any
+    level: a level that appears meanwhile is fine, one removed meanwhile (gc
+    pruning empty directories) is created again."""
+    missing: list[str] = []
+    probe = path
+    while probe and not os.path.isdir(probe):
+        missing.append(probe)
+        parent = os.path.dirname(probe)
+        if parent == probe:
+            break
+        probe = parent
+    for _attempt in range(8):
+        try:
+            for directory in reversed(missing):
+                try:
+                    os.mkdir(directory, dir_mode)
+                except FileExistsError:
+                    continue
+                if needs_chmod(dir_mode):
+                    os.chmod(directory, dir_mode)
+            return
+        except FileNotFoundError:
+            continue  # a parent vanished between two mkdirs: go again
+    os.makedirs(path, dir_mode, exist_ok=True)  # raise the real error
+
+
+def write_file_atomically(
+    path: str,
+    data: bytes,
+    file_mode: int = DEFAULT_FILE_MODE,
+    dir_mode: int = DEFAULT_DIR_MODE,
+    durable: bool = True,
+) -> None:
+    """Publish ``data`` at ``path`` by temp file + rename: readers see the old
+    file or the whole new one. The temp name carries host and pid so gc can
+    tell a crashed writer's leftover from a live one's."""
+    make_dirs(os.path.dirname(path), dir_mode)
+    nonce = uuid.uuid4().hex[:12]  # unique even for two writers in one process
+    tmp = temp_path(path, socket.gethostname(), os.getpid(), nonce)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, file_mode)
+    try:
+        if needs_chmod(file_mode):
+            os.fchmod(fd, file_mode)
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        if durable:
+            os.fsync(fd)
+    except BaseException:
+        os.close(fd)
+        os.unlink(tmp)
+        raise
+    os.close(fd)
+    try:
+        os.rename(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
