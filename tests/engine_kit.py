@@ -102,7 +102,7 @@ class Gate:
         real_load, real_store = engine.blockio.load, engine.blockio.store
 
         def wrap(kind, real):
-            def wrapper(key, row_view):
+            def wrapper(key, row_view, *rest):
                 with self._cond:
                     self.entries.append((threading.current_thread().name, kind, key))
                     self._cond.notify_all()
@@ -112,7 +112,7 @@ class Gate:
                 extra = self.extra_wait.get(key)
                 if extra is not None:
                     extra.wait(GATE_TIMEOUT_S)
-                return real(key, row_view)
+                return real(key, row_view, *rest)
             return wrapper
 
         monkeypatch.setattr(engine.blockio, "load", wrap("load", real_load))

@@ -358,8 +358,8 @@ def test_a_crashing_existence_check_answers_miss_not_retry_forever(disk_root, en
 def test_repeated_block_errors_are_logged_once_per_interval(disk_root, engines, caplog):
     engine, _, primary = engines(disk_root, n_blocks=4)
 
-    def failing_store(key, row_view):
-        raise OSError(28, "No space left on device")
+    def failing_store(key, row_view, still_wanted=None):
+        raise OSError(5, "Input/output error")  # not ENOSPC: that trips the space guard
 
     engine.blockio.store = failing_store
     with caplog.at_level(logging.WARNING, logger="vllm.llmkv_fs.engine"):
@@ -368,7 +368,7 @@ def test_repeated_block_errors_are_logged_once_per_interval(disk_root, engines, 
             assert not wait_jobs(engine, [job_id])[job_id].success
     assert engine.counters["store_errors"] == 3
     messages = [r.getMessage() for r in caplog.records if "store of a block failed" in r.getMessage()]
-    assert len(messages) == 1 and "No space left" in messages[0]
+    assert len(messages) == 1 and "Input/output error" in messages[0]
 
 
 def test_rename_refused_because_another_writer_won_counts_as_present(disk_root, engines, monkeypatch):

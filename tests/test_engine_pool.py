@@ -242,9 +242,9 @@ def test_io_threads_pin_to_the_node_holding_the_primary_buffer(disk_root, engine
     seen = []
     real_store = engine.blockio.store
 
-    def record(key, row_view):
+    def record(key, row_view, *rest):
         seen.append(frozenset(os.sched_getaffinity(0)))
-        return real_store(key, row_view)
+        return real_store(key, row_view, *rest)
 
     monkeypatch.setattr(engine.blockio, "store", record)
     store_blocks(engine, primary, 1, range(8), range(8))

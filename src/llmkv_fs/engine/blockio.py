@@ -22,23 +22,27 @@ import socket
 import stat
 import threading
 import time
+from collections.abc import Callable
 
 from llmkv_fs.layout.blockfile import (
+    ACCESS_STAMP_INTERVAL_S,
     TRAILER_SIZE,
     BlockFileError,
     pack_trailer,
     payload_checksum,
     verify_block,
 )
+from llmkv_fs.layout.files import DEFAULT_DIR_MODE, DEFAULT_FILE_MODE, make_dirs, needs_chmod
 from llmkv_fs.layout.paths import CacheLayout, temp_path
 
-__all__ = ["BlockIO", "BlockMissing", "IoOptions", "Outcome", "probe_o_direct"]
+__all__ = ["Abandoned", "BlockIO", "BlockMissing", "IoOptions", "Outcome", "probe_o_direct"]
 
 O_DIRECT = getattr(os, "O_DIRECT", 0)
 _PAGE = mmap.PAGESIZE
 # A gc removing empty directories may delete a parent between our makedirs
 # and open; a few retries close that race without looping forever.
 _DIR_RACE_RETRIES = 4
+_STAMP_MEMORY = 1 << 16  # paths remembered for stamp rate limiting
 
 
 class Outcome(enum.Enum):
@@ -54,6 +58,11 @@ class BlockMissing(Exception):
     """The block file does not exist (never stored, or removed)."""
 
 
+class Abandoned(Exception):
+    """The store's job passed its deadline while the block was being written;
+    the temp file was removed instead of published."""
+
+
 @dataclasses.dataclass(frozen=True)
 class IoOptions:
     block_size: int
@@ -62,8 +71,9 @@ class IoOptions:
     fsync_dir: bool
     checksum: bool
     accept_trailerless: bool = True
-    file_mode: int = 0o644
-    dir_mode: int = 0o755
+    file_mode: int = DEFAULT_FILE_MODE
+    dir_mode: int = DEFAULT_DIR_MODE
+    stamp_access: bool = True
 
 
 def probe_o_direct(directory: str) -> bool:
@@ -137,6 +147,11 @@ class BlockIO:
         self._local = threading.local()
         trailerless = (options.block_size,) if options.accept_trailerless else ()
         self._valid_sizes = frozenset((options.block_size + TRAILER_SIZE, *trailerless))
+        self._chmod_files = needs_chmod(options.file_mode)
+        # path -> monotonic time of our last access stamp. Shared by the I/O
+        # threads; single dict operations are atomic under the GIL, and a
+        # lost update only costs one extra stamp.
+        self._stamped: dict[str, float] = {}
 
     # -- per-thread scratch ------------------------------------------------
 
@@ -169,10 +184,17 @@ class BlockIO:
 
     # -- store -----------------------------------------------------------------
 
-    def store(self, key: bytes, row: memoryview) -> Outcome:
+    def store(
+        self, key: bytes, row: memoryview, still_wanted: Callable[[], bool] | None = None
+    ) -> Outcome:
         """Publish ``row`` as the block file of ``key``: temp file named after
         this writer, optional fsync, rename. Never leaves a partial file under
-        the final name; removes its temp file on any failure."""
+        the final name; removes its temp file on any failure.
+
+        ``still_wanted`` is asked right before the rename: a job that passed
+        its deadline meanwhile was already reported failed, and vLLM may have
+        reused ``row``, so what was written must not be published (Abandoned).
+        """
         opts = self.options
         path = self.layout.block_path(key)
         # access() answers "absent" without raising FileNotFoundError, the
@@ -191,6 +213,8 @@ class BlockIO:
                     os.fsync(fd)
             finally:
                 os.close(fd)
+            if still_wanted is not None and not still_wanted():
+                raise Abandoned(path)
             try:
                 os.rename(tmp, path)
             except FileExistsError:
@@ -210,9 +234,12 @@ class BlockIO:
         flags = self._open_flags(os.O_WRONLY | os.O_CREAT | os.O_EXCL)
         for _ in range(_DIR_RACE_RETRIES):
             try:
-                return os.open(tmp, flags, self.options.file_mode)
+                fd = os.open(tmp, flags, self.options.file_mode)
+                if self._chmod_files:
+                    os.fchmod(fd, self.options.file_mode)
+                return fd
             except FileNotFoundError:
-                os.makedirs(os.path.dirname(tmp), mode=self.options.dir_mode, exist_ok=True)
+                make_dirs(os.path.dirname(tmp), self.options.dir_mode)
             except FileExistsError:
                 # Our own name: left by a previous process that had our pid
                 # and died mid-write. Nobody else can own it.
@@ -250,7 +277,10 @@ class BlockIO:
         try:
             n = _read_all(fd, [row, scratch], self._valid_sizes)
             try:
-                return self._check(key, row, scratch, n)
+                outcome = self._check(key, row, scratch, n)
+                if self.options.stamp_access:
+                    self._stamp_access(fd, path)
+                return outcome
             except BlockFileError as exc:
                 bad, inode = exc, os.fstat(fd).st_ino
         finally:
@@ -268,6 +298,21 @@ class BlockIO:
         reason = "truncated" if n < opts.block_size else "bad-length"
         raise BlockFileError(reason, f"{n} bytes, expected {opts.block_size + TRAILER_SIZE}")
 
+    def _stamp_access(self, fd: int, path: str) -> None:
+        """Record this load for LRU eviction (see layout.blockfile.last_used):
+        atime under relatime/noatime says nothing, so set it explicitly, at
+        most once per ACCESS_STAMP_INTERVAL_S per file and process."""
+        now = time.monotonic()
+        if now - self._stamped.get(path, -ACCESS_STAMP_INTERVAL_S) < ACCESS_STAMP_INTERVAL_S:
+            return
+        if len(self._stamped) >= _STAMP_MEMORY:
+            self._stamped.clear()
+        self._stamped[path] = now
+        # "Now" for both times needs only write permission or ownership; a
+        # replica of another uid without write permission simply can't stamp.
+        with contextlib.suppress(OSError):
+            os.utime(fd)
+
     def quarantine(self, path: str, reason: str, inode: int | None = None) -> str | None:
         """Move a bad block file aside so no lookup finds it again. Skips the
         move if ``path`` now names another inode than the one we read (a
@@ -281,7 +326,7 @@ class BlockIO:
                 f"{self.layout.quarantine_dir}/{os.path.basename(path)}"
                 f".{reason}.{time.time_ns()}"
             )
-            os.makedirs(self.layout.quarantine_dir, mode=self.options.dir_mode, exist_ok=True)
+            make_dirs(self.layout.quarantine_dir, self.options.dir_mode)
             os.rename(path, target)
             return target
         except FileNotFoundError:

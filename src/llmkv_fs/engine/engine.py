@@ -11,7 +11,8 @@ The owner calls every public method from one thread at a time (in vLLM:
 under the tiering manager's lock, from the scheduler or tier-poll thread).
 ``submit_*``, ``take_finished``, ``lookup``, ``end_step`` and
 ``forget_request`` never wait on the filesystem; ``drain`` and ``shutdown``
-block by design. I/O threads touch only the rows of the jobs they run and
+block by design (``drain`` can outlast the job deadline only for a load
+whose read is stuck inside the kernel; see pool.py). I/O threads touch only the rows of the jobs they run and
 the job objects; counters are updated by the owner in ``take_finished``.
 """
 
@@ -20,6 +21,7 @@ from __future__ import annotations
 import collections
 import ctypes
 import dataclasses
+import errno
 import logging
 import mmap
 import os
@@ -27,11 +29,22 @@ import time
 from collections.abc import Sequence
 
 from llmkv_fs.config import TierSettings
-from llmkv_fs.engine.blockio import BlockIO, BlockMissing, IoOptions, Outcome, probe_o_direct
+from llmkv_fs.engine.blockio import (
+    Abandoned,
+    BlockIO,
+    BlockMissing,
+    IoOptions,
+    Outcome,
+    probe_o_direct,
+)
+from llmkv_fs.engine.housekeeping import Housekeeping
 from llmkv_fs.engine.lookup import AsyncExistence
 from llmkv_fs.engine.numa import PinningPlan, plan_pinning, read_topology
-from llmkv_fs.engine.pool import CANCELLED, IoJob, IoPool, QueueFull
+from llmkv_fs.engine.pool import CANCELLED, DEADLINE, IoJob, IoPool, QueueFull
+from llmkv_fs.engine.space import SpaceGuard
 from llmkv_fs.layout.blockfile import BlockFileError
+from llmkv_fs.layout.files import DEFAULT_DIR_MODE, DEFAULT_FILE_MODE, make_dirs
+from llmkv_fs.layout.leases import Lease
 from llmkv_fs.layout.paths import CacheLayout
 from llmkv_fs.layout.run_config import ensure_run_config
 
@@ -44,6 +57,19 @@ class EngineError(RuntimeError):
     """The engine cannot run with these settings on this volume."""
 
 
+_LOOKUP_COUNTER = {True: "lookup_hits", False: "lookup_misses", None: "lookup_retries"}
+
+
+class StoreRefused(Exception):
+    """A store block was not attempted (the space guard is tripped)."""
+
+
+_SPACE_ERRNOS = frozenset((errno.ENOSPC, errno.EDQUOT))
+# Lookups are one metadata call each; one that waits this long (or the job
+# deadline, if shorter) means the volume is not answering.
+_LOOKUP_TIMEOUT_CAP_S = 5.0
+
+
 @dataclasses.dataclass(frozen=True)
 class FinishedJob:
     job_id: int
@@ -52,13 +78,17 @@ class FinishedJob:
     failed: list[bytes]
     io_seconds: float
     nbytes: int  # bytes actually moved (existing blocks and failures excluded)
+    latency: float = 0.0  # submit to reported, seconds
+    quarantined: list[bytes] = dataclasses.field(default_factory=list)  # bad files moved aside
 
     @property
     def success(self) -> bool:
         return not self.failed
 
 
-def prepare_volume(layout: CacheLayout) -> str:
+def prepare_volume(
+    layout: CacheLayout, file_mode: int = DEFAULT_FILE_MODE, dir_mode: int = DEFAULT_DIR_MODE
+) -> str:
     """Check the root, then create or verify ``config.json`` and the rank
     directory. Returns ensure_run_config's verdict. Raises EngineError with
     the path and the fix; RunConfigMismatch passes through.
@@ -67,6 +97,12 @@ def prepare_volume(layout: CacheLayout) -> str:
     volume must not silently become a cache on the container's own disk.
     """
     root = layout.root_dir
+    if os.path.islink(root):
+        raise EngineError(
+            f"root_dir {root!r} is a symlink to {os.path.realpath(root)!r}. Set "
+            f"root_dir to the real directory: a link can silently move the cache "
+            f"off the shared volume (and every replica must agree on the path)."
+        )
     if not os.path.exists(root):
         raise EngineError(
             f"root_dir {root!r} does not exist. Mount the shared volume there "
@@ -80,8 +116,8 @@ def prepare_volume(layout: CacheLayout) -> str:
             f"ownership/mode or the volume's mount options (read-only?)."
         )
     try:
-        verdict = ensure_run_config(layout)
-        os.makedirs(layout.rank_dir, exist_ok=True)
+        verdict = ensure_run_config(layout, file_mode, dir_mode)
+        make_dirs(layout.rank_dir, dir_mode)
     except OSError as exc:
         raise EngineError(f"cannot prepare {layout.base_path!r} under root_dir: {exc}") from exc
     return verdict
@@ -144,10 +180,23 @@ class FsEngine:
                 fsync_dir=settings.durability == "full",
                 checksum=settings.checksum,
                 accept_trailerless=settings.accept_trailerless,
+                file_mode=settings.file_mode,
+                dir_mode=settings.dir_mode,
             ),
         )
         self.counters: collections.Counter[str] = collections.Counter()
+        self.guard = SpaceGuard(
+            layout.root_dir, settings.max_usage_percent, settings.min_free_bytes,
+            headroom_bytes=block_size * (settings.n_write_threads + 1),
+        )
+        self.housekeeping = Housekeeping(
+            self.guard, layout.base_path, settings.lease_interval_s,
+            settings.file_mode, settings.dir_mode,
+        )
         self._error_log = _ThrottledErrorLog()
+        # Submit-to-report seconds per finished job, by direction; whoever
+        # publishes metrics takes and clears them.
+        self.job_latencies: dict[str, list[float]] = {"load": [], "store": []}
         self._rejected: list[FinishedJob] = []
         self._pool = IoPool(
             self._execute,
@@ -156,7 +205,10 @@ class FsEngine:
             settings.max_pending_store_blocks,
             pin_cpus=self.pinning.cpus,
         )
-        self._lookups = AsyncExistence(self.blockio.exists, settings.lookup_threads)
+        self._lookups = AsyncExistence(
+            self.blockio.exists, settings.lookup_threads,
+            timeout=min(settings.job_timeout_s, _LOOKUP_TIMEOUT_CAP_S),
+        )
         logger.info(
             "llmkv_fs engine: %s, %s I/O, %d read + %d write threads, durability=%s, "
             "checksum=%s, numa: %s",
@@ -195,25 +247,55 @@ class FsEngine:
         row = self._flat[start:start + self.block_size]
         if job.is_load:
             return self.blockio.load(job.keys[index], row)
-        return self.blockio.store(job.keys[index], row)
+        if not self.guard.allows_store():
+            raise StoreRefused(self.guard.reason)
+        try:
+            return self.blockio.store(job.keys[index], row, job.still_wanted)
+        except OSError as exc:
+            if exc.errno in _SPACE_ERRNOS:
+                self.guard.saw_enospc()
+            raise
 
     # -- owner side --------------------------------------------------------------------
 
     def submit_store(self, job_id: int, keys: Sequence[bytes], chunks: Sequence[int]) -> bool:
-        """Queue a store; False if the bounded store queue refused it (the job
-        is then reported failed by the next take_finished, without I/O)."""
+        """Queue a store; False if it was refused -- the bounded queue is
+        full, the space guard is tripped or the volume is stalled. A refused
+        job is reported failed by the next take_finished, without I/O."""
+        if self.stalled():
+            return self._refuse(job_id, False, keys, "store_blocks_dropped_stalled")
+        if not self.guard.allows_store():
+            return self._refuse(job_id, False, keys, "store_blocks_dropped_space")
         try:
-            self._pool.submit(IoJob(job_id, False, keys, chunks))
+            self._pool.submit(IoJob(job_id, False, keys, chunks, self.settings.job_timeout_s))
             return True
         except QueueFull:
-            self.counters["store_blocks_dropped_queue_full"] += len(keys)
-            self._rejected.append(FinishedJob(job_id, False, [], list(keys), 0.0, 0))
-            return False
+            return self._refuse(job_id, False, keys, "store_blocks_dropped_queue_full")
 
-    def submit_load(self, job_id: int, keys: Sequence[bytes], chunks: Sequence[int]) -> None:
-        self._pool.submit(IoJob(job_id, True, keys, chunks))
+    def submit_load(self, job_id: int, keys: Sequence[bytes], chunks: Sequence[int]) -> bool:
+        """Queue a load; False (reported failed at the next take_finished) if
+        the volume is stalled."""
+        if self.stalled():
+            return self._refuse(job_id, True, keys, "load_blocks_failed_stalled")
+        self._pool.submit(IoJob(job_id, True, keys, chunks, self.settings.job_timeout_s))
+        return True
+
+    def _refuse(self, job_id: int, is_load: bool, keys: Sequence[bytes], counter: str) -> bool:
+        self.counters[counter] += len(keys)
+        self._rejected.append(FinishedJob(job_id, is_load, [], list(keys), 0.0, 0))
+        return False
+
+    def stalled(self) -> bool:
+        """The volume stopped answering: an expired job still has a block
+        inside a syscall, or a lookup batch is overdue. Clears by itself
+        when the calls return."""
+        return self._pool.stuck_blocks() > 0 or self._lookups.stuck()
 
     def take_finished(self) -> list[FinishedJob]:
+        expired = self._pool.expire_overdue()
+        if expired:
+            self.counters["blocks_deadline_expired"] += expired
+            self._error_log.report("deadline", f"{expired} block(s) passed job_timeout_s")
         results, self._rejected = self._rejected, []
         for job in self._pool.take_finished():
             results.append(self._account(job))
@@ -225,7 +307,7 @@ class FsEngine:
         return results
 
     def _account(self, job: IoJob) -> FinishedJob:
-        succeeded, failed, moved = [], [], 0
+        succeeded, failed, quarantined, moved = [], [], [], 0
         count = self.counters
         direction = "load" if job.is_load else "store"
         for key, outcome in zip(job.keys, job.outcomes):
@@ -240,6 +322,7 @@ class FsEngine:
                 count[f"load_corrupt_{outcome.reason}"] += 1
                 if outcome.quarantined_to:
                     count["quarantined"] += 1
+                    quarantined.append(key)
                 # Rare and important: every bad file is named.
                 logger.warning(
                     "llmkv_fs: bad block file (%s); moved to %s", outcome, outcome.quarantined_to
@@ -248,17 +331,50 @@ class FsEngine:
                 count["load_missing"] += 1
             elif outcome == CANCELLED:
                 count[f"{direction}_cancelled"] += 1
+            elif outcome == DEADLINE or isinstance(outcome, Abandoned):
+                count[f"{direction}_deadline_failed"] += 1
+            elif isinstance(outcome, StoreRefused):
+                count["store_blocks_dropped_space"] += 1
             else:
                 count[f"{direction}_errors"] += 1
                 self._error_log.report(direction, outcome)
         count["bytes_read" if job.is_load else "bytes_written"] += moved
-        return FinishedJob(job.job_id, job.is_load, succeeded, failed, job.io_seconds, moved)
+        latency = time.monotonic() - job.submitted
+        self.job_latencies[direction].append(latency)
+        return FinishedJob(
+            job.job_id, job.is_load, succeeded, failed, job.io_seconds, moved, latency,
+            quarantined,
+        )
 
     def lookup(self, key: bytes, request_id: str) -> bool | None:
-        return self._lookups.lookup(key, request_id)
+        verdict = False if self.stalled() else self._lookups.lookup(key, request_id)
+        self.counters[_LOOKUP_COUNTER[verdict]] += 1
+        return verdict
 
     def end_step(self) -> None:
         self._lookups.end_step()
+        expired = self._lookups.expire_overdue()
+        if expired:
+            self.counters["lookups_deadline_missed"] += expired
+            self._error_log.report("lookup", f"{expired} existence check(s) overdue; answered miss")
+
+    def set_lease(self, lease: Lease) -> None:
+        """Publish this tier's lease (written and refreshed by the
+        housekeeping thread; removed at shutdown)."""
+        self.housekeeping.set_lease(lease)
+
+    def gauges(self) -> dict[str, float]:
+        """Point-in-time state for metrics; cheap, owner side."""
+        usage = self.guard.usage
+        return {
+            "queued_store_blocks": self._pool.queued_store_blocks(),
+            "queued_load_blocks": self._pool.queued_load_blocks(),
+            "busy_threads": self._pool.busy_threads(),
+            "stuck_blocks": self._pool.stuck_blocks(),
+            "space_guard_tripped": 0 if self.guard.allows_store() else 1,
+            "volume_used_bytes": usage.used_bytes if usage else 0,
+            "volume_free_bytes": usage.free_bytes if usage else 0,
+        }
 
     def forget_request(self, request_id: str) -> None:
         self._lookups.forget_request(request_id)
@@ -276,6 +392,7 @@ class FsEngine:
         started = time.monotonic()
         self._lookups.shutdown()
         self._pool.shutdown()
+        self.housekeeping.stop()
         # Our view pins the primary mmap; vLLM unmaps it right after us.
         self._flat.release()
         logger.info("llmkv_fs engine stopped in %.3fs", time.monotonic() - started)

@@ -17,14 +17,21 @@ Threading rules
   generation) and answers through a SimpleQueue; it never touches
   ``_states``. A generation number lets the owner drop answers for states
   that were forgotten and recreated meanwhile.
+* ``expire_overdue`` (owner) answers MISS for keys whose batch has waited
+  longer than the deadline -- a stalled mount blocks the lookup thread
+  inside ``lstat`` -- so requests recompute instead of waiting. A late
+  answer still lands normally.
 """
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
+import itertools
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable, Iterable
 
 __all__ = ["AsyncExistence"]
@@ -48,15 +55,26 @@ class _State:
 
 
 class AsyncExistence:
-    def __init__(self, exists: Callable[[bytes], bool], n_threads: int, name: str = "llmkv_fs"):
+    def __init__(
+        self, exists: Callable[[bytes], bool], n_threads: int, name: str = "llmkv_fs",
+        timeout: float = 5.0,
+    ):
         self._exists = exists
+        self._timeout = timeout
+        self._batch_ids = itertools.count()
+        # Posted, unanswered batches in posting order: [id, posted, batch, expired].
+        self._unanswered: collections.deque[list] = collections.deque()
         self._states: dict[bytes, _State] = {}
         self._request_keys: dict[str, set[bytes]] = {}
         self._batch: list[tuple[bytes, int]] = []
         self._next_generation = 0
         self._batches_out = 0  # posted batches whose answers are not applied yet
-        self._to_worker: queue.SimpleQueue[list[tuple[bytes, int]] | None] = queue.SimpleQueue()
-        self._answers: queue.SimpleQueue[list[tuple[bytes, int, bool]]] = queue.SimpleQueue()
+        self._to_worker: queue.SimpleQueue[tuple[int, list[tuple[bytes, int]]] | None] = (
+            queue.SimpleQueue()
+        )
+        self._answers: queue.SimpleQueue[tuple[int, list[tuple[bytes, int, bool]]]] = (
+            queue.SimpleQueue()
+        )
         self._executor = (
             concurrent.futures.ThreadPoolExecutor(n_threads, thread_name_prefix=f"{name}_stat")
             if n_threads > 1 else None
@@ -93,8 +111,38 @@ class AsyncExistence:
                 state.in_flight = True
                 live.append((key, generation))
         if live:
-            self._to_worker.put(live)
+            batch_id = next(self._batch_ids)
+            self._unanswered.append([batch_id, time.monotonic(), live, False])
+            self._to_worker.put((batch_id, live))
             self._batches_out += 1
+
+    def expire_overdue(self, now: float | None = None) -> int:
+        """Answer MISS for every key of a batch older than the timeout that
+        has no answer yet; returns how many keys that decided."""
+        now = time.monotonic() if now is None else now
+        decided = 0
+        for entry in self._unanswered:
+            _, posted, batch, expired = entry
+            if posted + self._timeout > now:
+                break
+            if expired:
+                continue
+            entry[3] = True
+            for key, generation in batch:
+                state = self._states.get(key)
+                if state is None or state.generation != generation or not state.in_flight:
+                    continue
+                state.in_flight = False
+                state.verdict = False if state.override is None else state.override
+                state.override = None
+                decided += 1
+        return decided
+
+    def stuck(self, now: float | None = None) -> bool:
+        """Whether the oldest unanswered batch is past the timeout (the
+        volume is not answering metadata calls)."""
+        now = time.monotonic() if now is None else now
+        return bool(self._unanswered) and self._unanswered[0][1] + self._timeout <= now
 
     def set_verdict(self, keys: Iterable[bytes], verdict: bool) -> None:
         """Force what the next lookups of these keys say (a load failed: False;
@@ -130,13 +178,21 @@ class AsyncExistence:
     def _apply_answers(self) -> None:
         while True:
             try:
-                answers = self._answers.get_nowait()
+                batch_id, answers = self._answers.get_nowait()
             except queue.Empty:
                 return
             self._batches_out -= 1
+            while self._unanswered and self._unanswered[0][0] <= batch_id:
+                self._unanswered.popleft()  # answers come in posting order
             for key, generation, found in answers:
                 state = self._states.get(key)
                 if state is None or state.generation != generation:
+                    continue
+                if not state.in_flight:
+                    # Decided by expire_overdue (maybe overridden since, by a
+                    # failed load): the late answer changes nothing.
+                    if not state.requests:
+                        del self._states[key]
                     continue
                 state.in_flight = False
                 if not state.requests:
@@ -157,9 +213,10 @@ class AsyncExistence:
 
     def _worker(self) -> None:
         while True:
-            batch = self._to_worker.get()
-            if batch is None:
+            item = self._to_worker.get()
+            if item is None:
                 return
+            batch_id, batch = item
             keys = [key for key, _ in batch]
             try:
                 if self._executor is not None and len(keys) >= _PARALLEL_MIN_KEYS:
@@ -170,4 +227,4 @@ class AsyncExistence:
                 # Every batch must be answered, or its keys say RETRY forever.
                 logger.exception("llmkv_fs: lookup batch failed; answering miss")
                 found = [False] * len(keys)
-            self._answers.put([(k, g, f) for (k, g), f in zip(batch, found)])
+            self._answers.put((batch_id, [(k, g, f) for (k, g), f in zip(batch, found)]))

@@ -14,6 +14,17 @@ Threading rules
   block's outcome into ``job.outcomes[index]`` (each index has exactly one
   writer) and append the job to the finished deque after its last block.
 * ``drain`` and ``shutdown`` block the caller; they are for reset and exit.
+
+Deadlines
+---------
+``expire_overdue`` (owner side) fails a job that has passed its deadline:
+its queued blocks are dropped at once. Blocks already inside a syscall
+cannot be interrupted. A store job is reported right away anyway -- its
+in-flight writes are told not to publish (``IoJob.still_wanted``). A load
+job is reported only when its in-flight reads return, since the kernel may
+still write into a row that vLLM would reuse once the job is reported.
+Blocks still running for an expired job are "stuck"; while any is, the
+volume is stalled (``stuck_blocks``).
 """
 
 from __future__ import annotations
@@ -27,11 +38,12 @@ from typing import Any
 
 from llmkv_fs.engine.numa import pin_current_thread
 
-__all__ = ["CANCELLED", "IoJob", "IoPool", "QueueFull"]
+__all__ = ["CANCELLED", "DEADLINE", "IoJob", "IoPool", "QueueFull"]
 
 logger = logging.getLogger("vllm.llmkv_fs.pool")
 
 CANCELLED = "cancelled"  # outcome of a block that never started (shutdown)
+DEADLINE = "deadline"  # outcome of a block failed by its job's deadline
 
 
 class QueueFull(Exception):
@@ -47,10 +59,14 @@ class IoJob:
 
     __slots__ = (
         "job_id", "is_load", "keys", "chunks", "outcomes", "_left", "_lock",
-        "submitted", "first_start", "last_end",
+        "submitted", "deadline", "first_start", "last_end", "running", "expired",
+        "reported",
     )
 
-    def __init__(self, job_id: int, is_load: bool, keys: Sequence[bytes], chunks: Sequence[int]):
+    def __init__(
+        self, job_id: int, is_load: bool, keys: Sequence[bytes], chunks: Sequence[int],
+        timeout: float | None = None,
+    ):
         self.job_id = job_id
         self.is_load = is_load
         self.keys = keys
@@ -59,18 +75,50 @@ class IoJob:
         self._left = len(keys)
         self._lock = threading.Lock()
         self.submitted = time.monotonic()
+        self.deadline = None if timeout is None else self.submitted + timeout
         self.first_start: float | None = None
         self.last_end = 0.0
+        self.running = 0  # blocks inside execute() right now
+        self.expired = False
+        self.reported = False  # handed to the finished deque
 
-    def _block_done(self, index: int, outcome: Any, started: float) -> bool:
-        """Record one block; True for the call that finished the job."""
-        self.outcomes[index] = outcome
+    def still_wanted(self) -> bool:
+        """False once the deadline failed this job (I/O threads ask this
+        before publishing a store)."""
+        return not self.expired
+
+    def _block_done(self, index: int, outcome: Any) -> tuple[bool, bool]:
+        """Record one executed block. Returns (this call finished the job and
+        must report it, the block was stuck: its job expired meanwhile)."""
         with self._lock:
-            if self.first_start is None or started < self.first_start:
-                self.first_start = started
+            self.running -= 1
+            if self.reported:
+                return False, True  # failed by the deadline without it
+            # Only loads wait for in-flight blocks after expiring; a read
+            # that did complete is as good as ever.
+            self.outcomes[index] = outcome
             self.last_end = time.monotonic()
             self._left -= 1
-            return self._left == 0
+            return self._claim_report(), self.expired
+
+    def _fail(self, indices: Sequence[int], outcome: str, *, all_unfinished: bool = False) -> bool:
+        """Fail blocks that will not run (``all_unfinished``: also those in
+        flight, whose results will be ignored). Caller holds ``_lock``.
+        Returns whether the caller must now report the job."""
+        if all_unfinished:
+            indices = [i for i, o in enumerate(self.outcomes) if o is None]
+        for index in indices:
+            self.outcomes[index] = outcome
+        self._left -= len(indices)
+        if self.first_start is None:
+            self.first_start = self.last_end = time.monotonic()
+        return self._claim_report()
+
+    def _claim_report(self) -> bool:
+        if self._left == 0 and not self.reported:
+            self.reported = True
+            return True
+        return False
 
     @property
     def io_seconds(self) -> float:
@@ -108,6 +156,11 @@ class IoPool:
         self._stores: collections.deque[tuple[IoJob, int]] = collections.deque()
         self._finished: collections.deque[IoJob] = collections.deque()
         self._unfinished_jobs = 0
+        # Jobs with a deadline, in submission order (hence deadline order:
+        # one timeout for all), until reported.
+        self._watched: collections.deque[IoJob] = collections.deque()
+        self._stuck = 0
+        self._busy_threads = 0
         self._stopping = False
         self._threads = [
             threading.Thread(
@@ -141,6 +194,8 @@ class IoPool:
                     raise QueueFull(job.job_id)
                 self._stores.extend(tasks)
             self._unfinished_jobs += 1
+            if job.deadline is not None:
+                self._watched.append(job)
             self._cond.notify(len(tasks))
 
     def take_finished(self) -> list[IoJob]:
@@ -153,6 +208,52 @@ class IoPool:
 
     def queued_store_blocks(self) -> int:
         return len(self._stores)
+
+    def queued_load_blocks(self) -> int:
+        return len(self._loads)
+
+    def busy_threads(self) -> int:
+        return self._busy_threads
+
+    def stuck_blocks(self) -> int:
+        """Blocks still inside a syscall although their job's deadline
+        passed: nonzero means the volume is not answering."""
+        return self._stuck
+
+    def expire_overdue(self, now: float | None = None) -> int:
+        """Fail every job past its deadline (see the module doc). Returns the
+        number of blocks failed by it. Owner side; never blocks on I/O."""
+        now = time.monotonic() if now is None else now
+        failed = 0
+        while self._watched:
+            job = self._watched[0]
+            if job.reported:
+                self._watched.popleft()
+                continue
+            if job.deadline > now:
+                break
+            self._watched.popleft()
+            failed += self._expire(job)
+        return failed
+
+    def _expire(self, job: IoJob) -> int:
+        with self._cond:
+            queued = []
+            for tasks in (self._loads, self._stores):  # in place: workers hold them
+                if any(task[0] is job for task in tasks):
+                    kept = [task for task in tasks if task[0] is not job]
+                    queued += [i for j, i in tasks if j is job]
+                    tasks.clear()
+                    tasks.extend(kept)
+            with job._lock:
+                job.expired = True
+                in_flight = job.running
+                self._stuck += in_flight
+                # A store is reported now: its in-flight writes won't publish.
+                report = job._fail(queued, DEADLINE, all_unfinished=not job.is_load)
+        if report:
+            self._publish(job)
+        return len(queued) + (0 if job.is_load else in_flight)
 
     def busy(self) -> bool:
         return self._unfinished_jobs > 0 or bool(self._finished)
@@ -172,9 +273,14 @@ class IoPool:
             self._loads.clear()
             self._stores.clear()
             self._cond.notify_all()
-        now = time.monotonic()
+        by_job: dict[int, tuple[IoJob, list[int]]] = {}
         for job, index in cancelled:
-            self._complete(job, index, CANCELLED, now)
+            by_job.setdefault(id(job), (job, []))[1].append(index)
+        for job, indices in by_job.values():
+            with job._lock:
+                report = job._fail(indices, CANCELLED)
+            if report:
+                self._publish(job)
         for thread in self._threads:
             thread.join()
 
@@ -190,18 +296,29 @@ class IoPool:
                 if self._stopping and not (first or second):
                     return
                 job, index = first.popleft() if first else second.popleft()
-            started = time.monotonic()
+                self._busy_threads += 1
+                # Counted under the pool lock, so _expire sees every block
+                # that left the queue as in flight.
+                with job._lock:
+                    job.running += 1
+                    if job.first_start is None:
+                        job.first_start = time.monotonic()
             try:
                 outcome = self._execute(job, index)
             except Exception as exc:  # recorded per block; never kills the thread
                 outcome = _without_tracebacks(exc)
-            self._complete(job, index, outcome, started)
+            finishes, was_stuck = job._block_done(index, outcome)
+            with self._cond:
+                self._busy_threads -= 1
+                if was_stuck:
+                    self._stuck -= 1
+            if finishes:
+                self._publish(job)
             del job, outcome
 
-    def _complete(self, job: IoJob, index: int, outcome: Any, started: float) -> None:
-        if job._block_done(index, outcome, started):
-            self._finished.append(job)
-            with self._cond:
-                self._unfinished_jobs -= 1
-                if self._unfinished_jobs == 0:
-                    self._cond.notify_all()
+    def _publish(self, job: IoJob) -> None:
+        self._finished.append(job)
+        with self._cond:
+            self._unfinished_jobs -= 1
+            if self._unfinished_jobs == 0:
+                self._cond.notify_all()

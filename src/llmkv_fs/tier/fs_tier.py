@@ -29,10 +29,16 @@ from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, Tra
 from llmkv_fs import __version__
 from llmkv_fs.config import TierSettings
 from llmkv_fs.engine.engine import FsEngine, prepare_volume
+from llmkv_fs.engine.housekeeping import lease_for
 from llmkv_fs.layout.paths import CacheLayout, RunIdentity
+from llmkv_fs.tier.hashing import hashing_identity
+from llmkv_fs.tier.metrics import TierMetrics, metric_definitions
 
 if TYPE_CHECKING:
-    from vllm.v1.kv_offload.base import OffloadingSpec
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
+        OffloadingConnectorStats,
+    )
+    from vllm.v1.kv_offload.base import ConfigInfoMapping, OffloadingSpec
     from vllm.v1.kv_offload.tiering.backpressure import BackpressureDetector
 
 __all__ = ["FsTier", "identity_from_spec"]
@@ -102,8 +108,10 @@ class FsTier(SecondaryTierManager):
         self.layout = CacheLayout.for_identity(
             self.settings.root_dir, identity_from_spec(offloading_spec)
         )
-        config_state = prepare_volume(self.layout)
+        config_state = prepare_volume(self.layout, self.settings.file_mode, self.settings.dir_mode)
         self.engine = FsEngine(self.settings, self.layout, primary_kv_view, self.block_size_bytes)
+        self._metrics = TierMetrics(self.engine, _tier_label(offloading_spec, tier_type, self.settings))
+        self._lease_pending = True
         logger.info(
             "llmkv_fs %s tier %r ready at %s (config.json %s)",
             __version__, tier_type, self.layout.rank_dir, config_state,
@@ -121,6 +129,14 @@ class FsTier(SecondaryTierManager):
         self.engine.forget_request(req_context.req_id)
 
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
+        if self._lease_pending:
+            # Not at construction: vLLM derives NONE_HASH (from PYTHONHASHSEED)
+            # after building the scheduler, and the lease must carry it.
+            self._lease_pending = False
+            algo, fingerprint = hashing_identity()
+            self.engine.set_lease(lease_for(
+                algo, fingerprint, self.settings.lease_interval_s, _vllm_version(), __version__,
+            ))
         self.engine.end_step()
 
     # -- transfers ---------------------------------------------------------------
@@ -148,13 +164,16 @@ class FsTier(SecondaryTierManager):
                     transfer_bytes=len(job.succeeded) * self.block_size_bytes,
                 )
             )
-            if self._events is not None and not job.is_load and job.succeeded:
-                self._events.append(
-                    OffloadingEvent(
-                        keys=job.succeeded, medium=self.medium, removed=False,
-                        locality=self.locality,
-                    )
-                )
+            if self._events is None:
+                continue
+            if not job.is_load and job.succeeded:
+                self._events.append(OffloadingEvent(
+                    keys=job.succeeded, medium=self.medium, removed=False, locality=self.locality,
+                ))
+            if job.quarantined:
+                self._events.append(OffloadingEvent(
+                    keys=job.quarantined, medium=self.medium, removed=True, locality=self.locality,
+                ))
         return results
 
     def take_events(self) -> Iterable[OffloadingEvent]:
@@ -170,3 +189,51 @@ class FsTier(SecondaryTierManager):
 
     def shutdown(self) -> None:
         self.engine.shutdown()
+
+    # -- metrics -----------------------------------------------------------------
+
+    @classmethod
+    def build_metric_definitions(cls, extra_config: dict[str, Any]) -> dict[str, Any]:
+        return metric_definitions()
+
+    def get_stats(self) -> OffloadingConnectorStats | None:
+        return self._metrics.take_stats()
+
+    @classmethod
+    def config_info_keys(cls, tier_config: dict[str, Any]) -> tuple[str, ...]:
+        return _CONFIG_INFO_KEYS
+
+    def config_info(self) -> ConfigInfoMapping:
+        s, engine = self.settings, self.engine
+        return {
+            "llmkv_fs_version": __version__,
+            "llmkv_fs_read_threads": s.n_read_threads,
+            "llmkv_fs_write_threads": s.n_write_threads,
+            "llmkv_fs_numa_node": "off" if engine.pinning.node is None else engine.pinning.node,
+            "llmkv_fs_io_mode": "direct" if engine.use_o_direct else "buffered",
+            "llmkv_fs_durability": s.durability,
+            "llmkv_fs_checksum": s.checksum,
+            "llmkv_fs_job_timeout_s": s.job_timeout_s,
+        }
+
+
+_CONFIG_INFO_KEYS = (
+    "llmkv_fs_version", "llmkv_fs_read_threads", "llmkv_fs_write_threads", "llmkv_fs_numa_node",
+    "llmkv_fs_io_mode", "llmkv_fs_durability", "llmkv_fs_checksum", "llmkv_fs_job_timeout_s",
+)
+
+
+def _tier_label(spec: OffloadingSpec, tier_type: str, settings: TierSettings) -> str:
+    """The value vLLM's tiering metrics use for this tier ("<index>:<type>",
+    index 1 = first secondary tier), so our series join theirs."""
+    tiers = spec.extra_config.get("secondary_tiers") or []
+    for index, config in enumerate(tiers):
+        if config.get("type") == tier_type and config.get("root_dir") == settings.root_dir:
+            return f"{index + 1}:{tier_type}"
+    return f"?:{tier_type}"
+
+
+def _vllm_version() -> str:
+    import vllm
+
+    return getattr(vllm, "__version__", "unknown")
