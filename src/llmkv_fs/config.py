@@ -159,8 +159,9 @@ SETTINGS: tuple[Setting, ...] = (
     ),
     Setting(
         "enable_kv_events", False,
-        "Emit BlockStored KV events for blocks that landed in this tier "
-        "(needs KV cache events enabled globally).",
+        "Emit BlockStored KV events for blocks that landed in this tier, and "
+        "BlockRemoved for files it quarantined (needs KV cache events enabled "
+        "globally).",
         _boolean, vllm_builtin=True,
     ),
     Setting(
@@ -222,7 +223,8 @@ SETTINGS: tuple[Setting, ...] = (
         "reported only when that read returns, because the kernel may still "
         "write into the CPU-tier chunk, which vLLM would reuse. While a job is "
         "overdue the volume counts as stalled: new jobs fail at once and "
-        "lookups miss, until an I/O returns.",
+        "lookups miss, until the stuck calls return. A lookup check waits at "
+        "most min(job_timeout_s, 5 s) before answering miss.",
         _positive_seconds(86400),
     ),
     Setting(

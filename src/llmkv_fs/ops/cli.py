@@ -18,6 +18,13 @@ def _demo(args: argparse.Namespace) -> int:
     return run_demo(args.root, args.blocks, args.block_mib, args.threads, args.keep)
 
 
+def _bench(args: argparse.Namespace) -> int:
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    from llmkv_fs.tier.bench import run_bench
+
+    return run_bench(args)
+
+
 def _config_doc(args: argparse.Namespace) -> int:
     import json
 
@@ -26,7 +33,12 @@ def _config_doc(args: argparse.Namespace) -> int:
     print("| key | default | vLLM built-in key | meaning |")
     print("|---|---|---|---|")
     for s in SETTINGS:
-        default = "(required)" if s.required else f"`{json.dumps(s.default)}`"
+        if s.required:
+            default = "(required)"
+        elif s.key in ("file_mode", "dir_mode"):  # JSON has no octal: shown as the string to write
+            default = f'`"{s.default:04o}"`'
+        else:
+            default = f"`{json.dumps(s.default)}`"
         print(f"| `{s.key}` | {default} | {'yes' if s.vllm_builtin else 'no'} | {s.doc} |")
     print("| `backpressure` | (none) | yes | Consumed by vLLM's tier factory, which hands "
           "the tier a detector; same meaning as for the built-in. |")
@@ -69,6 +81,13 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--threads", type=int, default=4, help="read and write threads each")
     demo.add_argument("--keep", action="store_true", help="keep the temporary root")
     demo.set_defaults(func=_demo)
+
+    from llmkv_fs.tier.bench import add_arguments as bench_arguments  # stdlib-only at import
+
+    bench = sub.add_parser(
+        "bench", help="llmkv_fs vs vLLM's built-in fs tier vs fio: GB/s, latency, plots")
+    bench_arguments(bench)
+    bench.set_defaults(func=_bench)
 
     doc = sub.add_parser("config-doc", help="print the settings table (docs/configuration.md)")
     doc.set_defaults(func=_config_doc)
