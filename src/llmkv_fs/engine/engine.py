@@ -57,6 +57,7 @@ class EngineError(RuntimeError):
     """The engine cannot run with these settings on this volume."""
 
 
+_OUTCOME_COUNTER = {outcome: f"blocks_{outcome.value}" for outcome in Outcome}
 _LOOKUP_COUNTER = {True: "lookup_hits", False: "lookup_misses", None: "lookup_retries"}
 
 
@@ -307,15 +308,16 @@ class FsEngine:
         return results
 
     def _account(self, job: IoJob) -> FinishedJob:
-        succeeded, failed, quarantined, moved = [], [], [], 0
+        succeeded, failed, quarantined = [], [], []
         count = self.counters
         direction = "load" if job.is_load else "store"
+        moved_blocks = 0
         for key, outcome in zip(job.keys, job.outcomes):
-            if isinstance(outcome, Outcome):
+            counter = _OUTCOME_COUNTER.get(outcome)  # the common case: a success
+            if counter is not None:
                 succeeded.append(key)
-                count[f"blocks_{outcome.value}"] += 1
-                if outcome is not Outcome.PRESENT:
-                    moved += self.block_size
+                count[counter] += 1
+                moved_blocks += outcome is not Outcome.PRESENT
                 continue
             failed.append(key)
             if isinstance(outcome, BlockFileError):
@@ -338,6 +340,7 @@ class FsEngine:
             else:
                 count[f"{direction}_errors"] += 1
                 self._error_log.report(direction, outcome)
+        moved = moved_blocks * self.block_size
         count["bytes_read" if job.is_load else "bytes_written"] += moved
         latency = time.monotonic() - job.submitted
         self.job_latencies[direction].append(latency)

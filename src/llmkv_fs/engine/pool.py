@@ -1,4 +1,4 @@
-"""Two-priority I/O thread pool that splits every job into per-block tasks.
+"""Two-priority I/O thread pool that spreads every job's blocks over threads.
 
 Read-priority threads take load blocks first and store blocks when no load
 is waiting; write-priority threads do the reverse. A job's blocks spread over
@@ -60,7 +60,7 @@ class IoJob:
     __slots__ = (
         "job_id", "is_load", "keys", "chunks", "outcomes", "_left", "_lock",
         "submitted", "deadline", "first_start", "last_end", "running", "expired",
-        "reported",
+        "reported", "next_block",
     )
 
     def __init__(
@@ -81,6 +81,7 @@ class IoJob:
         self.running = 0  # blocks inside execute() right now
         self.expired = False
         self.reported = False  # handed to the finished deque
+        self.next_block = 0  # first block no thread has taken (pool lock)
 
     def still_wanted(self) -> bool:
         """False once the deadline failed this job (I/O threads ask this
@@ -152,8 +153,11 @@ class IoPool:
         self._max_queued_stores = max_queued_store_blocks
         self._pin_cpus = pin_cpus
         self._cond = threading.Condition(threading.Lock())
-        self._loads: collections.deque[tuple[IoJob, int]] = collections.deque()
-        self._stores: collections.deque[tuple[IoJob, int]] = collections.deque()
+        # Jobs with blocks no thread has taken yet; a thread takes the head
+        # job's next block (no per-block objects on the submit path).
+        self._loads: collections.deque[IoJob] = collections.deque()
+        self._stores: collections.deque[IoJob] = collections.deque()
+        self._queued_blocks = {True: 0, False: 0}  # by is_load
         self._finished: collections.deque[IoJob] = collections.deque()
         self._unfinished_jobs = 0
         # Jobs with a deadline, in submission order (hence deadline order:
@@ -178,25 +182,25 @@ class IoPool:
     def submit(self, job: IoJob) -> None:
         """Queue every block of ``job``. Raises QueueFull (nothing queued)
         for a store job that does not fit, and RuntimeError after shutdown."""
-        tasks = [(job, i) for i in range(len(job.keys))]
+        n = len(job.keys)
         with self._cond:
             if self._stopping:
                 raise RuntimeError("llmkv_fs I/O pool is shut down")
-            if not tasks:  # nothing to move: done now, or it would never finish
+            if not n:  # nothing to move: done now, or it would never finish
+                job.reported = True
                 self._finished.append(job)
                 return
-            if job.is_load:
-                self._loads.extend(tasks)
-            else:
-                # A job bigger than the bound alone still gets an empty queue,
-                # or a long prompt could never be stored at all.
-                if self._stores and len(self._stores) + len(tasks) > self._max_queued_stores:
-                    raise QueueFull(job.job_id)
-                self._stores.extend(tasks)
+            queued = self._queued_blocks[job.is_load]
+            # A store job bigger than the bound alone still gets an empty
+            # queue, or a long prompt could never be stored at all.
+            if not job.is_load and queued and queued + n > self._max_queued_stores:
+                raise QueueFull(job.job_id)
+            (self._loads if job.is_load else self._stores).append(job)
+            self._queued_blocks[job.is_load] = queued + n
             self._unfinished_jobs += 1
             if job.deadline is not None:
                 self._watched.append(job)
-            self._cond.notify(len(tasks))
+            self._cond.notify(n)
 
     def take_finished(self) -> list[IoJob]:
         # The deque is appended by workers and popped only here: popleft is
@@ -207,10 +211,10 @@ class IoPool:
         return finished
 
     def queued_store_blocks(self) -> int:
-        return len(self._stores)
+        return self._queued_blocks[False]
 
     def queued_load_blocks(self) -> int:
-        return len(self._loads)
+        return self._queued_blocks[True]
 
     def busy_threads(self) -> int:
         return self._busy_threads
@@ -238,13 +242,7 @@ class IoPool:
 
     def _expire(self, job: IoJob) -> int:
         with self._cond:
-            queued = []
-            for tasks in (self._loads, self._stores):  # in place: workers hold them
-                if any(task[0] is job for task in tasks):
-                    kept = [task for task in tasks if task[0] is not job]
-                    queued += [i for j, i in tasks if j is job]
-                    tasks.clear()
-                    tasks.extend(kept)
+            queued = self._unqueue(job)
             with job._lock:
                 job.expired = True
                 in_flight = job.running
@@ -254,6 +252,15 @@ class IoPool:
         if report:
             self._publish(job)
         return len(queued) + (0 if job.is_load else in_flight)
+
+    def _unqueue(self, job: IoJob) -> range:
+        """Take ``job``'s untaken blocks off the queue (pool lock held)."""
+        queued = range(job.next_block, len(job.keys))
+        if queued:
+            (self._loads if job.is_load else self._stores).remove(job)
+            self._queued_blocks[job.is_load] -= len(queued)
+            job.next_block = len(job.keys)
+        return queued
 
     def busy(self) -> bool:
         return self._unfinished_jobs > 0 or bool(self._finished)
@@ -269,14 +276,9 @@ class IoPool:
         blocks complete, and join the threads."""
         with self._cond:
             self._stopping = True
-            cancelled = list(self._loads) + list(self._stores)
-            self._loads.clear()
-            self._stores.clear()
+            cancelled = [(job, self._unqueue(job)) for job in [*self._loads, *self._stores]]
             self._cond.notify_all()
-        by_job: dict[int, tuple[IoJob, list[int]]] = {}
-        for job, index in cancelled:
-            by_job.setdefault(id(job), (job, []))[1].append(index)
-        for job, indices in by_job.values():
+        for job, indices in cancelled:
             with job._lock:
                 report = job._fail(indices, CANCELLED)
             if report:
@@ -295,7 +297,13 @@ class IoPool:
                     self._cond.wait()
                 if self._stopping and not (first or second):
                     return
-                job, index = first.popleft() if first else second.popleft()
+                queue = first if first else second
+                job = queue[0]
+                index = job.next_block
+                job.next_block = index + 1
+                if job.next_block == len(job.keys):
+                    queue.popleft()
+                self._queued_blocks[job.is_load] -= 1
                 self._busy_threads += 1
                 # Counted under the pool lock, so _expire sees every block
                 # that left the queue as in flight.
