@@ -402,3 +402,17 @@ def test_rename_refused_because_another_writer_won_counts_as_present(disk_root, 
     leftovers = [n for n in os.listdir(os.path.dirname(layout.block_path(make_key(0))))
                  if n.endswith(".tmp")]
     assert leftovers == []
+
+
+def test_a_fifo_planted_at_a_block_path_fails_the_load_instead_of_hanging(disk_root, engines):
+    engine, layout, primary = engines(disk_root, n_blocks=4)
+    store_blocks(engine, primary, 1, ["good"], [0])
+    path = layout.block_path(make_key("fifo"))
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    os.mkfifo(path)  # open(O_RDONLY) of a FIFO blocks until a writer appears
+    fill(primary, 1, b"\x00" * BS)
+    engine.submit_load(2, [make_key("fifo"), make_key("good")], [1, 2])
+    job = wait_jobs(engine, [2])[2]  # wait_jobs has a deadline: a hang fails here
+    assert job.failed == [make_key("fifo")] and job.succeeded == [make_key("good")]
+    assert row(primary, 2) == pattern("good")
+    assert engine.counters["load_errors"] == 1

@@ -266,7 +266,9 @@ class BlockIO:
         path = self.layout.block_path(key)
         scratch = self._scratch()
         try:
-            fd = os.open(path, self._open_flags(os.O_RDONLY))
+            # O_NONBLOCK: a FIFO planted at a block path must not hang an I/O
+            # thread in open(); it fails in preadv instead (no effect on files).
+            fd = os.open(path, self._open_flags(os.O_RDONLY | os.O_NONBLOCK))
         except FileNotFoundError as exc:
             raise BlockMissing(path) from exc
         except OSError as exc:

@@ -1,0 +1,307 @@
+"""Read every block file on a cache volume and check it: trailer magic and
+version, the key against the file's path, payload length, the trailer's own
+checksum and the payload's xxh3. Trailer-less files of exactly the chunk size
+(vLLM's built-in tier wrote them) count as unverified; any other size is bad.
+Symlinks are never followed. Exit status 1 when a file is bad or unreadable.
+
+With --repair, bad files move into their rank directory's .quarantine/ --
+only if the path still names the inode that was read, so it is safe while
+tiers are live: a block republished meanwhile is left alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import queue
+import stat
+import sys
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+from llmkv_fs.layout.files import make_dirs
+from llmkv_fs.layout.paths import QUARANTINE_DIRNAME
+from llmkv_fs.ops import scan
+from llmkv_fs.ops.blockcheck import (
+    BAD, ERROR, UNVERIFIED, VANISHED, VERIFIED, Result, check_block, infer_chunk_size,
+    is_block_name,
+)
+from llmkv_fs.ops.stats import fmt_bytes, select_digests
+
+__all__ = ["add_arguments", "quarantine", "run", "verify_volume"]
+
+_PROGRESS_INTERVAL_S = 0.2
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("root", help="cache root directory (the tier's root_dir)")
+    parser.add_argument("--repair", action="store_true",
+                        help="move bad files into their rank directory's .quarantine/")
+    parser.add_argument("--digest", action="append", metavar="NAME",
+                        help="only this digest (directory name or 12-hex digest); repeatable")
+    parser.add_argument("--threads", type=int, default=8, metavar="N",
+                        help="parallel readers and directory listers (default 8)")
+    parser.add_argument("--json", action="store_true", help="machine-readable output")
+
+
+class _Progress:
+    """One self-overwriting line on stderr, only when it is a terminal."""
+
+    def __init__(self, total_files: int, total_bytes: int, stream=None):
+        self.stream = stream if stream is not None else sys.stderr
+        self.enabled = bool(getattr(self.stream, "isatty", lambda: False)())
+        self.total_files, self.total_bytes = total_files, total_bytes
+        self.start = time.monotonic()
+        self.last = 0.0
+        self.width = 0
+
+    def update(self, files: int, nbytes: int, bad: int, force: bool = False) -> None:
+        now = time.monotonic()
+        if not self.enabled or (not force and now - self.last < _PROGRESS_INTERVAL_S):
+            return
+        self.last = now
+        rate = files / max(now - self.start, 1e-9)
+        line = (f"verify: {files}/{self.total_files} files  "
+                f"{fmt_bytes(nbytes)}/{fmt_bytes(self.total_bytes)}  "
+                f"{rate:.0f} files/s  bad {bad}")
+        self.stream.write("\r" + line.ljust(self.width))
+        self.width = len(line)
+        self.stream.flush()
+
+    def done(self) -> None:
+        if self.enabled and self.width:
+            self.stream.write("\r" + " " * self.width + "\r")
+            self.stream.flush()
+
+
+def _make_quarantine_dir(rank_dir: str, qdir: str) -> None:
+    if os.path.isdir(qdir):
+        return
+    # Same mode (and, when we are root, owner) as the rank directory, so
+    # the tiers that share the volume can still write there.
+    st = os.stat(rank_dir)
+    make_dirs(qdir, stat.S_IMODE(st.st_mode))
+    if os.geteuid() == 0:
+        os.chown(qdir, st.st_uid, st.st_gid)
+
+
+def quarantine(rank_dir: str, result: Result) -> tuple[str, str | None]:
+    """Move a bad file aside if its path still names the inode judged bad.
+    Returns (outcome, new path): "quarantined", "replaced" (another file is
+    there now: left alone), "vanished", "skipped" or "failed: ..."."""
+    path = result.path
+    if result.ident is None:
+        return "skipped", None
+    try:
+        now = os.lstat(path)
+        if (now.st_dev, now.st_ino) != result.ident:
+            return "replaced", None
+        if stat.S_ISDIR(now.st_mode):  # never move a tree aside
+            return "skipped", None
+        qdir = f"{rank_dir}/{QUARANTINE_DIRNAME}"
+        _make_quarantine_dir(rank_dir, qdir)
+        target = f"{qdir}/{os.path.basename(path)}.{result.reason}.{time.time_ns()}"
+        os.rename(path, target)
+        moved = os.lstat(target)
+        if (moved.st_dev, moved.st_ino) != result.ident:
+            # A store published a fresh file between our lstat and rename.
+            # Names are content keys, so putting it back is always right.
+            os.rename(target, path)
+            return "replaced", None
+    except FileNotFoundError:
+        return "vanished", None
+    except OSError as exc:
+        return f"failed: {exc}", None
+    return "quarantined", target
+
+
+def _work(item, out: queue.SimpleQueue) -> None:
+    digest, rank_dir, entry, chunk = item
+    try:
+        result = check_block(rank_dir, entry.path, entry.st, chunk)
+    except BaseException as exc:  # a bug must not hang the run
+        result = Result(entry.path, ERROR, 0, "internal-error", repr(exc))
+    out.put((digest, rank_dir, result))
+
+
+def _check_all(items: list, threads: int, on_result: Callable, tick: Callable[[], None]) -> None:
+    """Check ``items`` on ``threads`` readers; ``on_result`` runs on this
+    thread, in completion order. At most 2 x threads items are in flight."""
+    results: queue.SimpleQueue = queue.SimpleQueue()
+    pending: Iterator = iter(items)
+    in_flight = 0
+    with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="llmkv-verify") as pool:
+        def submit_next() -> int:
+            item = next(pending, None)
+            if item is None:
+                return 0
+            pool.submit(_work, item, results)
+            return 1
+
+        for _ in range(2 * threads):
+            in_flight += submit_next()
+        while in_flight:
+            try:
+                got = results.get(timeout=_PROGRESS_INTERVAL_S)
+            except queue.Empty:
+                tick()
+                continue
+            in_flight -= 1
+            on_result(*got)
+            in_flight += submit_next()
+            tick()
+
+
+# Result status -> its counter in the report.
+_COUNT = {VERIFIED: "verified", UNVERIFIED: "unverified", BAD: "bad", ERROR: "errors",
+          VANISHED: "vanished"}
+
+
+def _new_counts() -> dict:
+    return {"files": 0, **dict.fromkeys(_COUNT.values(), 0), "bytes_read": 0}
+
+
+def _collect(digests: list[scan.Digest], threads: int) -> tuple[list, dict, list]:
+    """List every rank directory (one walk, ``threads`` listings in flight)
+    and size each digest's chunk: (items to check, per-digest counts,
+    directories that could not be listed)."""
+    tops = [(d, d.rank_dirs[r]) for d in digests for r in sorted(d.rank_dirs)]
+    found: dict[str, list] = {d.name: [] for d in digests}
+    errors = []
+    for listing in scan.walk([rank_dir for _, rank_dir in tops], threads):
+        d, rank_dir = tops[listing.top]
+        if listing.error is not None:
+            errors.append({"path": listing.path, "digest": d.name, "reason": "list-error",
+                           "detail": str(listing.error)})
+        qdir = f"{rank_dir}/{QUARANTINE_DIRNAME}"
+        if listing.path == qdir or listing.path.startswith(qdir + "/"):
+            continue
+        for entry in listing.files:
+            # By name, not by scan's kind: a symlink or FIFO named like a
+            # block is reported (and never followed or opened).
+            if entry.kind != scan.TEMP and is_block_name(os.path.basename(entry.path)):
+                found[d.name].append((rank_dir, entry))
+    items, per_digest = [], {}
+    for d in digests:
+        entries = found[d.name]
+        chunk = infer_chunk_size(
+            (e.path, e.st.st_size) for _, e in entries if stat.S_ISREG(e.st.st_mode)
+        )
+        per_digest[d.name] = {
+            "name": d.name, "chunk_bytes": chunk.payload, "chunk_source": chunk.source,
+            "ranks": sorted(d.rank_dirs), **_new_counts(),
+        }
+        items.extend((d.name, rank_dir, e, chunk.payload or 0) for rank_dir, e in entries)
+    for e in errors:
+        per_digest[e["digest"]]["errors"] += 1
+    return items, per_digest, errors
+
+
+def verify_volume(root: str, digest_names: list[str] | None = None, threads: int = 8,
+                  repair: bool = False, progress_stream=None) -> dict:
+    """The whole run as a JSON-able report (see docs/operations.md)."""
+    threads = max(1, threads)
+    digests = select_digests(root, digest_names)
+    listed = time.monotonic()
+    items, per_digest, errors = _collect(digests, threads)
+    listing_s = time.monotonic() - listed
+    totals = _new_counts()
+    totals["atime_touched"] = 0
+    totals["errors"] = len(errors)  # directories that could not be listed
+    bad = []
+    total_bytes = sum(e.st.st_size for _, _, e, _ in items if stat.S_ISREG(e.st.st_mode))
+    progress = _Progress(len(items), total_bytes, progress_stream)
+
+    def on_result(digest: str, rank_dir: str, result: Result) -> None:
+        for counts in (per_digest[digest], totals):
+            counts["files"] += 1
+            counts[_COUNT[result.status]] += 1
+            counts["bytes_read"] += result.nbytes
+        if not result.atime_preserved:
+            totals["atime_touched"] += 1
+        if result.status == BAD:
+            record = {"path": result.path, "digest": digest, "reason": result.reason,
+                      "detail": result.detail, "repair": None, "quarantined_to": None}
+            if repair:
+                record["repair"], record["quarantined_to"] = quarantine(rank_dir, result)
+            bad.append(record)
+        elif result.status == ERROR:
+            errors.append({"path": result.path, "digest": digest, "reason": result.reason,
+                           "detail": result.detail})
+
+    start = time.monotonic()
+    try:
+        _check_all(items, threads, on_result,
+                   lambda: progress.update(totals["files"], totals["bytes_read"], totals["bad"]))
+    finally:
+        progress.done()
+    elapsed = time.monotonic() - start
+    bad.sort(key=lambda r: r["path"])
+    errors.sort(key=lambda r: r["path"])
+    return {
+        "root": root, "repair": repair, "threads": threads,
+        "digests": [per_digest[d.name] for d in digests],
+        "totals": totals, "bad": bad, "errors": errors,
+        "listing_s": round(listing_s, 6), "elapsed_s": round(elapsed, 6),
+        "files_per_s": round(totals["files"] / elapsed, 1) if elapsed > 0 else None,
+        "bytes_per_s": round(totals["bytes_read"] / elapsed) if elapsed > 0 else None,
+    }
+
+
+def _print_human(report: dict, out) -> None:
+    t = report["totals"]
+    rate = ""
+    if report["files_per_s"] is not None:
+        rate = (f" ({report['files_per_s']:.0f} files/s, "
+                f"{report['bytes_per_s'] / 1e9:.2f} GB/s)")
+    print(f"verify {report['root']}: {t['files']} files in {len(report['digests'])} digest(s), "
+          f"{fmt_bytes(t['bytes_read'])} read in {report['elapsed_s']:.2f} s{rate}, "
+          f"listed in {report['listing_s']:.2f} s", file=out)
+    for d in report["digests"]:
+        chunk = "-" if d["chunk_bytes"] is None else fmt_bytes(d["chunk_bytes"])
+        ranks = " ".join(f"r{r}" for r in d["ranks"]) or "no rank dirs"
+        source = {"trailer": "a trailer"}.get(d["chunk_source"], d["chunk_source"])
+        print(f"  {d['name']}  chunk {chunk} (from {source})  {ranks}", file=out)
+        print(f"    verified {d['verified']}  unverified {d['unverified']}  bad {d['bad']}  "
+              f"unreadable {d['errors']}  vanished {d['vanished']}", file=out)
+    if report["bad"]:
+        print(f"bad files ({len(report['bad'])}):", file=out)
+        for b in report["bad"]:
+            repair = ""
+            if b["repair"] == "quarantined":
+                repair = f"  -> {b['quarantined_to']}"
+            elif b["repair"]:
+                repair = f"  [not moved: {b['repair']}]"
+            print(f"  {b['reason']:<13} {b['path']}  ({b['detail']}){repair}", file=out)
+    if report["errors"]:
+        print(f"unreadable ({len(report['errors'])}), not moved:", file=out)
+        for e in report["errors"]:
+            print(f"  {e['reason']:<13} {e['path']}  ({e['detail']})", file=out)
+    if t["atime_touched"]:
+        print(f"note: {t['atime_touched']} files are not ours to read with O_NOATIME; reading "
+              "them may have refreshed their atime (LRU age)", file=out)
+    outcomes = collections.Counter(b["repair"] for b in report["bad"])
+    summary = "OK" if not (t["bad"] or t["errors"]) else f"{t['bad']} bad, {t['errors']} unreadable"
+    if report["repair"] and report["bad"]:
+        summary += " (" + ", ".join(f"{n} {k}" for k, n in sorted(outcomes.items())) + ")"
+    print(f"result: {summary}", file=out)
+
+
+def run(args: argparse.Namespace) -> int:
+    if not os.path.isdir(args.root):
+        print(f"llmkv-fs verify: {args.root}: not a directory", file=sys.stderr)
+        return 2
+    try:
+        report = verify_volume(args.root, args.digest, args.threads, args.repair)
+    except LookupError as exc:
+        print(f"llmkv-fs verify: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        json.dump(report, sys.stdout, indent=1)
+        print()
+    else:
+        _print_human(report, sys.stdout)
+    return 1 if report["totals"]["bad"] or report["totals"]["errors"] else 0
