@@ -75,8 +75,9 @@ METRICS = {
            "Load blocks not delivered, by reason: missing, corrupt, deadline, "
            "stalled, error, cancelled.", "reason"),
         _m("corrupt_blocks", "counter",
-           "Block files refused on load, by what was wrong: checksum, truncated, "
-           "bad-length, key, magic, version, trailer, symlink.", "reason"),
+           "Block files refused on load, by what was wrong (the quarantine file "
+           "names and llmkv-fs verify use the same words): bad-checksum, truncated, "
+           "bad-length, wrong-key, bad-magic, bad-version, bad-trailer, symlink.", "reason"),
         _m("quarantined_files", "counter", "Bad block files moved to .quarantine/."),
         _m("deadline_expiries", "counter",
            "Blocks failed because their job passed job_timeout_s."),

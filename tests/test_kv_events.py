@@ -1,0 +1,179 @@
+"""KV cache events of the tier inside vLLM's real TieringOffloadingManager.
+
+With KV cache events enabled globally (``OffloadingConfig.enable_kv_cache_events``)
+and on the tier (``enable_kv_events: true``), the tier reports BlockStored
+(``OffloadingEvent(removed=False)``) for exactly the blocks that landed in it,
+and BlockRemoved (``removed=True``) for files its loads quarantined. A store
+that did not land, a load of a file that vanished, and a tier or process with
+events off report nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+from harness import Replica, make_keys, offloading_config, ours, wait_until
+from vllm.v1.kv_offload.base import Locality, LookupResult, Medium
+
+HIT, MISS, HIT_PENDING = LookupResult.HIT, LookupResult.MISS, LookupResult.HIT_PENDING
+
+
+def start(replicas, tier, events=True):
+    replica = Replica(offloading_config(tiers=[tier], enable_kv_events=events))
+    replicas.append(replica)
+    return replica
+
+
+def tier_events(replica):
+    with replica.manager.lock:
+        return list(replica.tier.take_events())
+
+
+def manager_storage_events(replica):
+    """The events vLLM's connector collects (manager.take_events), minus the
+    CPU primary tier's own."""
+    with replica.manager.lock:
+        events = list(replica.manager.take_events())
+    return [e for e in events if e.medium is not Medium.CPU]
+
+
+def keys_of(events, removed):
+    keys = [k for e in events if e.removed is removed for k in e.keys]
+    assert len(keys) == len(set(keys)), "a key reported twice"
+    return set(keys)
+
+
+def flip_a_bit(path, offset=12345):
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)[0]
+        f.seek(offset)
+        f.write(bytes([byte ^ 0x10]))
+
+
+def resolve(replica, keys, on_hit_pending=None):
+    """Look up until every key is HIT or MISS; ``on_hit_pending(key)`` runs
+    once per key when the tier found it (its load is submitted at step end)."""
+    ctx = replica.new_request()
+    final, pending = {}, set()
+
+    def resolved():
+        with replica.manager.lock:
+            results = [replica.manager.lookup(k, ctx) for k in keys]
+        for key, result in zip(keys, results):
+            if result is HIT_PENDING and key not in pending:
+                pending.add(key)
+                if on_hit_pending:
+                    on_hit_pending(key)
+        final.update(zip(keys, results))
+        done = all(r in (HIT, MISS) for r in results)
+        if not done:
+            replica.step()
+        return done
+
+    wait_until(resolved, "lookups to resolve")
+    replica.finish_request(ctx)
+    return final
+
+
+def test_block_stored_for_landed_keys(disk_root, replicas):
+    a = start(replicas, ours(disk_root, enable_kv_events=True, locality="REMOTE"))
+    keys = make_keys(5, seed="events-stored")
+    a.store(keys[:2])
+    a.store(keys[2:])
+    events = manager_storage_events(a)
+    assert events and all(e.medium is Medium.STORAGE for e in events)
+    assert all(e.locality is Locality.REMOTE for e in events)
+    assert keys_of(events, removed=False) == set(keys)
+    assert keys_of(events, removed=True) == set()
+    assert tier_events(a) == []  # taken once
+
+
+def test_stores_dropped_by_the_queue_bound_yield_no_event(disk_root, replicas):
+    a = start(replicas, ours(disk_root, enable_kv_events=True, n_read_threads=1,
+                             n_write_threads=1, max_pending_store_blocks=4))
+    # Hold the volume "slow" while the burst is submitted: the two I/O threads
+    # take one block each, the queue holds at most 4 more, the rest is refused.
+    volume_stalled = threading.Event()
+    real_store = a.tier.engine.blockio.store
+
+    def slow_store(key, row, *rest):
+        volume_stalled.wait(30)
+        return real_store(key, row, *rest)
+
+    a.tier.engine.blockio.store = slow_store
+    keys = make_keys(30, seed="events-burst")
+    for i in range(0, 30, 3):
+        a.store(keys[i:i + 3], settle=False)
+    volume_stalled.set()
+    a.settle()
+
+    landed = {k for k in keys if os.path.exists(a.tier.layout.block_path(k))}
+    dropped = a.tier.engine.counters["store_blocks_dropped_queue_full"]
+    assert dropped > 0 and len(landed) == 30 - dropped
+    events = tier_events(a)
+    assert keys_of(events, removed=False) == landed
+    assert keys_of(events, removed=True) == set()
+
+
+def test_stores_refused_by_the_space_guard_yield_no_event(disk_root, replicas):
+    a = start(replicas, ours(disk_root, enable_kv_events=True, min_free_bytes=1 << 60))
+    wait_until(lambda: not a.tier.engine.guard.allows_store(), "the space guard to trip")
+    keys = make_keys(3, seed="events-full")
+    a.store(keys)
+    assert a.tier.engine.counters["store_blocks_dropped_space"] == 3
+    assert not any(os.path.exists(a.tier.layout.block_path(k)) for k in keys)
+    assert tier_events(a) == []
+
+
+def test_quarantined_load_yields_block_removed(disk_root, replicas):
+    a = start(replicas, ours(disk_root, enable_kv_events=True))
+    keys = make_keys(4, seed="events-flip")
+    a.store(keys)
+    assert keys_of(tier_events(a), removed=False) == set(keys)
+    flip_a_bit(a.tier.layout.block_path(keys[1]))
+
+    b = start(replicas, ours(disk_root, enable_kv_events=True))
+
+    def vanish(key):  # found by the lookup, gone before the load runs: not ours to announce
+        if key == keys[2]:
+            os.unlink(b.tier.layout.block_path(key))
+
+    final = resolve(b, keys, vanish)
+    assert final == {keys[0]: HIT, keys[1]: MISS, keys[2]: MISS, keys[3]: HIT}
+    assert b.tier.engine.counters["quarantined"] == 1
+    assert b.tier.engine.counters["load_missing"] == 1
+    events = manager_storage_events(b)
+    (removed,) = [e for e in events if e.removed]
+    assert removed.keys == [keys[1]] and removed.medium is Medium.STORAGE
+    assert keys_of(events, removed=False) == set()  # loads announce nothing else
+    # The writer's tier did not load anything: no removal from A.
+    assert tier_events(a) == []
+
+
+def _store_and_corrupt_load(root, replicas, tier_events_on, global_events_on):
+    a = start(replicas, ours(root, enable_kv_events=tier_events_on), events=global_events_on)
+    keys = make_keys(3, seed=f"events-off-{tier_events_on}-{global_events_on}")
+    a.store(keys)
+    flip_a_bit(a.tier.layout.block_path(keys[0]))
+    b = start(replicas, ours(root, enable_kv_events=tier_events_on), events=global_events_on)
+    final = resolve(b, keys)
+    assert final[keys[0]] is MISS and b.tier.engine.counters["quarantined"] == 1
+    return a, b
+
+
+def test_no_events_when_the_tier_disables_them(disk_root, replicas):
+    a, b = _store_and_corrupt_load(disk_root, replicas, tier_events_on=False,
+                                   global_events_on=True)
+    for replica in (a, b):
+        assert tier_events(replica) == []
+        assert manager_storage_events(replica) == []
+
+
+def test_no_events_when_kv_cache_events_are_off_globally(disk_root, replicas):
+    a, b = _store_and_corrupt_load(disk_root, replicas, tier_events_on=True,
+                                   global_events_on=False)
+    for replica in (a, b):
+        assert tier_events(replica) == []
+        assert manager_storage_events(replica) == []
