@@ -2,12 +2,14 @@ import os
 import shutil
 import sys
 import uuid
+from typing import NamedTuple
 
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))  # tests/harness.py, tests/engine_kit.py
 
 from engine_kit import engines, gate_for  # noqa: E402,F401  (engine fixtures)
+from gluster_kit import gluster  # noqa: E402,F401  (session fixture: GlusterFS mounted twice)
 
 SHM = "/dev/shm"
 
@@ -18,18 +20,66 @@ def _tmpfs_dir() -> str:
     return path
 
 
-@pytest.fixture(params=["tmpfs", "ext4"])
+FILESYSTEMS = ["tmpfs", "ext4", "gluster"]
+
+
+def _gluster_dir(request) -> tuple[str, str]:
+    """A fresh directory on the session's GlusterFS volume: (path via mount A,
+    the same directory via mount B). Brings the volume up on first use."""
+    vol = request.getfixturevalue("gluster")
+    name = f"llmkv_fs_test_{uuid.uuid4().hex[:10]}"
+    path_a = os.path.join(vol.mount_a, name)
+    os.makedirs(path_a)
+    return path_a, os.path.join(vol.mount_b, name)
+
+
+@pytest.fixture(params=FILESYSTEMS)
 def volume(request, tmp_path):
-    """A root directory on each real local filesystem we support: tmpfs
-    (/dev/shm) and the disk under pytest's tmp_path (ext4 on CI)."""
+    """A root directory on each real filesystem we support: tmpfs (/dev/shm),
+    the disk under pytest's tmp_path (ext4 on CI) and a GlusterFS volume
+    through FUSE (skipped where the machine cannot provide one)."""
     if request.param == "tmpfs":
         path = _tmpfs_dir()
         yield path
         shutil.rmtree(path, ignore_errors=True)
-    else:
+    elif request.param == "ext4":
         path = tmp_path / "kv"
         path.mkdir()
         yield str(path)
+    else:
+        path, _ = _gluster_dir(request)
+        yield path
+        shutil.rmtree(path, ignore_errors=True)
+
+
+class SharedVolume(NamedTuple):
+    """One cache root as two replicas see it: ``a`` and ``b`` name the same
+    directory -- the same path on a local filesystem, the same directory
+    through two independent FUSE clients (two "nodes") on GlusterFS."""
+
+    a: str
+    b: str
+    fs: str
+
+    @property
+    def is_network(self) -> bool:
+        return self.a != self.b
+
+
+@pytest.fixture(params=FILESYSTEMS)
+def shared_volume(request, tmp_path):
+    if request.param == "tmpfs":
+        path = _tmpfs_dir()
+        yield SharedVolume(path, path, "tmpfs")
+        shutil.rmtree(path, ignore_errors=True)
+    elif request.param == "ext4":
+        path = tmp_path / "kv"
+        path.mkdir()
+        yield SharedVolume(str(path), str(path), "ext4")
+    else:
+        path_a, path_b = _gluster_dir(request)
+        yield SharedVolume(path_a, path_b, "gluster")
+        shutil.rmtree(path_a, ignore_errors=True)
 
 
 @pytest.fixture

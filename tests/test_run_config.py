@@ -14,7 +14,7 @@ from harness import Replica, builtin, offloading_config, ours
 from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
 from vllm.v1.kv_offload.tiering.fs.manager import FileSystemTierManager
 
-from llmkv_fs.layout import run_config as run_config_module
+from llmkv_fs.layout import files as files_module  # run_config publishes through it
 from llmkv_fs.layout.paths import (
     CacheLayout,
     parse_temp_name,
@@ -97,7 +97,7 @@ def test_ensure_run_config_writes_through_a_temp_name_and_rename(disk_root, monk
             renames.append(src)
         return real_rename(src, dst)
 
-    monkeypatch.setattr(run_config_module.os, "rename", checking_rename)
+    monkeypatch.setattr(files_module.os, "rename", checking_rename)
     assert ensure_run_config(layout) == "created"
     assert len(renames) == 1
     assert not os.path.exists(renames[0])
@@ -118,7 +118,7 @@ def test_two_writers_in_one_process_both_succeed(disk_root, monkeypatch):
             results.append(ensure_run_config(layout))
         return real_rename(src, dst)
 
-    monkeypatch.setattr(run_config_module.os, "rename", interleaving_rename)
+    monkeypatch.setattr(files_module.os, "rename", interleaving_rename)
     outer = ensure_run_config(layout)
     assert results[1] in ("created", "matched")
     assert outer in ("created", "matched")

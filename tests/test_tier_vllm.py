@@ -1,4 +1,10 @@
-"""The tier inside vLLM 0.33's real TieringOffloadingManager, on real files."""
+"""The tier inside vLLM 0.33's real TieringOffloadingManager, on real files.
+
+Tests where a second replica (or another process) finds what the first stored
+take ``shared_volume``: replica A uses ``shared_volume.a`` and replica B
+``shared_volume.b`` -- the same directory, seen on GlusterFS through a second,
+independent FUSE client, as a replica on another node would see it.
+"""
 
 import glob
 import os
@@ -33,14 +39,14 @@ def assert_all_promoted_byte_exact(replica, keys):
     return history
 
 
-def test_second_manager_finds_and_promotes_byte_exact(volume, replicas):
-    a = start(replicas, ours(volume))
+def test_second_manager_finds_and_promotes_byte_exact(shared_volume, replicas):
+    a = start(replicas, ours(shared_volume.a))
     assert isinstance(a.tier, FsTier)
     keys = make_keys(6)
     a.store(keys)
-    assert len(block_files(volume)) == 6
+    assert len(block_files(shared_volume.a)) == 6
 
-    b = start(replicas, ours(volume))  # another engine id, same root
+    b = start(replicas, ours(shared_volume.b))  # another engine id, same root
     history = assert_all_promoted_byte_exact(b, keys)
     assert history[0] == [RETRY] * 6  # the check runs off-thread first
     assert HIT_PENDING in {r for step in history for r in step}
@@ -58,30 +64,30 @@ def test_unknown_keys_are_a_miss_not_a_retry_forever(volume, replicas):
         assert [b.manager.lookup(k, ctx) for k in keys] == [MISS] * 3
 
 
-def test_builtin_written_root_is_read_by_ours(volume, replicas):
-    writer = start(replicas, builtin(volume))
+def test_builtin_written_root_is_read_by_ours(shared_volume, replicas):
+    writer = start(replicas, builtin(shared_volume.a))
     keys = make_keys(4, seed="vllm")
     writer.store(keys)
-    files = block_files(volume)
+    files = block_files(shared_volume.a)
     assert [os.path.getsize(f) for f in files] == [writer.row_bytes] * 4  # vLLM: no trailer
 
-    reader = start(replicas, ours(volume))
+    reader = start(replicas, ours(shared_volume.b))
     assert_all_promoted_byte_exact(reader, keys)
     assert reader.tier.engine.counters["blocks_unverified"] == 4
 
 
-def test_ours_is_read_by_builtin(volume, replicas):
-    writer = start(replicas, ours(volume))
+def test_ours_is_read_by_builtin(shared_volume, replicas):
+    writer = start(replicas, ours(shared_volume.a))
     keys = make_keys(4, seed="ours")
     writer.store(keys)
-    assert {os.path.getsize(f) for f in block_files(volume)} == {writer.row_bytes + 4096}
+    assert {os.path.getsize(f) for f in block_files(shared_volume.a)} == {writer.row_bytes + 4096}
 
-    reader = start(replicas, builtin(volume))
+    reader = start(replicas, builtin(shared_volume.b))
     assert_all_promoted_byte_exact(reader, keys)
 
 
-def test_bit_flip_is_never_loaded_and_is_quarantined(volume, replicas):
-    a = start(replicas, ours(volume))
+def test_bit_flip_is_never_loaded_and_is_quarantined(shared_volume, replicas):
+    a = start(replicas, ours(shared_volume.a))
     keys = make_keys(3, seed="flip")
     a.store(keys)
     bad = a.tier.layout.block_path(keys[1])
@@ -91,7 +97,7 @@ def test_bit_flip_is_never_loaded_and_is_quarantined(volume, replicas):
         f.seek(12345)
         f.write(bytes([byte ^ 0x10]))
 
-    b = start(replicas, ours(volume))
+    b = start(replicas, ours(shared_volume.b))
     ctx = b.new_request()
     final, _ = b.find(keys, ctx)
     # The corrupt block became a MISS (promotion failed, verdict forced),
@@ -101,7 +107,11 @@ def test_bit_flip_is_never_loaded_and_is_quarantined(volume, replicas):
         assert b.read_primary(key, ctx) == payload_for(key, b.row_bytes)
     with b.manager.lock:
         assert b.manager.primary_tier.lookup(keys[1], ctx) is MISS
-    assert not os.path.exists(bad)
+    assert not os.path.lexists(b.tier.layout.block_path(keys[1]))  # B moved it: B's view
+    # A's client may keep answering from its entry/attribute cache (GlusterFS
+    # FUSE: 1 s by default) after B renamed the file away, so A's view is
+    # polled -- it must converge, well within the deadline.
+    wait_until(lambda: not os.path.lexists(bad), "replica A to see the bad file gone")
     (moved,) = glob.glob(f"{b.tier.layout.quarantine_dir}/*")
     assert ".bad-checksum." in moved
     assert b.tier.engine.counters["load_corrupt_bad-checksum"] == 1
@@ -112,8 +122,8 @@ def test_bit_flip_is_never_loaded_and_is_quarantined(volume, replicas):
     assert b.tier.engine.counters["load_corrupt_bad-checksum"] == 1
 
 
-def test_truncated_and_wrong_key_files_are_rejected(disk_root, replicas):
-    a = start(replicas, ours(disk_root))
+def test_truncated_and_wrong_key_files_are_rejected(shared_volume, replicas):
+    a = start(replicas, ours(shared_volume.a))
     keys = make_keys(3, seed="damage")
     a.store(keys)
     layout = a.tier.layout
@@ -121,7 +131,7 @@ def test_truncated_and_wrong_key_files_are_rejected(disk_root, replicas):
     # keys[1]'s file replaced by keys[2]'s (a valid file under the wrong name)
     os.replace(layout.block_path(keys[2]), layout.block_path(keys[1]))
 
-    b = start(replicas, ours(disk_root))
+    b = start(replicas, ours(shared_volume.b))
     final, _ = b.find(keys[:2])
     # The truncated file has a size no reader accepts: the lookup says MISS.
     assert final[keys[0]] is MISS
@@ -129,14 +139,17 @@ def test_truncated_and_wrong_key_files_are_rejected(disk_root, replicas):
     assert b.tier.engine.counters["load_corrupt_wrong-key"] == 1
 
 
-def test_store_skips_blocks_already_present(disk_root, replicas):
-    a = start(replicas, ours(disk_root))
+def test_store_skips_blocks_already_present(shared_volume, replicas):
+    a = start(replicas, ours(shared_volume.a))
     keys = make_keys(3, seed="dup")
     a.store(keys)
-    mtimes = [os.stat(p).st_mtime_ns for p in block_files(disk_root)]
-    b = start(replicas, ours(disk_root))
+    identity = [(os.stat(p).st_ino, os.stat(p).st_mtime_ns) for p in block_files(shared_volume.a)]
+    b = start(replicas, ours(shared_volume.b))
     b.store(keys)
-    assert [os.stat(p).st_mtime_ns for p in block_files(disk_root)] == mtimes
+    # Checked through B's client: A's client could still answer a rewrite
+    # with attributes it cached before B's store.
+    assert [(os.stat(p).st_ino, os.stat(p).st_mtime_ns)
+            for p in block_files(shared_volume.b)] == identity
     assert b.tier.engine.counters["blocks_present"] == 3
 
 
@@ -178,9 +191,9 @@ def test_write_queue_bound_fails_stores_instead_of_growing(disk_root, replicas):
     volume_stalled = threading.Event()
     real_store = a.tier.engine.blockio.store
 
-    def slow_store(key, row):
+    def slow_store(key, row, *rest):
         volume_stalled.wait(30)
-        return real_store(key, row)
+        return real_store(key, row, *rest)
 
     a.tier.engine.blockio.store = slow_store
     keys = make_keys(30, seed="burst")
@@ -196,14 +209,14 @@ def test_write_queue_bound_fails_stores_instead_of_growing(disk_root, replicas):
     assert set(final.values()) == {HIT}
 
 
-def test_shutdown_after_a_failed_load_releases_the_primary_mapping(disk_root, replicas):
-    a = start(replicas, ours(disk_root))
+def test_shutdown_after_a_failed_load_releases_the_primary_mapping(shared_volume, replicas):
+    a = start(replicas, ours(shared_volume.a))
     keys = make_keys(2, seed="release")
     a.store(keys)
     os.truncate(a.tier.layout.block_path(keys[0]), 10)  # lookup says MISS
     with open(a.tier.layout.block_path(keys[1]), "r+b") as f:
         f.write(b"\xff" * 64)  # same size, bad checksum: the load fails
-    b = Replica(offloading_config(tiers=[ours(disk_root)]))
+    b = Replica(offloading_config(tiers=[ours(shared_volume.b)]))
     b.find(keys)
     assert b.tier.engine.counters["quarantined"] == 1
     region = b.manager.primary_tier._mmap_region
@@ -212,11 +225,11 @@ def test_shutdown_after_a_failed_load_releases_the_primary_mapping(disk_root, re
     assert region.mmap_obj is None
 
 
-def test_trailerless_files_are_refused_when_configured(disk_root, replicas):
-    writer = start(replicas, builtin(disk_root))
+def test_trailerless_files_are_refused_when_configured(shared_volume, replicas):
+    writer = start(replicas, builtin(shared_volume.a))
     keys = make_keys(2, seed="strict")
     writer.store(keys)
-    strict = start(replicas, ours(disk_root, accept_trailerless=False))
+    strict = start(replicas, ours(shared_volume.b, accept_trailerless=False))
     final, _ = strict.find(keys)
     assert final == dict.fromkeys(keys, MISS)  # lookup already rejects the size
     assert strict.tier.engine.counters["blocks_unverified"] == 0
@@ -231,13 +244,13 @@ replica.close()
 """
 
 
-def test_blocks_stored_by_another_process_are_found_byte_exact(volume, replicas):
+def test_blocks_stored_by_another_process_are_found_byte_exact(shared_volume, replicas):
     import subprocess
     import sys
 
-    done = subprocess.run([sys.executable, "-c", STORE_IN_ANOTHER_PROCESS, volume],
+    done = subprocess.run([sys.executable, "-c", STORE_IN_ANOTHER_PROCESS, shared_volume.a],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
-    reader = start(replicas, ours(volume))
+    reader = start(replicas, ours(shared_volume.b))
     assert_all_promoted_byte_exact(reader, make_keys(5, seed="cross-process"))
     assert reader.tier.engine.counters["blocks_verified"] == 5
