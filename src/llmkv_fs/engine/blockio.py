@@ -12,6 +12,7 @@ the trailer travels in the same syscall from a per-thread aligned page.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import enum
@@ -152,6 +153,9 @@ class BlockIO:
         # threads; single dict operations are atomic under the GIL, and a
         # lost update only costs one extra stamp.
         self._stamped: dict[str, float] = {}
+        # Paths loaded since the last apply_access_stamps; bounded so a
+        # stalled housekeeping thread cannot grow it without limit.
+        self._stamp_queue: collections.deque[str] = collections.deque(maxlen=_STAMP_MEMORY)
 
     # -- per-thread scratch ------------------------------------------------
 
@@ -281,7 +285,7 @@ class BlockIO:
             try:
                 outcome = self._check(key, row, scratch, n)
                 if self.options.stamp_access:
-                    self._stamp_access(fd, path)
+                    self._stamp_access(path)
                 return outcome
             except BlockFileError as exc:
                 bad, inode = exc, os.fstat(fd).st_ino
@@ -300,20 +304,31 @@ class BlockIO:
         reason = "truncated" if n < opts.block_size else "bad-length"
         raise BlockFileError(reason, f"{n} bytes, expected {opts.block_size + TRAILER_SIZE}")
 
-    def _stamp_access(self, fd: int, path: str) -> None:
-        """Record this load for LRU eviction (see layout.blockfile.last_used):
-        atime under relatime/noatime says nothing, so set it explicitly, at
-        most once per ACCESS_STAMP_INTERVAL_S per file and process."""
+    def _stamp_access(self, path: str) -> None:
+        """Note this load for LRU eviction (see layout.blockfile.last_used),
+        at most once per ACCESS_STAMP_INTERVAL_S per file and process. The
+        stamp itself is a metadata write (a SETATTR round trip on NFS), so
+        it is queued for ``apply_access_stamps`` off the load path."""
         now = time.monotonic()
         if now - self._stamped.get(path, -ACCESS_STAMP_INTERVAL_S) < ACCESS_STAMP_INTERVAL_S:
             return
         if len(self._stamped) >= _STAMP_MEMORY:
             self._stamped.clear()
         self._stamped[path] = now
-        # "Now" for both times needs only write permission or ownership; a
-        # replica of another uid without write permission simply can't stamp.
-        with contextlib.suppress(OSError):
-            os.utime(fd)
+        self._stamp_queue.append(path)
+
+    def apply_access_stamps(self) -> int:
+        """Set atime and mtime of every queued path to now (housekeeping
+        thread). atime under relatime/noatime says nothing, hence explicit.
+        "Now" for both needs only write permission or ownership; a replica
+        of another uid without it simply can't stamp. Returns the count."""
+        done = 0
+        while self._stamp_queue:
+            path = self._stamp_queue.popleft()
+            with contextlib.suppress(OSError):  # gone meanwhile, or not ours to stamp
+                os.utime(path, follow_symlinks=False)
+                done += 1
+        return done
 
     def quarantine(self, path: str, reason: str, inode: int | None = None) -> str | None:
         """Move a bad block file aside so no lookup finds it again. Skips the

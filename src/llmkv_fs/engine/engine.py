@@ -192,7 +192,7 @@ class FsEngine:
         )
         self.housekeeping = Housekeeping(
             self.guard, layout.base_path, settings.lease_interval_s,
-            settings.file_mode, settings.dir_mode,
+            settings.file_mode, settings.dir_mode, stamp=self.blockio.apply_access_stamps,
         )
         self._error_log = _ThrottledErrorLog()
         # Submit-to-report seconds per finished job, by direction; whoever

@@ -3,8 +3,9 @@ belongs to no transfer -- sampling free space for the space guard, writing
 and refreshing this tier's lease, and warning when live replicas of the same
 digest hash blocks differently (they would never share a block).
 
-Threading: one daemon thread owns the lease file and calls
-``SpaceGuard.sample``. The owner only calls ``set_lease`` (hands a Lease
+Threading: one daemon thread owns the lease file, calls
+``SpaceGuard.sample`` and applies queued access stamps (``stamp``, a
+callable from the engine). The owner only calls ``set_lease`` (hands a Lease
 over, returns at once) and ``stop`` (joins; removes the lease).
 """
 
@@ -15,6 +16,7 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Callable
 
 from llmkv_fs.engine.space import SpaceGuard
 from llmkv_fs.layout.files import DEFAULT_DIR_MODE, DEFAULT_FILE_MODE
@@ -35,8 +37,10 @@ class Housekeeping:
         lease_interval_s: float,
         file_mode: int = DEFAULT_FILE_MODE,
         dir_mode: int = DEFAULT_DIR_MODE,
+        stamp: Callable[[], int] | None = None,
     ):
         self.guard = guard
+        self._stamp = stamp
         self.digest_dir = digest_dir
         self.lease_interval_s = lease_interval_s
         self._modes = (file_mode, dir_mode)
@@ -61,6 +65,7 @@ class Housekeeping:
         self._stopping = True
         self._wake.set()
         self._thread.join()
+        self._apply_stamps()
         if self.lease_path is not None:
             remove_lease(self.lease_path)
             self.lease_path = None
@@ -73,10 +78,15 @@ class Housekeeping:
             if self._stopping:
                 return
             self._sample_space()
+            self._apply_stamps()
             now = time.monotonic()
             if self._pending_lease is not None or (self.lease is not None and now >= next_lease):
                 self._tend_lease()
                 next_lease = now + self.lease_interval_s
+
+    def _apply_stamps(self) -> None:
+        if self._stamp is not None:
+            self._stamp()
 
     def _sample_space(self) -> None:
         try:

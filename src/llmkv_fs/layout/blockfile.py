@@ -78,6 +78,9 @@ class Trailer:
         return bool(self.flags & FLAG_CHECKSUM)
 
 
+_ZEROS = bytes(TRAILER_SIZE)
+
+
 def payload_checksum(payload) -> int:
     """xxh3-64 of a buffer (zero-copy: xxhash reads the buffer protocol)."""
     return xxhash.xxh3_64_intdigest(payload)
@@ -100,7 +103,7 @@ def pack_trailer(
     # The page is reused (and also serves reads): the format promises zeros
     # after the trailer, so nothing from an earlier use may leak into a file.
     tail_end = key_end + _TAIL.size
-    out[tail_end:] = bytes(len(out) - tail_end)
+    out[tail_end:] = _ZEROS[: len(out) - tail_end]
 
 
 def unpack_trailer(buf) -> Trailer:

@@ -37,30 +37,47 @@ def needs_chmod(mode: int) -> bool:
 
 def make_dirs(path: str, dir_mode: int = DEFAULT_DIR_MODE) -> None:
     """``os.makedirs(path, exist_ok=True)``, giving every directory it creates
-    exactly ``dir_mode``. Safe against a concurrent creator or remover of any
-    level: a level that appears meanwhile is fine, one removed meanwhile (gc
-    pruning empty directories) is created again."""
-    missing: list[str] = []
-    probe = path
-    while probe and not os.path.isdir(probe):
-        missing.append(probe)
-        parent = os.path.dirname(probe)
-        if parent == probe:
-            break
-        probe = parent
+    exactly ``dir_mode``. Tries the leaf first (on a young cache the parent
+    usually exists: one mkdir, plus a chmod if the umask strips bits) and
+    walks up only on ENOENT. Safe against a concurrent creator or remover of
+    any level: a level that appears meanwhile is fine, one removed meanwhile
+    (gc pruning empty directories) is created again."""
     for _attempt in range(8):
         try:
-            for directory in reversed(missing):
-                try:
-                    os.mkdir(directory, dir_mode)
-                except FileExistsError:
-                    continue
-                if needs_chmod(dir_mode):
-                    os.chmod(directory, dir_mode)
+            _make_dir_chain(path, dir_mode)
             return
         except FileNotFoundError:
             continue  # a parent vanished between two mkdirs: go again
     os.makedirs(path, dir_mode, exist_ok=True)  # raise the real error
+
+
+def _make_dir_chain(path: str, dir_mode: int) -> None:
+    missing = []
+    probe = path
+    while True:
+        try:
+            os.mkdir(probe, dir_mode)
+        except FileExistsError:
+            if not os.path.isdir(probe):
+                raise NotADirectoryError(probe) from None
+            break
+        except FileNotFoundError:
+            parent = os.path.dirname(probe)
+            if parent == probe:
+                raise
+            missing.append(probe)
+            probe = parent
+            continue
+        if needs_chmod(dir_mode):
+            os.chmod(probe, dir_mode)
+        break
+    for directory in reversed(missing):
+        try:
+            os.mkdir(directory, dir_mode)
+        except FileExistsError:
+            continue
+        if needs_chmod(dir_mode):
+            os.chmod(directory, dir_mode)
 
 
 def write_file_atomically(

@@ -15,7 +15,7 @@ def _demo(args: argparse.Namespace) -> int:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     from llmkv_fs.tier.demo import run_demo
 
-    return run_demo(args.root, args.blocks, args.block_mib, args.threads, args.keep)
+    return run_demo(args)
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -74,12 +74,31 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"llmkv-fs {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    demo = sub.add_parser("demo", help="two vLLM engines share KV blocks through llmkv_fs")
-    demo.add_argument("--root", help="cache root (default: a temporary directory)")
-    demo.add_argument("--blocks", type=int, default=32, help="chunks to store (default 32)")
+    demo = sub.add_parser(
+        "demo", help="vLLM replicas in separate processes share KV chunks through llmkv_fs",
+        description="Two replicas (separate processes, vLLM's real scheduler-side offloading "
+        "stack on CPU) serve requests with shared prefixes and find each other's chunks on the "
+        "volume; then a restarted replica finds them too. Exit status 0 only if every loaded "
+        "byte matched and the restarted replica hit.")
+    demo.add_argument("--root", help="cache root, e.g. a PVC mount (default: a temporary "
+                      "directory, removed afterwards)")
+    demo.add_argument("--keep", action="store_true", help="keep the temporary root")
+    demo.add_argument("--docs", type=int, default=4,
+                      help="documents (shared prefixes) requests are built on (default 4)")
+    demo.add_argument("--doc-chunks", type=int, default=8,
+                      help="chunks (16 tokens each) per document (default 8)")
+    demo.add_argument("--suffix-chunks", type=int, default=2,
+                      help="unique chunks after the document in each request (default 2)")
+    demo.add_argument("--requests", type=int, default=8,
+                      help="requests each of the two first replicas serves (default 8)")
     demo.add_argument("--block-mib", type=int, default=2, help="chunk size in MiB (default 2)")
     demo.add_argument("--threads", type=int, default=4, help="read and write threads each")
-    demo.add_argument("--keep", action="store_true", help="keep the temporary root")
+    demo.add_argument("--cpu-chunks", type=int, default=0,
+                      help="CPU tier size in chunks per replica (default: two requests)")
+    demo.add_argument("--hash-algo", default="sha256",
+                      choices=["sha256", "sha256_cbor", "xxhash", "xxhash_cbor"],
+                      help="vLLM prefix-caching hash algorithm (default sha256)")
+    demo.add_argument("--damage", choices=["bitflip", "trailerless"], help=argparse.SUPPRESS)
     demo.set_defaults(func=_demo)
 
     from llmkv_fs.tier.bench import add_arguments as bench_arguments  # stdlib-only at import

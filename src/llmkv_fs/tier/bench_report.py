@@ -1,0 +1,289 @@
+"""Rendering for ``llmkv-fs bench``: the machine's description, the markdown
+tables, the JSON document and the PNG plots (Pillow's ImageDraw only).
+
+Everything here works on the plain result dict that ``bench.py`` builds, so a
+saved ``--json`` file can be re-rendered without re-running anything.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import platform
+import re
+import sys
+
+__all__ = ["fs_of", "machine_info", "markdown", "plot_all", "write_json"]
+
+DIRECTIONS = ("store", "load")
+SERIES = (("ours", "llmkv_fs", (31, 119, 180)), ("builtin", "vLLM built-in fs", (255, 127, 14)),
+          ("reference", "fio (physical)", (90, 90, 90)))
+
+
+# -- the machine -------------------------------------------------------------------
+
+def fs_of(path: str) -> dict[str, str]:
+    """Mount point, filesystem type and device of ``path`` (/proc/mounts)."""
+    real = os.path.realpath(path)
+    best = {"mount": "/", "fstype": "?", "device": "?"}
+    try:
+        with open("/proc/mounts", encoding="utf-8") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return best
+    best_len = -1
+    for line in lines:
+        parts = line.split()
+        if len(parts) < 3:
+            continue
+        mount = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), parts[1])
+        inside = real == mount or real.startswith(mount.rstrip("/") + "/")
+        if inside and len(mount) >= best_len:  # later mounts shadow earlier ones
+            best, best_len = {"mount": mount, "fstype": parts[2], "device": parts[0]}, len(mount)
+    return best
+
+
+def _ram_gib() -> float | None:
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) / (1 << 20)
+    except OSError:
+        pass
+    return None
+
+
+def machine_info(dirs: list[str]) -> dict:
+    from importlib.metadata import PackageNotFoundError, version
+
+    from llmkv_fs.engine.numa import read_topology
+
+    try:
+        vllm_version = version("vllm")
+    except PackageNotFoundError:
+        vllm_version = None
+    try:  # the built-in tier's native batch I/O; without it, a Python loop
+        fsio_c = importlib.util.find_spec("vllm.fs_io_C") is not None
+    except ImportError:
+        fsio_c = False
+    topo = read_topology()
+    ram = _ram_gib()
+    return {
+        "node": platform.node(), "cpus": os.cpu_count(),
+        "allowed_cpus": len(topo.allowed_cpus),
+        "numa_nodes": sum(1 for cpus in topo.nodes.values() if cpus),
+        "ram_gib": round(ram, 1) if ram else None, "kernel": platform.release(),
+        "python": platform.python_version(), "vllm": vllm_version, "vllm_fs_io_C": fsio_c,
+        "media": {d: fs_of(d) for d in dirs},
+    }
+
+
+def describe_machine(m: dict) -> str:
+    media = "; ".join(f"`{d}` {fs['fstype']} ({fs['device']} on {fs['mount']})"
+                      for d, fs in m["media"].items())
+    return (f"Machine `{m['node']}`: {m['cpus']} CPUs ({m['allowed_cpus']} allowed), "
+            f"{m['numa_nodes']} NUMA node(s), {m['ram_gib']} GiB RAM, Linux {m['kernel']}, "
+            f"Python {m['python']}, vLLM {m['vllm']} (fs_io_C {'loaded' if m['vllm_fs_io_C'] else 'absent'}). "
+            f"Media: {media}.")
+
+
+# -- tables ------------------------------------------------------------------------
+
+def _f(x: float | None, fmt: str = ".2f", suffix: str = "") -> str:
+    return "–" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:{fmt}}{suffix}"
+
+
+def markdown(result: dict) -> str:
+    a = result["args"]
+    out = [describe_machine(result["machine"]), ""]
+    out.append(
+        f"{a['jobs']} jobs x {a['blocks_per_job']} blocks per direction, median of {a['rounds']} "
+        f"alternating rounds; ours: checksum={a['checksum']} durability={a['durability']}; "
+        f"threads = n_read_threads = n_write_threads (2x that many serve a one-direction burst; "
+        f"the reference runs that many jobs)."
+    )
+    out += ["", "### Throughput (GB/s, median)", "",
+            "| medium | block | threads | store ours | built-in | ratio | ref | ours % ref "
+            "| load ours | built-in | ratio | ref | ours % ref |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for c in result["cases"]:
+        row = [f"`{c['medium']}` {c['fs']['fstype']}", f"{c['block_mib']:g} MiB", str(c["threads"])]
+        for d in DIRECTIONS:
+            ref = c["reference"][d]["gbps"] if c.get("reference") else None
+            ours = c["tiers"]["ours"][d]["gbps"]
+            row += [_f(ours), _f(c["tiers"]["builtin"][d]["gbps"]),
+                    _f(c["ratio"][d], suffix="x"), _f(ref),
+                    _f(100 * ours / ref if ref else None, ".0f", " %")]
+        out.append("| " + " | ".join(row) + " |")
+    refs = {(c["reference"]["tool"], c["reference"]["direct"]) for c in result["cases"]
+            if c.get("reference")}
+    if refs:
+        out += ["", "Reference: " + ", ".join(
+            f"{tool} ({'O_DIRECT' if direct else 'buffered'})" for tool, direct in sorted(refs))
+            + ", one file per block, psync."]
+    out += ["", "### Job latency and scheduler-thread cost", "",
+            "| medium | block | threads | dir | p50 ms ours / built-in | p99 ms ours / built-in "
+            "| sched µs/block ours / built-in |", "|---|---|---|---|---|---|---|"]
+    for c in result["cases"]:
+        o, b = c["tiers"]["ours"], c["tiers"]["builtin"]
+        for d in DIRECTIONS:
+            out.append(
+                f"| `{c['medium']}` | {c['block_mib']:g} MiB | {c['threads']} | {d} "
+                f"| {_f(o[d]['p50_ms'])} / {_f(b[d]['p50_ms'])} "
+                f"| {_f(o[d]['p99_ms'])} / {_f(b[d]['p99_ms'])} "
+                f"| {_f(o[d]['sched_us_per_block'], '.1f')} / {_f(b[d]['sched_us_per_block'], '.1f')} |")
+    mixed = [c for c in result["cases"] if c.get("mixed")]
+    if mixed:
+        out += ["", "### Loads during a store backlog (--mixed)", "",
+                "| medium | block | threads | backlog (blocks) | loads | idle p50 ms ours / built-in "
+                "| p50 ms ours / built-in | p99 ms ours / built-in | ratio p99 |",
+                "|---|---|---|---|---|---|---|---|---|"]
+        for c in mixed:
+            o, b = c["mixed"]["ours"], c["mixed"]["builtin"]
+            out.append(
+                f"| `{c['medium']}` | {c['block_mib']:g} MiB | {c['threads']} "
+                f"| {c['mixed']['store_blocks']} | {o['n']} / {b['n']} "
+                f"| {_f(o['idle_p50_ms'])} / {_f(b['idle_p50_ms'])} "
+                f"| {_f(o['p50_ms'])} / {_f(b['p50_ms'])} | {_f(o['p99_ms'])} / {_f(b['p99_ms'])} "
+                f"| {_f(o['p99_ms'] / b['p99_ms'] if o['p99_ms'] and b['p99_ms'] else None, suffix='x')} |")
+    return "\n".join(out) + "\n"
+
+
+def write_json(result: dict, path: str) -> None:
+    if path == "-":
+        json.dump(result, sys.stdout, indent=2)
+        print()
+        return
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(result, f, indent=2)
+        f.write("\n")
+
+
+# -- plots ---------------------------------------------------------------------------
+
+def _nice_step(span: float, ticks: int = 5) -> float:
+    raw = span / max(1, ticks)
+    mag = 10 ** math.floor(math.log10(raw)) if raw > 0 else 1.0
+    for m in (1, 2, 2.5, 5, 10):
+        if raw <= m * mag:
+            return m * mag
+    return 10 * mag
+
+
+def _font(size: int):
+    from PIL import ImageFont
+
+    try:
+        return ImageFont.load_default(size=size)
+    except TypeError:  # Pillow < 10.1: fixed bitmap font
+        return ImageFont.load_default()
+
+
+def _dashed(draw, p, q, fill, width, dash=8):
+    (x0, y0), (x1, y1) = p, q
+    length = math.hypot(x1 - x0, y1 - y0)
+    for i in range(0, int(length), 2 * dash):
+        a, b = i / length, min(i + dash, length) / length
+        draw.line([(x0 + (x1 - x0) * a, y0 + (y1 - y0) * a),
+                   (x0 + (x1 - x0) * b, y0 + (y1 - y0) * b)], fill=fill, width=width)
+
+
+def plot_one(path: str, title: str, subtitle: str, xs: list[int],
+             series: list[tuple[str, tuple[int, int, int], list[float | None], bool]]) -> None:
+    from PIL import Image, ImageDraw
+
+    w, h, left, right, top, bottom = 1100, 600, 90, 250, 90, 80
+    img = Image.new("RGB", (w, h), "white")
+    draw = ImageDraw.Draw(img)
+    big, small = _font(20), _font(15)
+    draw.text((left, 18), title, fill="black", font=big)
+    draw.text((left, 48), subtitle, fill=(80, 80, 80), font=small)
+    values = [v for _, _, ys, _ in series for v in ys if v is not None]
+    step = _nice_step(max(values, default=1.0) * 1.1)
+    ymax = step * math.ceil(max(values, default=1.0) * 1.1 / step)
+    x0, x1, y0, y1 = left, w - right, h - bottom, top
+
+    def px(i: int) -> float:
+        return x0 + (x1 - x0) * (0.5 if len(xs) == 1 else 0.04 + 0.92 * i / (len(xs) - 1))
+
+    def py(v: float) -> float:
+        return y0 - (y0 - y1) * v / ymax
+
+    tick = 0.0
+    while tick <= ymax + 1e-9:
+        y = py(tick)
+        draw.line([(x0, y), (x1, y)], fill=(225, 225, 225))
+        draw.line([(x0 - 5, y), (x0, y)], fill="black")
+        label = f"{tick:g}"
+        draw.text((x0 - 10 - draw.textlength(label, font=small), y - 8), label, fill="black", font=small)
+        tick += step
+    for i, x in enumerate(xs):
+        draw.line([(px(i), y0), (px(i), y0 + 5)], fill="black")
+        label = str(x)
+        draw.text((px(i) - draw.textlength(label, font=small) / 2, y0 + 8), label, fill="black", font=small)
+    draw.line([(x0, y0), (x1, y0)], fill="black", width=2)
+    draw.line([(x0, y0), (x0, y1)], fill="black", width=2)
+    xlabel = "I/O threads per side (n_read_threads = n_write_threads)"
+    draw.text(((x0 + x1) / 2 - draw.textlength(xlabel, font=small) / 2, h - 40), xlabel,
+              fill="black", font=small)
+    draw.text((12, top - 28), "GB/s", fill="black", font=small)
+    for name, color, ys, dashed in series:
+        points = [(px(i), py(v)) for i, v in enumerate(ys) if v is not None]
+        for p, q in zip(points, points[1:]):
+            (_dashed if dashed else lambda d, a, b, fill, width: d.line([a, b], fill=fill, width=width))(
+                draw, p, q, fill=color, width=3)
+        for x, y in points:
+            draw.ellipse([x - 5, y - 5, x + 5, y + 5], fill=color)
+    lx, ly = x1 + 24, y1 + 8  # legend right of the plot area: never over a line
+    box_w = max(draw.textlength(n, font=small) for n, *_ in series) + 44
+    draw.rectangle([lx - 6, ly - 6, lx + box_w, ly + 24 * len(series)], fill="white",
+                   outline=(160, 160, 160))
+    for k, (name, color, _, dashed) in enumerate(series):
+        yy = ly + 24 * k + 9
+        if dashed:
+            _dashed(draw, (lx, yy), (lx + 28, yy), fill=color, width=3, dash=5)
+        else:
+            draw.line([(lx, yy), (lx + 28, yy)], fill=color, width=3)
+        draw.text((lx + 36, yy - 9), name, fill="black", font=small)
+    img.save(path)
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9]+", "_", text).strip("_") or "root"
+
+
+def plot_all(result: dict, plot_dir: str) -> list[str]:
+    """One PNG per medium, block size and direction: GB/s against threads."""
+    os.makedirs(plot_dir, exist_ok=True)
+    m = result["machine"]
+    written = []
+    groups: dict[tuple[str, float], list[dict]] = {}
+    for c in result["cases"]:
+        groups.setdefault((c["medium"], c["block_mib"]), []).append(c)
+    for (medium, block), cases in groups.items():
+        cases.sort(key=lambda c: c["threads"])
+        xs = [c["threads"] for c in cases]
+        fs = cases[0]["fs"]
+        ref_tool = next((c["reference"]["tool"] for c in cases if c.get("reference")), None)
+        for d in DIRECTIONS:
+            series = []
+            for key, label, color in SERIES:
+                if key == "reference":
+                    if ref_tool is None:
+                        continue
+                    ys = [c["reference"][d]["gbps"] if c.get("reference") else None for c in cases]
+                    label = "fio (physical)" if ref_tool == "fio" else "python O_DIRECT/psync (physical)"
+                else:
+                    ys = [c["tiers"][key][d]["gbps"] for c in cases]
+                series.append((label, color, ys, key == "reference"))
+            title = f"{d} GB/s vs threads: {medium} ({fs['fstype']}), {block:g} MiB blocks"
+            subtitle = (f"{m['node']}, {m['cpus']} CPUs, {m['ram_gib']} GiB RAM, {fs['device']} on "
+                        f"{fs['mount']}; {result['args']['jobs']}x{result['args']['blocks_per_job']} "
+                        f"blocks/round, median of {result['args']['rounds']}")
+            path = os.path.join(plot_dir, f"bench_{_slug(medium)}_{block:g}MiB_{d}.png")
+            plot_one(path, title, subtitle, xs, series)
+            written.append(path)
+    return written
