@@ -199,6 +199,7 @@ class FsEngine:
         # publishes metrics takes and clears them.
         self.job_latencies: dict[str, list[float]] = {"load": [], "store": []}
         self._rejected: list[FinishedJob] = []
+        self._stalled = False  # as of the last stalled() (lookups read this)
         self._pool = IoPool(
             self._execute,
             settings.n_read_threads,
@@ -290,11 +291,13 @@ class FsEngine:
         """The volume stopped answering: an expired job still has a block
         inside a syscall, or a lookup batch is overdue. Clears by itself
         when the calls return."""
-        return self._pool.stuck_blocks() > 0 or self._lookups.stuck()
+        self._stalled = self._pool.stuck_blocks() > 0 or self._lookups.stuck()
+        return self._stalled
 
     def take_finished(self) -> list[FinishedJob]:
         expired = self._pool.expire_overdue()
         if expired:
+            self.stalled()
             self.counters["blocks_deadline_expired"] += expired
             self._error_log.report("deadline", f"{expired} block(s) passed job_timeout_s")
         results, self._rejected = self._rejected, []
@@ -350,12 +353,15 @@ class FsEngine:
         )
 
     def lookup(self, key: bytes, request_id: str) -> bool | None:
-        verdict = False if self.stalled() else self._lookups.lookup(key, request_id)
+        # The step's cached verdict: a per-key clock read would cost more
+        # than the lookup itself, and a stall is detected per step anyway.
+        verdict = False if self._stalled else self._lookups.lookup(key, request_id)
         self.counters[_LOOKUP_COUNTER[verdict]] += 1
         return verdict
 
     def end_step(self) -> None:
         self._lookups.end_step()
+        self.stalled()
         expired = self._lookups.expire_overdue()
         if expired:
             self.counters["lookups_deadline_missed"] += expired
