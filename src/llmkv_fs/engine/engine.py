@@ -295,6 +295,8 @@ class FsEngine:
         return self._stalled
 
     def take_finished(self) -> list[FinishedJob]:
+        if not self._rejected and not self._pool.has_news():
+            return []  # vLLM polls every millisecond: keep the empty case cheap
         expired = self._pool.expire_overdue()
         if expired:
             self.stalled()

@@ -111,8 +111,10 @@ class IoJob:
         for index in indices:
             self.outcomes[index] = outcome
         self._left -= len(indices)
+        now = time.monotonic()
         if self.first_start is None:
-            self.first_start = self.last_end = time.monotonic()
+            self.first_start = now
+        self.last_end = max(self.last_end, now)
         return self._claim_report()
 
     def _claim_report(self) -> bool:
@@ -201,6 +203,14 @@ class IoPool:
             if job.deadline is not None:
                 self._watched.append(job)
             self._cond.notify(n)
+
+    def has_news(self) -> bool:
+        """Whether take_finished or expire_overdue has anything to do: the
+        cheap test the owner's frequent empty polls take."""
+        if self._finished:
+            return True
+        watched = self._watched
+        return bool(watched) and (watched[0].reported or watched[0].deadline <= time.monotonic())
 
     def take_finished(self) -> list[IoJob]:
         # The deque is appended by workers and popped only here: popleft is
