@@ -152,7 +152,8 @@ class Replica:
             # Stand-in for the GPU->CPU DMA the worker would do.
             self.rows[chunk, :] = np.frombuffer(payload(key, self.row_bytes), dtype=np.int8)
         with self.manager.lock:
-            self.manager.complete_store(list(keys), ctx)
+            # As vLLM's connector does: only what prepare_store asked for.
+            self.manager.complete_store(list(out.keys_to_store), ctx)
         self.finish_request(ctx)
         if settle:
             self.settle()
