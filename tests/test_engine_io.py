@@ -179,8 +179,8 @@ def test_truncated_file_is_quarantined(disk_root, engines):
     assert len(os.listdir(layout.quarantine_dir)) == 1
 
 
-def test_trailerless_file_loads_unverified(volume, engines):
-    engine, layout, primary = engines(volume, n_blocks=4)
+def test_trailerless_file_loads_unverified_when_accepted(volume, engines):
+    engine, layout, primary = engines(volume, n_blocks=4, accept_trailerless=True)
     key = make_key("vllm-builtin")
     path = layout.block_path(key)
     os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -199,6 +199,23 @@ def test_trailerless_file_loads_unverified(volume, engines):
     assert wait_jobs(engine, [2])[2].success
     assert engine.counters["blocks_present"] == 1
     assert os.path.getsize(path) == BS
+
+
+def test_trailerless_file_is_refused_by_default_and_replaced_by_a_store(volume, engines):
+    engine, layout, primary = engines(volume, n_blocks=4)
+    key = make_key("vllm-builtin")
+    path = layout.block_path(key)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "wb") as f:
+        f.write(pattern("raw"))
+    assert settle(engine, key, "req") is False  # nothing we could verify is there
+    engine.submit_load(1, [key], [2])
+    assert not wait_jobs(engine, [1])[1].success  # the row's bytes are never reported
+    assert engine.counters["load_corrupt_bad-length"] == 1
+    assert not os.path.exists(path)  # quarantined
+    store_blocks(engine, primary, 2, ["vllm-builtin"], [0])
+    assert engine.counters["blocks_written"] == 1
+    assert os.path.getsize(path) == BS + TRAILER_SIZE
 
 
 # -- lookups ----------------------------------------------------------------------------------

@@ -71,7 +71,8 @@ def test_builtin_written_root_is_read_by_ours(shared_volume, replicas):
     files = block_files(shared_volume.a)
     assert [os.path.getsize(f) for f in files] == [writer.row_bytes] * 4  # vLLM: no trailer
 
-    reader = start(replicas, ours(shared_volume.b))
+    # Opt-in: trailer-less files carry no key or checksum.
+    reader = start(replicas, ours(shared_volume.b, accept_trailerless=True))
     assert_all_promoted_byte_exact(reader, keys)
     assert reader.tier.engine.counters["blocks_unverified"] == 4
 

@@ -183,10 +183,12 @@ SETTINGS: tuple[Setting, ...] = (
         _boolean,
     ),
     Setting(
-        "accept_trailerless", True,
-        "Load trailer-less files of exactly one chunk (what vLLM's built-in fs "
-        "tier writes) as unverified. Set false on a volume only llmkv_fs writes, "
-        "so nothing unverified ever reaches the CPU tier.",
+        "accept_trailerless", False,
+        "Also load trailer-less files of exactly one chunk (what vLLM's built-in "
+        "fs tier writes), as unverified. Off by default: such a file carries no "
+        "key or checksum, so a torn or damaged one would reach the CPU tier "
+        "unchecked. Turn it on only for a volume shared with replicas running "
+        "vLLM's built-in tier.",
         _boolean,
     ),
     Setting(
@@ -278,7 +280,7 @@ class TierSettings:
     locality: str | None = None
     durability: str = "none"
     checksum: bool = True
-    accept_trailerless: bool = True
+    accept_trailerless: bool = False
     io_mode: str = "auto"
     numa_node: str | int = "auto"
     max_pending_store_blocks: int = 1024

@@ -71,7 +71,7 @@ class IoOptions:
     fsync_file: bool
     fsync_dir: bool
     checksum: bool
-    accept_trailerless: bool = True
+    accept_trailerless: bool = False
     file_mode: int = DEFAULT_FILE_MODE
     dir_mode: int = DEFAULT_DIR_MODE
     stamp_access: bool = True
