@@ -13,10 +13,11 @@ restarted replica starts:
   test asserts the quarantine is reported and on disk, that the restarted
   replica hit exactly one chunk fewer, and that every loaded chunk matched.
 * ``trailerless`` (same flipped bit, our trailer cut off: the format vLLM's
-  built-in tier writes, which llmkv_fs loads unverified by default): the tier
-  cannot tell, so a wrong chunk reaches the CPU tier. This is the case that
-  shows the demo's verification is real: it must report the wrong chunk and
-  exit non-zero.
+  built-in tier writes). By default the tier refuses such a file (nothing to
+  verify), quarantines it and the demo exits 0. With the opt-in
+  ``accept_trailerless`` the tier cannot tell, so a wrong chunk reaches the CPU
+  tier: this shows the demo's own verification is real -- it must report the
+  wrong chunk and exit non-zero.
 """
 
 import glob
@@ -115,8 +116,16 @@ def test_a_damaged_file_is_quarantined_and_recomputed_never_served(tmpfs_root):
     assert len(block_files(tmpfs_root)) == DOCS * DOC_CHUNKS + (2 * REQUESTS + DOCS) * SUFFIX
 
 
-def test_a_wrong_chunk_the_tier_cannot_detect_fails_the_demo(tmpfs_root):
+def test_a_trailerless_file_is_not_trusted_by_default(tmpfs_root):
     proc = run_demo(tmpfs_root, "--damage", "trailerless")
+    assert proc.returncode == 0 and "WRONG" not in proc.stdout
+    # Not found (nothing to verify), recomputed, and stored again with a trailer.
+    assert tallies(proc.stdout)["r3"]["hits"] == RESTART_HITS - 1
+    assert {os.path.getsize(f) for f in block_files(tmpfs_root)} == {(1 << 20) + 4096}
+
+
+def test_a_wrong_chunk_the_tier_cannot_detect_fails_the_demo(tmpfs_root):
+    proc = run_demo(tmpfs_root, "--damage", "trailerless", "--accept-trailerless")
     assert proc.returncode == 1
     assert "FAILED: 1 loaded chunk(s) did not match" in proc.stdout
     assert "1 loaded chunks WRONG" in proc.stdout and "1 unverified (trailer-less)" in proc.stdout

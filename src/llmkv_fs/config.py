@@ -239,8 +239,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting(
         "min_free_bytes", 0,
         'Space guard: drop new stores while fewer bytes than this are free '
-        '(an integer or a string such as "20GiB"). ENOSPC also trips the guard '
-        "until the next sample shows room.",
+        '(an integer or a string such as "20GiB"). ENOSPC also trips the guard, '
+        "until free space has grown by one block per I/O thread (someone, e.g. "
+        "gc, made room).",
         _byte_size,
     ),
     Setting(

@@ -188,7 +188,8 @@ class FsEngine:
         self.counters: collections.Counter[str] = collections.Counter()
         self.guard = SpaceGuard(
             layout.root_dir, settings.max_usage_percent, settings.min_free_bytes,
-            headroom_bytes=block_size * (settings.n_write_threads + 1),
+            # Every I/O thread may start a store the moment the guard lifts.
+            headroom_bytes=block_size * (settings.n_read_threads + settings.n_write_threads + 1),
         )
         self.housekeeping = Housekeeping(
             self.guard, layout.base_path, settings.lease_interval_s,

@@ -72,8 +72,11 @@ class Housekeeping:
 
     def _run(self) -> None:
         next_lease = 0.0
+        # Wake often enough for a short lease interval too: a lease refreshed
+        # less often than its interval would look dead to gc and peers.
+        tick = min(SPACE_SAMPLE_INTERVAL_S, self.lease_interval_s / 2)
         while not self._stopping:
-            self._wake.wait(SPACE_SAMPLE_INTERVAL_S)
+            self._wake.wait(tick)
             self._wake.clear()
             if self._stopping:
                 return

@@ -20,7 +20,8 @@ Threading rules
 * ``expire_overdue`` (owner) answers MISS for keys whose batch has waited
   longer than the deadline -- a stalled mount blocks the lookup thread
   inside ``lstat`` -- so requests recompute instead of waiting. A late
-  answer still lands normally.
+  answer for a key decided that way is ignored (a failed load may have
+  overridden it meanwhile, and MISS is always safe).
 """
 
 from __future__ import annotations

@@ -99,6 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
                       choices=["sha256", "sha256_cbor", "xxhash", "xxhash_cbor"],
                       help="vLLM prefix-caching hash algorithm (default sha256)")
     demo.add_argument("--damage", choices=["bitflip", "trailerless"], help=argparse.SUPPRESS)
+    demo.add_argument("--accept-trailerless", action="store_true", help=argparse.SUPPRESS)
     demo.set_defaults(func=_demo)
 
     from llmkv_fs.tier.bench import add_arguments as bench_arguments  # stdlib-only at import

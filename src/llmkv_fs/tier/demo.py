@@ -113,7 +113,8 @@ class Tally:
 def _start(names: list[str], args, root, env) -> list[ReplicaProcess]:
     started = time.perf_counter()
     options = ["--root", root, "--block-bytes", str(args.block_mib * MiB), "--cpu-chunks",
-               str(args.cpu_chunks), "--threads", str(args.threads), "--hash-algo", args.hash_algo]
+               str(args.cpu_chunks), "--threads", str(args.threads), "--hash-algo", args.hash_algo,
+               *(["--accept-trailerless"] if args.accept_trailerless else [])]
     procs = [ReplicaProcess(n, options, env) for n in names]
     for p in procs:
         p.tally = Tally()

@@ -148,7 +148,8 @@ class ReplicaServer:
         self.hash_algo, self.fingerprint = hashing_identity()
         config = driver.offloading_config(
             tiers=[driver.ours(args.root, n_read_threads=args.threads,
-                               n_write_threads=args.threads)],
+                               n_write_threads=args.threads,
+                               accept_trailerless=args.accept_trailerless)],
             block_bytes=args.block_bytes,
             cpu_bytes=args.cpu_chunks * args.block_bytes,
             engine_id=f"llmkv_demo_{args.name}_{os.getpid()}",
@@ -252,6 +253,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--cpu-chunks", type=int, required=True)
     p.add_argument("--threads", type=int, default=4)
     p.add_argument("--hash-algo", default="sha256")
+    p.add_argument("--accept-trailerless", action="store_true")
     return p.parse_args(argv)
 
 

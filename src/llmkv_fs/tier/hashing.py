@@ -16,7 +16,25 @@ import os
 from llmkv_fs.layout.leases import seed_fingerprint
 
 
-def _hash_algo() -> str:
+_ALGOS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
+
+
+def _hash_algo(none_hash: bytes | None) -> str:
+    """The prefix-caching hash algorithm in use. The tier is not handed the
+    vLLM config, so it is recognised by recomputing NONE_HASH from vLLM's
+    resolved seed with each algorithm; before NONE_HASH exists, the current
+    vLLM config (if any) or LLMKV_FS_HASH_ALGO tells."""
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core.kv_cache_utils import get_none_hash_seed
+
+    if none_hash is not None:
+        seed = get_none_hash_seed()
+        for name in _ALGOS:
+            try:
+                if bytes(get_hash_fn_by_name(name)(seed)) == none_hash:
+                    return name
+            except Exception:  # an algorithm missing its optional dependency
+                continue
     from vllm.config.vllm import get_current_vllm_config_or_none
 
     config = get_current_vllm_config_or_none()
@@ -29,10 +47,11 @@ def hashing_identity() -> tuple[str, str]:
     tier does, at its first scheduling step)."""
     from vllm.v1.core import kv_cache_utils
 
-    algo = _hash_algo()
     none_hash = getattr(kv_cache_utils, "NONE_HASH", None)
+    none_hash = None if none_hash is None else bytes(none_hash)
+    algo = _hash_algo(none_hash)
     if none_hash is not None:
-        return algo, seed_fingerprint(algo, bytes(none_hash).hex())
+        return algo, seed_fingerprint(algo, none_hash.hex())
     seed = os.environ.get("PYTHONHASHSEED")
     if seed is None:
         seed = None if algo.startswith("xxhash") else kv_cache_utils.DEFAULT_NONE_HASH_SEED

@@ -1,0 +1,377 @@
+"""Per-job deadlines and the stalled volume: FsEngine without vLLM (a Gate
+holds the I/O threads inside blockio.load/store, which is what a hung mount
+does), then the same through vLLM's real TieringOffloadingManager.
+
+Deadlines only fire when the owner polls (take_finished / end_step), so every
+test first waits until the I/O threads are provably held and only then lets
+the owner see the deadline: the order of events never depends on timing.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import threading
+import time
+
+import pytest
+
+from llmkv_fs.engine.blockio import BlockIO
+
+from engine_kit import (
+    BS,
+    DEADLINE_S,
+    GATE_TIMEOUT_S,
+    Gate,
+    fill,
+    make_key,
+    pattern,
+    row,
+    settle,
+    store_blocks,
+    wait_jobs,
+    wait_until,
+)
+
+TIMEOUT_S = 0.5
+
+
+def temp_files(root: str) -> list[str]:
+    return glob.glob(f"{root}/**/.*.tmp", recursive=True)
+
+
+def take_until(engine, predicate, what: str) -> list:
+    """Poll take_finished until ``predicate(all results so far)``."""
+    results = []
+    deadline = time.monotonic() + DEADLINE_S
+    while not predicate(results):
+        results += engine.take_finished()
+        if predicate(results):
+            break
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out waiting for {what}; got {results}")
+        time.sleep(0.002)
+    return results
+
+
+def record_temp_names(engine, monkeypatch) -> list[str]:
+    """Spy on the temp files a store creates (to check each is gone later)."""
+    made = []
+    real = engine.blockio._create_temp
+
+    def spy(tmp):
+        made.append(tmp)
+        return real(tmp)
+
+    monkeypatch.setattr(engine.blockio, "_create_temp", spy)
+    return made
+
+
+# -- stores ---------------------------------------------------------------------------------
+
+
+def test_stuck_store_fails_at_deadline_and_is_never_published(volume, engines, gate_for,
+                                                               monkeypatch):
+    disk_root = volume  # tmpfs, ext4 and GlusterFS
+    # A block already on the volume (stored with the default 30 s deadline).
+    seeder, _, seed_primary = engines(disk_root, n_blocks=2)
+    store_blocks(seeder, seed_primary, 1, ["old"], [0])
+
+    engine, layout, primary = engines(
+        disk_root, n_blocks=16, n_read_threads=1, n_write_threads=1, job_timeout_s=TIMEOUT_S,
+    )
+    temps = record_temp_names(engine, monkeypatch)
+    gate = gate_for(engine)
+    for c in range(5):
+        fill(primary, c, pattern(f"s{c}"))
+    first = [make_key(f"s{c}") for c in range(3)]
+    second = [make_key(f"s{c}") for c in (3, 4)]
+    submitted = time.monotonic()
+    assert engine.submit_store(1, first, [0, 1, 2])
+    gate.wait_entered(2)  # both threads hold a block of job 1; its third block is queued
+    assert engine.submit_store(2, second, [3, 4])  # queued behind it, never started
+    assert engine.queued_store_blocks() == 3
+    assert not engine.stalled()  # nobody is overdue yet
+
+    got = {j.job_id: j for j in take_until(
+        engine, lambda rs: {r.job_id for r in rs} >= {1, 2}, "the deadline to fail both stores")}
+    assert time.monotonic() - submitted >= TIMEOUT_S
+    assert not gate.opened.is_set()  # reported while its blocks are still held
+    assert not got[1].success and sorted(got[1].failed) == sorted(first) and got[1].succeeded == []
+    assert not got[2].success and sorted(got[2].failed) == sorted(second)
+    assert got[1].nbytes == got[2].nbytes == 0
+    c = engine.counters
+    assert c["blocks_deadline_expired"] == 5  # 2 in flight + 1 + 2 queued
+    assert c["store_deadline_failed"] == 5
+    assert c["blocks_written"] == 0
+    assert min(engine.job_latencies["store"]) >= TIMEOUT_S
+    assert [kind for _t, kind, _k in gate.entries] == ["store", "store"]  # queued ones never ran
+    assert engine.queued_store_blocks() == 0
+
+    # Stalled: the volume is not answering.
+    assert engine.stalled()
+    assert engine.gauges()["stuck_blocks"] == 2
+    fill(primary, 5, pattern("late"))
+    assert engine.submit_store(3, [make_key("late")], [5]) is False
+    assert engine.submit_load(4, [make_key("old")], [6]) is False
+    refused = {j.job_id: j for j in engine.take_finished()}  # at once, no I/O
+    assert set(refused) == {3, 4}
+    assert refused[3].failed == [make_key("late")] and not refused[3].is_load
+    assert refused[4].failed == [make_key("old")] and refused[4].is_load
+    assert c["store_blocks_dropped_stalled"] == 1 and c["load_blocks_failed_stalled"] == 1
+    assert engine.lookup(make_key("old"), "r") is False  # exists, but the volume is stalled
+    assert len(gate.entries) == 2
+    assert row(primary, 6) == bytes(BS)
+
+    # The volume answers again: the held writes run but must not publish.
+    gate.open()
+    wait_until(lambda: not engine.stalled(), "the stuck blocks to return")
+    assert engine.gauges()["stuck_blocks"] == 0
+    assert len(temps) == 2, temps  # both held blocks did write a temp file ...
+    for tmp in temps:
+        assert not os.path.lexists(tmp)  # ... and removed it
+    for key in first + second + [make_key("late")]:
+        assert not os.path.lexists(layout.block_path(key)), "an expired store was published"
+    assert temp_files(disk_root) == []
+    assert engine.take_finished() == []  # the abandoned blocks are not reported twice
+    assert c["blocks_written"] == 0 and c["store_errors"] == 0
+
+    # Threads recovered: a fresh round trip works byte-exact, and lookups
+    # answered during the stall were not remembered.
+    store_blocks(engine, primary, 10, ["fresh"], [7])
+    assert engine.submit_load(11, [make_key("fresh"), make_key("old")], [8, 9])
+    loaded = wait_jobs(engine, [11])[11]
+    assert loaded.success
+    assert row(primary, 8) == pattern("fresh") and row(primary, 9) == pattern("old")
+    assert settle(engine, make_key("old"), "r2") is True
+
+
+def test_store_failed_by_deadline_reports_a_sane_io_time(disk_root, engines, gate_for):
+    engine, _, primary = engines(
+        disk_root, n_blocks=2, n_read_threads=1, n_write_threads=1, job_timeout_s=TIMEOUT_S,
+    )
+    gate = gate_for(engine)
+    assert engine.submit_store(1, [make_key("t0"), make_key("t1")], [0, 1])
+    gate.wait_entered(2)
+    job = wait_jobs(engine, [1])[1]
+    assert not job.success
+    # Not 0.0 - first_start (last_end was never set: no block finished).
+    assert 0.0 <= job.io_seconds <= job.latency, job.io_seconds
+
+
+def test_store_that_finishes_in_time_is_unaffected(disk_root, engines):
+    engine, layout, primary = engines(disk_root, n_blocks=4, job_timeout_s=5.0)
+    store_blocks(engine, primary, 1, [0, 1, 2], [0, 1, 2])
+    assert engine.counters["blocks_written"] == 3
+    assert engine.counters["blocks_deadline_expired"] == 0
+    assert not engine.stalled()
+
+
+# -- loads ----------------------------------------------------------------------------------
+
+
+def test_stuck_load_is_reported_only_when_its_reads_return(disk_root, engines, gate_for):
+    seeder, _, seed_primary = engines(disk_root, n_blocks=4)
+    store_blocks(seeder, seed_primary, 1, range(4), range(4))
+
+    engine, _, primary = engines(
+        disk_root, n_blocks=8, n_read_threads=1, n_write_threads=1, job_timeout_s=TIMEOUT_S,
+    )
+    gate = gate_for(engine)
+    keys = [make_key(i) for i in range(4)]
+    held = {keys[0]: threading.Event(), keys[1]: threading.Event()}
+    gate.extra_wait.update(held)
+    gate.open()
+    try:
+        submitted = time.monotonic()
+        assert engine.submit_load(7, keys, [4, 5, 6, 7])
+        gate.wait_entered(2)  # blocks 0 and 1 are inside the read; 2 and 3 queued
+
+        # Past the deadline the queued blocks fail, but the job is held back:
+        # the kernel may still write into rows 4 and 5.
+        early = []
+
+        def overdue():
+            early.extend(engine.take_finished())
+            return engine.stalled()
+        wait_until(overdue, "the load to pass its deadline")
+        assert early == []  # not reported while a read is in flight
+        assert time.monotonic() - submitted >= TIMEOUT_S
+        assert engine.counters["blocks_deadline_expired"] == 2
+        assert engine.gauges()["stuck_blocks"] == 2
+        assert engine.gauges()["queued_load_blocks"] == 0
+
+        held[keys[0]].set()  # one read returns
+        wait_until(lambda: engine.gauges()["stuck_blocks"] == 1, "the first read to return")
+        assert engine.stalled()
+        assert engine.take_finished() == []  # still one read in flight
+        assert row(primary, 4) == pattern(0)  # the real read did land
+
+        held[keys[1]].set()
+        job = wait_jobs(engine, [7])[7]
+    finally:
+        for event in held.values():
+            event.set()
+    assert not engine.stalled()
+    assert job.is_load and not job.success
+    assert job.succeeded == keys[:2]  # completed reads keep their real result
+    assert job.failed == keys[2:]
+    assert job.latency >= TIMEOUT_S
+    assert row(primary, 4) == pattern(0) and row(primary, 5) == pattern(1)
+    assert row(primary, 6) == bytes(BS) and row(primary, 7) == bytes(BS)  # never started
+    assert engine.counters["blocks_verified"] == 2
+    assert engine.counters["load_deadline_failed"] == 2
+    assert {k for _t, kind, k in gate.entries if kind == "load"} == set(keys[:2])
+
+    # Recovered: a failed-by-deadline block loads fine now.
+    assert engine.submit_load(8, keys[2:], [6, 7])
+    assert wait_jobs(engine, [8])[8].success
+    assert row(primary, 6) == pattern(2) and row(primary, 7) == pattern(3)
+
+
+# -- lookups --------------------------------------------------------------------------------
+
+
+def test_overdue_lookups_miss_and_a_late_answer_keeps_the_failed_load_verdict(
+        disk_root, engines, monkeypatch):
+    release, entered = threading.Event(), threading.Event()
+    probed: list[bytes] = []
+
+    def hung_exists(self, key):  # a metadata call the volume does not answer
+        probed.append(key)
+        entered.set()
+        release.wait(GATE_TIMEOUT_S)
+        return True  # the late answer: "it is there"
+
+    monkeypatch.setattr(BlockIO, "exists", hung_exists)  # before the engine binds it
+    engine, _, _ = engines(disk_root, n_blocks=4, job_timeout_s=TIMEOUT_S)
+    plain, doomed, newcomer = make_key("plain"), make_key("doomed"), make_key("new")
+    try:
+        assert engine.lookup(plain, "r1") is None
+        assert engine.lookup(doomed, "r1") is None
+        engine.end_step()
+        posted = time.monotonic()
+        assert entered.wait(DEADLINE_S)
+
+        # A load of `doomed` fails (its file does not exist; or it is refused
+        # because the volume already counts as stalled): its verdict is forced
+        # to MISS while the existence check is still out.
+        engine.submit_load(1, [doomed], [0])
+        assert not wait_jobs(engine, [1])[1].success
+
+        def decided():
+            engine.end_step()
+            return engine.counters["lookups_deadline_missed"] == 2
+        wait_until(decided, "the lookup deadline")
+        assert time.monotonic() - posted >= TIMEOUT_S
+        assert engine.stalled()
+        assert engine.lookup(plain, "r1") is False
+        assert engine.lookup(doomed, "r1") is False
+        assert engine.lookup(newcomer, "r2") is False  # answered at once while stalled
+        assert probed == [plain]  # the batch is still held by its first check; no new one
+        assert engine.counters["lookup_retries"] == 2  # only the first two lookups
+    finally:
+        release.set()
+
+    def answered():
+        engine.end_step()
+        return not engine.stalled()
+    wait_until(answered, "the late answer")
+    # The late "found" must not turn the failed load's MISS into a HIT.
+    assert engine.lookup(doomed, "r1") is False
+    engine.end_step()
+    assert engine.lookup(doomed, "r1") is False
+    assert engine.counters["lookups_deadline_missed"] == 2
+    # Lookups work again: a fresh request gets a fresh check.
+    engine.forget_request("r1")
+    assert settle(engine, plain, "r3") is True
+    assert settle(engine, newcomer, "r3") is True
+    assert plain in probed[2:] and newcomer in probed[2:]
+
+
+@pytest.mark.parametrize(("job_timeout_s", "lookup_timeout_s"), [(2.0, 2.0), (60.0, 5.0)])
+def test_lookup_deadline_is_job_timeout_capped_at_5s(disk_root, engines, monkeypatch,
+                                                     job_timeout_s, lookup_timeout_s):
+    release = threading.Event()
+    monkeypatch.setattr(BlockIO, "exists", lambda self, key: release.wait(GATE_TIMEOUT_S))
+    engine, _, _ = engines(disk_root, n_blocks=4, job_timeout_s=job_timeout_s)
+    lookups = engine._lookups  # driven with an explicit clock instead of waiting 5 s
+    try:
+        assert engine.lookup(make_key("k"), "r") is None
+        before = time.monotonic()
+        engine.end_step()
+        after = time.monotonic()
+        assert not lookups.stuck(now=before + lookup_timeout_s - 0.1)
+        assert lookups.expire_overdue(now=before + lookup_timeout_s - 0.1) == 0
+        assert lookups.stuck(now=after + lookup_timeout_s)
+        assert lookups.expire_overdue(now=after + lookup_timeout_s) == 1
+        assert engine.lookup(make_key("k"), "r") is False
+    finally:
+        release.set()
+
+
+# -- through vLLM's manager -----------------------------------------------------------------
+
+
+def test_stuck_store_through_vllm_fails_cleanly_and_reset_completes(disk_root, replicas,
+                                                                    monkeypatch):
+    from harness import Replica, make_keys, offloading_config, ours, payload_for
+    from vllm.v1.kv_offload.base import LookupResult
+
+    replica = Replica(offloading_config(tiers=[ours(disk_root, job_timeout_s=TIMEOUT_S)]))
+    replicas.append(replica)
+    engine = replica.tier.engine
+    gate = Gate(engine, monkeypatch)
+    results = []
+    real_finished = replica.tier.get_finished_jobs
+
+    def spy_finished():
+        got = list(real_finished())
+        results.extend(got)
+        return got
+
+    monkeypatch.setattr(replica.tier, "get_finished_jobs", spy_finished)
+    keys = make_keys(3, seed="stuck")
+    try:
+        replica.store(keys, settle=False)  # raises nothing into the "scheduler"
+        gate.wait_entered(3)
+        replica.settle()  # steps until the manager has nothing in flight
+        assert not gate.opened.is_set()
+        assert [(r.success, r.transfer_bytes) for r in results] == [(False, 0)]
+        assert engine.counters["store_deadline_failed"] == 3
+        assert engine.stalled()
+        # The chunks stay in the CPU tier: still a hit there.
+        final, _ = replica.find(keys)
+        assert final == dict.fromkeys(keys, LookupResult.HIT)
+
+        # reset_cache drains the tier: must not wait for the stuck writes.
+        done = threading.Event()
+
+        def reset():
+            with replica.manager.lock:
+                replica.manager.reset_cache()
+            done.set()
+
+        thread = threading.Thread(target=reset, daemon=True)
+        thread.start()
+        assert done.wait(DEADLINE_S), "reset_cache blocked on a store the deadline failed"
+        assert not gate.opened.is_set()
+        with replica.manager.lock:
+            replica.manager.on_reset_flushed()
+    finally:
+        gate.open()
+
+    def recovered():
+        replica.step()
+        return not engine.stalled()
+    wait_until(recovered, "the stuck writes to return")
+    assert all(not os.path.lexists(replica.tier.layout.block_path(k)) for k in keys)
+    assert temp_files(disk_root) == []
+    assert len(results) == 1  # the abandoned writes were not reported again
+
+    fresh = make_keys(2, seed="after")
+    replica.store(fresh)
+    assert results[-1].success
+    for key in fresh:
+        with open(replica.tier.layout.block_path(key), "rb") as f:
+            assert f.read(replica.row_bytes) == payload_for(key, replica.row_bytes)

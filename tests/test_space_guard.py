@@ -1,0 +1,289 @@
+"""The space guard on real, small tmpfs volumes: the watermark, min_free_bytes
+and ENOSPC trip it, loads go on while it is tripped, and freeing space (what
+gc does) lifts it. Plus the VolumeUsage/SpaceGuard arithmetic against real
+statvfs numbers.
+
+The housekeeping thread samples the volume about once a second; tests wait
+for a sample by polling (the guard's ``usage`` object is replaced by every
+sample), never by sleeping.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+import subprocess
+import time
+import uuid
+
+import pytest
+
+from llmkv_fs.config import TierSettings
+from llmkv_fs.engine.space import SpaceGuard, VolumeUsage, volume_usage
+from llmkv_fs.layout.blockfile import TRAILER_SIZE
+
+from engine_kit import BS, Gate, fill, make_key, pattern, row, store_blocks, wait_jobs, wait_until
+
+MiB = 1 << 20
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """A real 16 MiB tmpfs of our own (nobody else writes to it)."""
+    mountpoint = tmp_path / f"guard-{uuid.uuid4().hex[:6]}"
+    mountpoint.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(mountpoint)],
+                          capture_output=True, text=True)
+    if done.returncode:
+        pytest.skip(f"cannot mount a tmpfs here (needs root): {done.stderr.strip()}")
+    yield str(mountpoint)
+    subprocess.run(["umount", "-l", str(mountpoint)], check=False)
+
+
+def write_filler(path: str, nbytes: int) -> None:
+    chunk = b"\xa5" * MiB
+    with open(path, "wb") as f:
+        left = nbytes
+        while left:
+            left -= f.write(chunk[:min(left, MiB)])
+
+
+def block_files(root: str) -> list[str]:
+    return glob.glob(f"{root}/*_r0/*/*/*.bin")
+
+
+def temp_files(root: str) -> list[str]:
+    return glob.glob(f"{root}/**/.*.tmp", recursive=True)
+
+
+def wait_samples(engine, n: int = 1) -> None:
+    """Wait until the housekeeping thread has sampled the volume n more times."""
+    for _ in range(n):
+        seen = engine.guard.usage
+        wait_until(lambda: engine.guard.usage is not seen, "a space sample")
+
+
+def tripped(engine) -> bool:
+    return engine.gauges()["space_guard_tripped"] == 1
+
+
+# -- the arithmetic, with real statvfs ------------------------------------------------------
+
+
+def test_volume_usage_matches_statvfs_and_df(small_tmpfs):
+    usage = volume_usage(small_tmpfs)
+    disk = shutil.disk_usage(small_tmpfs)
+    assert (usage.total_bytes, usage.used_bytes, usage.free_bytes) == (
+        disk.total, disk.used, disk.free)
+    assert usage.total_bytes == 16 * MiB
+
+    write_filler(f"{small_tmpfs}/four", 4 * MiB)
+    after = volume_usage(small_tmpfs)
+    assert after.used_bytes - usage.used_bytes == 4 * MiB  # tmpfs counts whole pages
+    assert usage.free_bytes - after.free_bytes == 4 * MiB
+    assert after.used_percent == pytest.approx(
+        100.0 * after.used_bytes / (after.used_bytes + after.free_bytes))
+    assert 24.9 < after.used_percent < 26.0
+
+
+def test_used_percent_excludes_the_root_reserve():
+    # 1000 bytes in total, 500 reserved for root: half of the usable space is used.
+    assert VolumeUsage(1000, 250, 250).used_percent == 50.0
+    assert VolumeUsage(1000, 0, 1000).used_percent == 0.0
+    assert VolumeUsage(0, 0, 0).used_percent == 100.0  # no usable space at all
+
+
+def test_guard_trips_on_watermark_and_min_free(small_tmpfs):
+    write_filler(f"{small_tmpfs}/half", 8 * MiB)
+    now = volume_usage(small_tmpfs)
+    assert 49.0 < now.used_percent < 51.0
+
+    over = SpaceGuard(small_tmpfs, now.used_percent - 1, 0, headroom_bytes=MiB)
+    assert over.sample() == now
+    assert not over.allows_store() and over.reason == "watermark"
+    under = SpaceGuard(small_tmpfs, now.used_percent + 1, 0, headroom_bytes=MiB)
+    under.sample()
+    assert under.allows_store() and under.reason == "ok"
+
+    short = SpaceGuard(small_tmpfs, 100.0, now.free_bytes + 1, headroom_bytes=MiB)
+    short.sample()
+    assert not short.allows_store() and short.reason == "watermark"
+    enough = SpaceGuard(small_tmpfs, 100.0, now.free_bytes, headroom_bytes=MiB)
+    enough.sample()
+    assert enough.allows_store()
+
+    # The mark is not sticky: freeing space lifts it at the next sample.
+    os.unlink(f"{small_tmpfs}/half")
+    over.sample()
+    assert over.allows_store()
+
+
+def test_enospc_holds_until_free_space_grows_by_the_headroom(small_tmpfs):
+    guard = SpaceGuard(small_tmpfs, 100.0, 0, headroom_bytes=MiB)
+    guard.sample()
+    assert guard.allows_store()
+    write_filler(f"{small_tmpfs}/a", MiB // 2)
+    write_filler(f"{small_tmpfs}/b", MiB // 2)
+    write_filler(f"{small_tmpfs}/c", MiB // 2)
+
+    guard.saw_enospc()
+    assert not guard.allows_store() and guard.reason == "ENOSPC"
+    guard.sample()  # the first sample after ENOSPC is the baseline
+    assert not guard.allows_store()
+    guard.sample()
+    assert not guard.allows_store()  # no room was made
+    os.unlink(f"{small_tmpfs}/a")  # half the headroom
+    guard.sample()
+    assert not guard.allows_store() and guard.reason == "ENOSPC"
+    os.unlink(f"{small_tmpfs}/b")  # exactly the headroom
+    guard.sample()
+    assert guard.allows_store() and guard.reason == "ok"
+
+    # A new ENOSPC measures from the new baseline.
+    guard.saw_enospc()
+    guard.sample()
+    os.unlink(f"{small_tmpfs}/c")
+    guard.sample()
+    assert not guard.allows_store()
+
+
+# -- through the engine ---------------------------------------------------------------------
+
+
+def test_watermark_drops_stores_loads_continue_and_gc_lifts_it(small_tmpfs, engines):
+    engine, layout, primary = engines(small_tmpfs, n_blocks=16, max_usage_percent=50)
+    assert not tripped(engine)
+    store_blocks(engine, primary, 1, range(4), range(4))
+
+    write_filler(f"{small_tmpfs}/filler", 10 * MiB)  # another writer fills the volume
+    wait_until(lambda: tripped(engine), "the guard to see the volume over 50%")
+    gauges = engine.gauges()
+    assert gauges["volume_used_bytes"] >= 10 * MiB
+    assert gauges["volume_free_bytes"] < 6 * MiB
+    assert engine.guard.reason == "watermark"
+
+    dropped = [make_key(i) for i in (10, 11, 12)]
+    for chunk, i in zip((4, 5, 6), (10, 11, 12)):
+        fill(primary, chunk, pattern(i))
+    assert engine.submit_store(2, dropped, [4, 5, 6]) is False
+    job = wait_jobs(engine, [2], deadline_s=0.5)[2]  # reported at once
+    assert not job.success and job.failed == dropped
+    assert engine.counters["store_blocks_dropped_space"] == 3
+    assert not any(os.path.lexists(layout.block_path(k)) for k in dropped)
+
+    # Loads of what is there go on, byte-exact.
+    assert engine.submit_load(3, [make_key(i) for i in range(4)], [12, 13, 14, 15])
+    loaded = wait_jobs(engine, [3])[3]
+    assert loaded.success
+    for i in range(4):
+        assert row(primary, 12 + i) == pattern(i)
+
+    os.unlink(f"{small_tmpfs}/filler")  # gc made room
+    started = time.monotonic()
+    wait_until(lambda: not tripped(engine), "the guard to lift", deadline_s=5.0)
+    assert time.monotonic() - started < 5.0
+    assert engine.submit_store(4, dropped, [4, 5, 6])
+    assert wait_jobs(engine, [4])[4].success
+    assert all(os.path.getsize(layout.block_path(k)) == BS + TRAILER_SIZE for k in dropped)
+    assert engine.counters["store_blocks_dropped_space"] == 3
+
+
+def test_queued_stores_are_dropped_when_the_guard_trips_under_them(small_tmpfs, engines,
+                                                                   monkeypatch):
+    engine, layout, primary = engines(
+        small_tmpfs, n_blocks=8, n_read_threads=1, n_write_threads=1, max_usage_percent=50,
+    )
+    gate = Gate(engine, monkeypatch)
+    for c in range(5):
+        fill(primary, c, pattern(c))
+    running = [make_key(0), make_key(1)]
+    queued = [make_key(c) for c in (2, 3, 4)]
+    try:
+        assert engine.submit_store(1, running, [0, 1])
+        gate.wait_entered(2)  # both threads are past the guard check, held
+        assert engine.submit_store(2, queued, [2, 3, 4])  # accepted: not full yet
+        write_filler(f"{small_tmpfs}/filler", 10 * MiB)
+        wait_until(lambda: tripped(engine), "the guard to trip")
+    finally:
+        gate.open()
+    done = wait_jobs(engine, [1, 2])
+    assert done[1].success  # a copy in flight is never cut short
+    assert not done[2].success and sorted(done[2].failed) == sorted(queued)
+    assert engine.counters["store_blocks_dropped_space"] == 3
+    assert engine.counters["store_errors"] == 0
+    assert {k for _t, _kind, k in gate.entries} == set(running)  # queued ones never wrote
+    assert sorted(block_files(small_tmpfs)) == sorted(layout.block_path(k) for k in running)
+    assert temp_files(small_tmpfs) == []
+
+
+def test_min_free_bytes_trips_at_start_and_lifts_when_space_is_freed(small_tmpfs, engines):
+    write_filler(f"{small_tmpfs}/filler", 10 * MiB)
+    settings = TierSettings.from_mapping(
+        {"root_dir": small_tmpfs, "max_usage_percent": 100, "min_free_bytes": "8MiB"})
+    assert settings.min_free_bytes == 8 * MiB
+    engine, layout, primary = engines(
+        small_tmpfs, n_blocks=4, max_usage_percent=100, min_free_bytes=settings.min_free_bytes,
+    )
+    assert tripped(engine)  # the first sample is taken before any store
+    assert engine.gauges()["volume_free_bytes"] < 8 * MiB
+    fill(primary, 0, pattern("m"))
+    assert engine.submit_store(1, [make_key("m")], [0]) is False
+    assert not wait_jobs(engine, [1], deadline_s=0.5)[1].success
+    assert engine.counters["store_blocks_dropped_space"] == 1
+
+    os.unlink(f"{small_tmpfs}/filler")
+    wait_until(lambda: not tripped(engine), "the guard to lift", deadline_s=5.0)
+    store_blocks(engine, primary, 2, ["m"], [0])
+    assert os.path.getsize(layout.block_path(make_key("m"))) == BS + TRAILER_SIZE
+
+
+def test_enospc_trips_the_guard_until_gc_frees_more_than_the_headroom(small_tmpfs, engines):
+    bs = MiB  # 15 block files fit the 16 MiB volume
+    engine, layout, primary = engines(
+        small_tmpfs, n_blocks=4, block_size=bs, n_read_threads=1, n_write_threads=1,
+        max_usage_percent=100,
+    )
+    headroom = engine.guard.headroom_bytes
+    assert headroom == 3 * bs  # one block per I/O thread (both kinds store), plus one
+    for c in range(4):
+        fill(primary, c, pattern(c, bs), bs)
+    keys = [make_key(f"e{i}") for i in range(24)]
+    assert engine.submit_store(1, keys, [i % 4 for i in range(24)])
+    job = wait_jobs(engine, [1])[1]
+    assert not job.success
+
+    c = engine.counters
+    files = block_files(small_tmpfs)
+    assert 0 < len(files) < 24
+    assert c["blocks_written"] == len(files) == len(job.succeeded)
+    assert c["store_errors"] >= 1  # the ENOSPC(s)
+    assert c["store_errors"] + c["store_blocks_dropped_space"] == 24 - len(files)
+    assert c["store_blocks_dropped_space"] >= 1  # later blocks were not even tried
+    assert {os.path.getsize(f) for f in files} == {bs + TRAILER_SIZE}  # nothing torn
+    assert temp_files(small_tmpfs) == []
+    assert engine.guard.reason == "ENOSPC" and tripped(engine)
+
+    wait_samples(engine, 2)  # the guard has its post-ENOSPC baseline
+    baseline = engine.guard.usage.free_bytes
+    assert engine.submit_store(2, [make_key("x")], [0]) is False
+
+    # gc frees two blocks: less than the headroom -- still tripped.
+    written = sorted(files)
+    for path in written[:2]:
+        os.unlink(path)
+    wait_until(lambda: engine.guard.usage.free_bytes >= baseline + 2 * bs, "a sample after gc")
+    wait_samples(engine)
+    assert tripped(engine) and engine.guard.reason == "ENOSPC"
+    assert engine.submit_store(3, [make_key("x")], [0]) is False
+
+    # Two more: now more than the headroom is free.
+    for path in written[2:4]:
+        os.unlink(path)
+    wait_until(lambda: not tripped(engine), "the guard to lift", deadline_s=5.0)
+    assert engine.guard.usage.free_bytes >= baseline + headroom
+    assert engine.submit_store(4, [make_key("x")], [0])
+    assert wait_jobs(engine, [2, 3, 4])[4].success
+    with open(layout.block_path(make_key("x")), "rb") as f:
+        assert f.read(bs) == pattern(0, bs)
+    assert c["store_blocks_dropped_space"] >= 3
