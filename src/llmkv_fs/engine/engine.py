@@ -24,7 +24,6 @@ import dataclasses
 import errno
 import logging
 import mmap
-import os
 import time
 from collections.abc import Sequence
 
@@ -42,19 +41,14 @@ from llmkv_fs.engine.lookup import AsyncExistence
 from llmkv_fs.engine.numa import PinningPlan, plan_pinning, read_topology
 from llmkv_fs.engine.pool import CANCELLED, DEADLINE, IoJob, IoPool, QueueFull
 from llmkv_fs.engine.space import SpaceGuard
+from llmkv_fs.engine.volume import EngineError, prepare_volume
 from llmkv_fs.layout.blockfile import BlockFileError
-from llmkv_fs.layout.files import DEFAULT_DIR_MODE, DEFAULT_FILE_MODE, make_dirs
 from llmkv_fs.layout.leases import Lease
 from llmkv_fs.layout.paths import CacheLayout
-from llmkv_fs.layout.run_config import ensure_run_config
 
 __all__ = ["EngineError", "FinishedJob", "FsEngine", "prepare_volume"]
 
 logger = logging.getLogger("vllm.llmkv_fs.engine")
-
-
-class EngineError(RuntimeError):
-    """The engine cannot run with these settings on this volume."""
 
 
 _OUTCOME_COUNTER = {outcome: f"blocks_{outcome.value}" for outcome in Outcome}
@@ -85,43 +79,6 @@ class FinishedJob:
     @property
     def success(self) -> bool:
         return not self.failed
-
-
-def prepare_volume(
-    layout: CacheLayout, file_mode: int = DEFAULT_FILE_MODE, dir_mode: int = DEFAULT_DIR_MODE
-) -> str:
-    """Check the root, then create or verify ``config.json`` and the rank
-    directory. Returns ensure_run_config's verdict. Raises EngineError with
-    the path and the fix; RunConfigMismatch passes through.
-
-    A missing root is an error, not something to create: an unmounted
-    volume must not silently become a cache on the container's own disk.
-    """
-    root = layout.root_dir
-    if os.path.islink(root):
-        raise EngineError(
-            f"root_dir {root!r} is a symlink to {os.path.realpath(root)!r}. Set "
-            f"root_dir to the real directory: a link can silently move the cache "
-            f"off the shared volume (and every replica must agree on the path)."
-        )
-    if not os.path.exists(root):
-        raise EngineError(
-            f"root_dir {root!r} does not exist. Mount the shared volume there "
-            f"(or create the directory) before starting vLLM."
-        )
-    if not os.path.isdir(root):
-        raise EngineError(f"root_dir {root!r} is not a directory. Point root_dir at a directory.")
-    if not os.access(root, os.W_OK | os.X_OK):
-        raise EngineError(
-            f"root_dir {root!r} is not writable by uid {os.getuid()}. Fix its "
-            f"ownership/mode or the volume's mount options (read-only?)."
-        )
-    try:
-        verdict = ensure_run_config(layout, file_mode, dir_mode)
-        make_dirs(layout.rank_dir, dir_mode)
-    except OSError as exc:
-        raise EngineError(f"cannot prepare {layout.base_path!r} under root_dir: {exc}") from exc
-    return verdict
 
 
 def _buffer_address(buf: memoryview) -> int | None:
