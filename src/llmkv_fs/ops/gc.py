@@ -1,0 +1,187 @@
+"""Keep a shared cache volume healthy while vLLM replicas use it: remove
+orphaned digests (no live lease, nothing used for --min-age), temp files of
+dead writers, and -- when the volume or the cache is over its limit -- the
+least recently used blocks. Never follows a symlink, never removes a block
+used within --protect, never touches config.json or leases of a digest it
+keeps. One gc per volume at a time (a lock file in the root).
+
+Also runs as ``python -m llmkv_fs.gc``; needs neither vLLM nor torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import threading
+import traceback
+
+from llmkv_fs.ops.gc_lock import LockBusy, VolumeLock
+from llmkv_fs.ops.gc_pass import gc_pass
+from llmkv_fs.ops.gc_report import Progress
+from llmkv_fs.ops.gc_rules import Policy, pids_are_ours
+from llmkv_fs.ops.gc_units import duration, percent_or_off, size
+from llmkv_fs.ops.scan import default_threads
+
+__all__ = ["EXIT_BUSY", "add_arguments", "build_parser", "main", "run"]
+
+EXIT_ERRORS = 1      # the pass ran, some actions failed (listed in the report)
+EXIT_BUSY = 75       # EX_TEMPFAIL: another gc holds the volume's lock
+EXIT_SIGTERM = 143   # a one-shot run stopped by SIGTERM (--watch exits 0)
+
+DEFAULTS = {
+    "min_age": "7d",   # a weekend plus slack: a model idle over a long weekend keeps its cache
+    "tmp_age": "1h",   # far beyond any block write, even on a stalled NFS server
+    "protect": "10m",  # blocks a running request may still be about to load
+    "high": "85",      # below the tier's own space guard (max_usage_percent, 95)
+    "threads": "auto",  # 16 listings in flight on a network filesystem, 1 on a local one
+}
+
+
+def _threads(text: str) -> int | None:
+    if text == "auto":
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if not 1 <= value <= 256:
+        raise argparse.ArgumentTypeError(f"{text!r} is not 'auto' or a number from 1 to 256")
+    return value
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    d = DEFAULTS
+    parser.add_argument("root", help="the cache volume's root_dir")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="report what would be removed; change nothing")
+    parser.add_argument("--json", action="store_true",
+                        help="print the report as JSON (one line per pass with --watch)")
+    parser.add_argument("--min-age", type=duration, default=duration(d["min_age"]),
+                        metavar="AGE", help=f"remove a digest without a live lease only when "
+                        f"nothing in it was used for AGE (default {d['min_age']})")
+    parser.add_argument("--tmp-age", type=duration, default=duration(d["tmp_age"]),
+                        metavar="AGE", help="remove a temp file older than AGE even if its "
+                        f"writer's host is not this one (default {d['tmp_age']})")
+    parser.add_argument("--protect", type=duration, default=duration(d["protect"]),
+                        metavar="AGE", help="never evict a block used within AGE, never "
+                        f"remove an empty directory younger than AGE (default {d['protect']})")
+    parser.add_argument("--max-bytes", type=size, default=None, metavar="SIZE",
+                        help="evict LRU blocks while the cache holds more than SIZE "
+                        "(e.g. 800Gi, 1T; default: no limit)")
+    parser.add_argument("--high", type=percent_or_off, default=percent_or_off(d["high"]),
+                        metavar="PCT", help="evict LRU blocks when the volume is at least PCT "
+                        f"percent full, 'off' to disable (default {d['high']})")
+    parser.add_argument("--low", type=percent_or_off, default=None, metavar="PCT",
+                        help="... until it is at most PCT percent full (default: high - 10)")
+    parser.add_argument("--keep", action="append", default=[], metavar="DIGEST_OR_NAME",
+                        help="never remove or evict this digest (12-hex digest, directory "
+                        "name or model); repeatable")
+    parser.add_argument("--model", action="append", default=[], metavar="MODEL",
+                        help="only look at digests of this model (org/name or directory "
+                        "form); repeatable")
+    parser.add_argument("--threads", type=_threads, default=None, metavar="N",
+                        help="directories listed concurrently; default auto: 16 on a network "
+                        "or FUSE filesystem (NFS, CephFS, Lustre, GlusterFS), 1 on a local one")
+    parser.add_argument("--pid-check", choices=("auto", "on", "off"), default="auto",
+                        help="trust 'this host, no such pid' as proof a writer is dead; auto: "
+                        "on, except in a Kubernetes pod without a shared process namespace")
+    parser.add_argument("--watch", type=duration, default=None, metavar="INTERVAL",
+                        help="sidecar mode: a pass, then INTERVAL of rest, again and again until "
+                        "SIGTERM (then exit 0)")
+    parser.add_argument("--wait", action="store_true",
+                        help="wait for another gc's lock instead of exiting "
+                        f"with status {EXIT_BUSY}")
+
+
+def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    return parser
+
+
+def _policy(args: argparse.Namespace) -> Policy:
+    if args.high is not None:
+        low = args.low if args.low is not None else max(0.0, args.high - 10)
+        if low > args.high:
+            raise SystemExit(f"llmkv-fs gc: --low {low:g} is above --high {args.high:g}")
+    else:
+        low = args.low
+        if low is not None:
+            raise SystemExit("llmkv-fs gc: --low needs --high")
+    pid_check = {"on": True, "off": False}.get(args.pid_check)
+    if pid_check is None:
+        pid_check = pids_are_ours()
+    return Policy(min_age=args.min_age, tmp_age=args.tmp_age, protect=args.protect,
+                  max_bytes=args.max_bytes, high=args.high, low=low, pid_check=pid_check)
+
+
+def _one_pass(args: argparse.Namespace, policy: Policy, stop: threading.Event,
+              watching: bool) -> int:
+    lock = VolumeLock(args.root)
+    try:
+        if not lock.acquire(wait=args.wait, stop=stop):
+            return 0  # stopped while waiting
+    except LockBusy as exc:
+        print(f"llmkv-fs gc: {exc}", file=sys.stderr)
+        return EXIT_BUSY
+    except OSError as exc:
+        print(f"llmkv-fs gc: cannot take the lock {lock.path}: {exc.strerror}", file=sys.stderr)
+        return EXIT_ERRORS
+    try:
+        report = gc_pass(args.root, policy, lock, keep=args.keep, models=args.model,
+                         threads=args.threads or default_threads(args.root),
+                         dry_run=args.dry_run,
+                         progress=Progress(sys.stderr), stop=stop.is_set)
+    except OSError as exc:  # the root itself unreadable, vanished, ...
+        print(f"llmkv-fs gc: pass failed: {exc}", file=sys.stderr, flush=True)
+        return EXIT_ERRORS
+    finally:
+        lock.release()
+    if args.json:
+        print(report.to_json(indent=None if watching else 1), flush=True)
+    else:
+        print(report.human(), flush=True)
+    if report.interrupted:
+        return 0 if watching else EXIT_SIGTERM
+    return EXIT_ERRORS if report.errors else 0
+
+
+def run(args: argparse.Namespace) -> int:
+    root = args.root
+    if not os.path.isdir(root):
+        print(f"llmkv-fs gc: {root} is not a directory", file=sys.stderr)
+        return 2
+    policy = _policy(args)
+    stop = threading.Event()
+
+    def on_signal(signum: int, _frame: object) -> None:
+        stop.set()
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        if args.watch is None:
+            return _one_pass(args, policy, stop, watching=False)
+        while not stop.is_set():
+            try:
+                status = _one_pass(args, policy, stop, watching=True)
+            except Exception:  # a sidecar keeps going; the next pass starts afresh
+                traceback.print_exc()
+                status = EXIT_ERRORS
+            if status == EXIT_BUSY:
+                print("llmkv-fs gc: skipping this pass", file=sys.stderr, flush=True)
+            stop.wait(args.watch)
+        return 0
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    return run(build_parser(prog).parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main(prog="llmkv-fs gc"))

@@ -1,0 +1,194 @@
+"""What one scan found, kept small enough for millions of blocks.
+
+The scan streams directory listings (``ops/scan.py``); this module folds them
+into per-digest facts (newest activity, sizes), the temp files and symlinks
+it saw, the directory tree (for pruning) and, for every block that capacity
+eviction may take, three numbers: last use, allocated bytes and directory.
+Block names are not kept: eviction re-reads the few directories it acts in,
+which also re-checks each block right before it is removed. About 20 bytes
+per block plus one path per directory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import time
+from array import array
+from collections.abc import Callable
+
+from llmkv_fs.layout.blockfile import last_used
+from llmkv_fs.layout.leases import Lease
+from llmkv_fs.ops import scan
+from llmkv_fs.ops.scan import Digest, FileEntry
+
+__all__ = ["DigestFacts", "Inventory", "allocated", "take_inventory"]
+
+
+def allocated(st: os.stat_result) -> int:
+    """Bytes a file occupies (what removing it gives back); the apparent
+    size where the filesystem does not report blocks."""
+    return st.st_blocks * 512 if st.st_blocks else st.st_size
+
+
+@dataclasses.dataclass
+class DigestFacts:
+    digest: Digest
+    selected: bool           # passes --model
+    pinned: bool             # named by --keep
+    leases: list[Lease] = dataclasses.field(default_factory=list)
+    newest: float = 0.0      # newest sign of use: a block's last use, any other file's mtime
+    newest_what: str = ""
+    files: int = 0
+    bytes: int = 0
+    blocks: int = 0
+    block_bytes: int = 0
+    temps: int = 0
+    quarantined: int = 0
+    symlinks: int = 0
+    unreadable_dirs: int = 0
+
+    def saw(self, when: float, what: str) -> None:
+        if when > self.newest:
+            self.newest, self.newest_what = when, what
+
+
+@dataclasses.dataclass
+class Inventory:
+    root: str
+    digests: list[DigestFacts]
+    # Directories by scan id: path, parent id, depth (0 = a top), whether
+    # it lies under a rank directory of a digest, entries at scan time.
+    dir_path: list[str | None] = dataclasses.field(default_factory=list)
+    dir_parent: array = dataclasses.field(default_factory=lambda: array("q"))
+    dir_depth: array = dataclasses.field(default_factory=lambda: array("q"))
+    dir_digest: array = dataclasses.field(default_factory=lambda: array("q"))
+    dir_rank_area: array = dataclasses.field(default_factory=lambda: array("b"))
+    dir_entries: array = dataclasses.field(default_factory=lambda: array("q"))
+    # Blocks capacity eviction may take (selected, unpinned digests).
+    lru_used: array = dataclasses.field(default_factory=lambda: array("d"))
+    lru_bytes: array = dataclasses.field(default_factory=lambda: array("q"))
+    lru_dir: array = dataclasses.field(default_factory=lambda: array("q"))
+    # (entry, directory id, digest index) of every temp file.
+    temps: list[tuple[FileEntry, int, int]] = dataclasses.field(default_factory=list)
+    symlinks: list[str] = dataclasses.field(default_factory=list)
+    errors: list[str] = dataclasses.field(default_factory=list)
+    files: int = 0
+    dirs: int = 0
+    bytes: int = 0           # every file under a selected digest
+    scan_seconds: float = 0.0
+    complete: bool = True
+
+    def _grow(self, dir_id: int) -> None:
+        missing = dir_id + 1 - len(self.dir_path)
+        if missing > 0:
+            self.dir_path.extend([None] * missing)
+            for arr, fill in ((self.dir_parent, -1), (self.dir_depth, 0), (self.dir_digest, -1),
+                              (self.dir_rank_area, 0), (self.dir_entries, 0)):
+                arr.extend([fill] * missing)
+
+    def dir_removed(self, dir_id: int) -> None:
+        """One entry fewer in ``dir_id``'s parent (it was pruned or it vanished)."""
+        parent = self.dir_parent[dir_id]
+        if parent >= 0:
+            self.dir_entries[parent] -= 1
+
+
+def take_inventory(
+    root: str,
+    digests: list[DigestFacts],
+    threads: int,
+    progress: Callable[[Inventory], None] | None = None,
+    stop: Callable[[], bool] | None = None,
+) -> Inventory:
+    """Walk every digest's config and rank directories once. ``complete``
+    is False when ``stop`` cut the walk short (nothing may be judged then)."""
+    inv = Inventory(root, digests)
+    tops: list[tuple[str, str]] = []
+    top_digest: list[int] = []
+    for index, facts in enumerate(digests):
+        if facts.digest.has_config_dir:
+            tops.append((facts.digest.config_dir, scan.CONFIG_AREA))
+            top_digest.append(index)
+        for _rank, path in sorted(facts.digest.rank_dirs.items()):
+            tops.append((path, scan.RANK_AREA))
+            top_digest.append(index)
+    started = time.monotonic()
+    with contextlib.closing(scan.walk(tops, threads)) as listings:
+        for listing in listings:
+            digest_index = top_digest[listing.top]
+            facts = digests[digest_index]
+            inv._grow(listing.id)
+            inv.dir_path[listing.id] = listing.path
+            inv.dir_parent[listing.id] = listing.parent
+            inv.dir_depth[listing.id] = listing.depth
+            inv.dir_digest[listing.id] = digest_index
+            inv.dir_rank_area[listing.id] = tops[listing.top][1] == scan.RANK_AREA
+            inv.dir_entries[listing.id] = len(listing.files) + listing.subdirs
+            inv.dirs += 1
+            if listing.gone:
+                inv.dir_removed(listing.id)
+                continue
+            if listing.error is not None:
+                facts.unreadable_dirs += 1
+                inv.errors.append(f"cannot list {listing.path}: {listing.error}")
+                continue
+            _fold(inv, facts, digest_index, listing)
+            if progress is not None:
+                progress(inv)
+            if stop is not None and stop():
+                inv.complete = False
+                break
+    inv.scan_seconds = time.monotonic() - started
+    for facts in digests:
+        if facts.newest == 0.0:
+            _empty_digest_age(facts)
+    return inv
+
+
+def _empty_digest_age(facts: DigestFacts) -> None:
+    """A digest without a single file (a tier between its mkdir and its
+    config.json, or leftovers): its directories' mtimes are its only age.
+    Never used otherwise -- gc's own pruning touches them."""
+    digest = facts.digest
+    tops = ([digest.config_dir] if digest.has_config_dir else []) + list(digest.rank_dirs.values())
+    for path in tops:
+        try:
+            facts.saw(os.lstat(path).st_mtime, path)
+        except OSError:
+            continue
+
+
+def _fold(inv: Inventory, facts: DigestFacts, digest_index: int, listing: scan.Listing) -> None:
+    lru_ok = facts.selected and not facts.pinned
+    for entry in listing.files:
+        st, kind = entry.st, entry.kind
+        inv.files += 1
+        facts.files += 1
+        size = allocated(st) if kind != scan.SYMLINK else 0
+        facts.bytes += size
+        if facts.selected:
+            inv.bytes += size
+        if kind == scan.BLOCK:
+            used = last_used(st)
+            facts.blocks += 1
+            facts.block_bytes += size
+            facts.saw(used, entry.path)
+            if lru_ok:
+                inv.lru_used.append(used)
+                inv.lru_bytes.append(size)
+                inv.lru_dir.append(listing.id)
+        elif kind == scan.TEMP:
+            facts.temps += 1
+            facts.saw(st.st_mtime, entry.path)
+            inv.temps.append((entry, listing.id, digest_index))
+        elif kind == scan.SYMLINK:
+            facts.symlinks += 1
+            inv.symlinks.append(entry.path)
+        elif kind == scan.LEASE:
+            pass  # liveness is judged from the lease itself, not as activity
+        else:
+            if kind == scan.QUARANTINED:
+                facts.quarantined += 1
+            facts.saw(st.st_mtime, entry.path)

@@ -1,0 +1,136 @@
+"""What a gc pass did (or, with --dry-run, would do): one dict for --json,
+a short human summary, and the progress line on a terminal."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+import time
+from typing import Any, TextIO
+
+from llmkv_fs.ops.gc_units import fmt_bytes, fmt_duration
+
+__all__ = ["Progress", "Report"]
+
+_LIST_LIMIT = 50
+
+
+@dataclasses.dataclass
+class Report:
+    root: str
+    dry_run: bool
+    host: str
+    pid_check: bool
+    policy: dict[str, Any]
+    started: float = dataclasses.field(default_factory=time.time)
+    seconds: float = 0.0
+    clock_skew_s: float = 0.0
+    scan: dict[str, Any] = dataclasses.field(default_factory=dict)
+    digests: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    temps: dict[str, int] = dataclasses.field(
+        default_factory=lambda: {"removed": 0, "bytes": 0, "kept": 0})
+    capacity: dict[str, Any] = dataclasses.field(default_factory=lambda: {
+        "volume_bytes": 0, "volume_used_bytes": 0, "volume_used_percent": 0.0,
+        "cache_bytes": 0, "need": 0, "why": "", "evicted_blocks": 0, "evicted_bytes": 0,
+        "short_bytes": 0, "cutoff_idle_s": None})
+    dirs_pruned: int = 0
+    trash_removed: int = 0
+    symlinks: list[str] = dataclasses.field(default_factory=list)
+    errors: list[str] = dataclasses.field(default_factory=list)
+    interrupted: bool = False
+
+    def as_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["symlink_count"] = len(self.symlinks)
+        out["symlinks"] = self.symlinks[:_LIST_LIMIT]
+        out["error_count"] = len(self.errors)
+        out["errors"] = self.errors[:_LIST_LIMIT]
+        removed = [d for d in self.digests if d["removed"]]
+        out["digests_removed"] = len(removed)
+        out["bytes_freed"] = (sum(d["bytes"] for d in removed) + self.temps["bytes"]
+                              + self.capacity.get("evicted_bytes", 0))
+        return out
+
+    def to_json(self, indent: int | None = 1) -> str:
+        return json.dumps(self.as_dict(), indent=indent, sort_keys=True)
+
+    def human(self) -> str:
+        would = "would remove" if self.dry_run else "removed"
+        lines = [f"llmkv-fs gc {self.root}" + (" (dry run: nothing changed)" if self.dry_run else "")]
+        s = self.scan
+        if s:
+            lines.append(f"scanned {s['digests']} digests: {s['dirs']:,} directories, "
+                         f"{s['files']:,} files ({fmt_bytes(s['bytes'])}) in {s['seconds']:.1f}s")
+        removed = [d for d in self.digests if d["removed"]]
+        kept = [d for d in self.digests if not d["removed"]]
+        lines.append(f"digests: {would} {len(removed)} "
+                     f"({fmt_bytes(sum(d['bytes'] for d in removed))}), kept {len(kept)}")
+        for d in (removed + kept)[:_LIST_LIMIT]:
+            verb = ("would remove" if self.dry_run else "removed") if d["removed"] else "kept"
+            lines.append(f"  {verb:<12} {d['name']}  {fmt_bytes(d['bytes'])}  ({d['why']})")
+        t = self.temps
+        lines.append(f"temp files: {would} {t['removed']} ({fmt_bytes(t['bytes'])}), "
+                     f"kept {t['kept']}")
+        c = self.capacity
+        if c.get("need"):
+            lines.append(f"capacity: {c['why']}: {'would evict' if self.dry_run else 'evicted'} "
+                         f"{c['evicted_blocks']:,} blocks ({fmt_bytes(c['evicted_bytes'])}) "
+                         "least recently used first"
+                         + (f", the newest of them idle {fmt_duration(c['cutoff_idle_s'])}"
+                            if c.get("cutoff_idle_s") is not None else ""))
+            if c.get("short_bytes"):
+                lines.append(f"  short by {fmt_bytes(c['short_bytes'])}: every other block was "
+                             f"used within --protect {fmt_duration(self.policy['protect_s'])}")
+        elif c["volume_bytes"]:
+            lines.append(f"capacity: fine (volume {c['volume_used_percent']:.1f}% used, "
+                         f"cache {fmt_bytes(c['cache_bytes'])})")
+        lines.append(f"empty directories {'to remove' if self.dry_run else 'removed'}: "
+                     f"{self.dirs_pruned}")
+        if self.trash_removed:
+            lines.append(f"leftovers of an interrupted gc {'to remove' if self.dry_run else 'removed'}"
+                         f": {self.trash_removed}")
+        if self.symlinks:
+            lines.append(f"symlinks left alone (never followed): {len(self.symlinks)}, "
+                         f"e.g. {self.symlinks[0]}")
+        if abs(self.clock_skew_s) > 5:
+            lines.append(f"note: this machine's clock is {self.clock_skew_s:+.0f}s off the "
+                         "volume's; ages use the volume's clock")
+        if self.interrupted:
+            lines.append("interrupted (SIGTERM): stopped between two actions")
+        lines.append(f"errors: {len(self.errors)}")
+        lines.extend(f"  {e}" for e in self.errors[:_LIST_LIMIT])
+        lines.append(f"took {self.seconds:.1f}s")
+        return "\n".join(lines)
+
+
+class Progress:
+    """A single self-rewriting line on stderr, only when it is a terminal."""
+
+    def __init__(self, stream: TextIO | None = None, every_s: float = 0.2,
+                 enabled: bool | None = None):
+        self.stream = stream if stream is not None else sys.stderr
+        if enabled is None:
+            enabled = bool(getattr(self.stream, "isatty", lambda: False)())
+        self.enabled = enabled
+        self.every_s = every_s
+        self._last = 0.0
+        self._shown = False
+        self._start = time.monotonic()
+
+    def update(self, text: str, force: bool = False) -> None:
+        if not self.enabled:
+            return
+        now = time.monotonic()
+        if not force and now - self._last < self.every_s:
+            return
+        self._last = now
+        self.stream.write(f"\r\x1b[Kgc: {text} [{now - self._start:.0f}s]")
+        self.stream.flush()
+        self._shown = True
+
+    def done(self) -> None:
+        if self.enabled and self._shown:
+            self.stream.write("\r\x1b[K")
+            self.stream.flush()
+            self._shown = False

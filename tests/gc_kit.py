@@ -1,0 +1,170 @@
+"""Helpers for the gc tests: real trees of real files with chosen ages, real
+leases, dead and live pids, and gc run in-process or as a real process.
+No vLLM, no torch."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import mmap
+import os
+import socket
+import subprocess
+import sys
+import time
+
+from llmkv_fs.layout.blockfile import TRAILER_SIZE, pack_trailer, payload_checksum
+from llmkv_fs.layout.leases import Lease, write_lease
+from llmkv_fs.layout.paths import CacheLayout, RunIdentity, temp_path
+from llmkv_fs.layout.run_config import ensure_run_config
+from llmkv_fs.ops import gc as gc_cli
+
+HOST = socket.gethostname()
+DAY = 86400.0
+PAYLOAD = 4096  # tiny blocks: gc never reads payloads
+DEADLINE_S = 30.0
+SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
+
+
+def identity(model: str = "acme/llama", rank: int = 0, tp: int = 1, dtype: str = "bfloat16"
+             ) -> RunIdentity:
+    return RunIdentity(model_name=model, dtype=dtype, tokens_per_hash=16, blocks_per_file=1,
+                       kv_cache_groups=((16, ("layer.0",)),), tp_size=tp, rank=rank)
+
+
+def make_digest(root: str, model: str = "acme/llama", ranks=(0,), dtype: str = "bfloat16",
+                config_age: float = 0.0) -> list[CacheLayout]:
+    """config.json (as the tier writes it) and one layout per rank."""
+    layouts = [CacheLayout.for_identity(root, identity(model, r, len(ranks), dtype))
+               for r in ranks]
+    ensure_run_config(layouts[0])
+    if config_age:
+        age(layouts[0].config_path, config_age)
+    for layout in layouts:
+        os.makedirs(layout.rank_dir, exist_ok=True)
+    return layouts
+
+
+def key(i, seed: str = "k", group: int = 0, prefix: bytes = b"") -> bytes:
+    digest = hashlib.sha256(f"{seed}-{i}".encode()).digest()
+    return (prefix + digest)[:32] + group.to_bytes(4, "big")
+
+
+def age(path: str, seconds: float, atime_age: float | None = None) -> None:
+    """Set mtime (and atime) to ``seconds`` ago; atime separately if given."""
+    now = time.time()
+    a = now - (seconds if atime_age is None else atime_age)
+    os.utime(path, (a, now - seconds), follow_symlinks=False)
+
+
+def block_bytes(k: bytes, payload: int = PAYLOAD) -> bytes:
+    data = (hashlib.sha256(k).digest() * (payload // 32 + 1))[:payload]
+    page = memoryview(mmap.mmap(-1, TRAILER_SIZE))
+    pack_trailer(page, k, payload, payload_checksum(data), time.time_ns())
+    return data + bytes(page)
+
+
+def put_block(layout: CacheLayout, k: bytes, seconds_old: float = 0.0,
+              used_ago: float | None = None, payload: int = PAYLOAD) -> str:
+    """A block file as the tier publishes it, stored ``seconds_old`` ago and
+    last loaded ``used_ago`` ago (its atime stamp)."""
+    path = layout.block_path(k)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "wb") as f:
+        f.write(block_bytes(k, payload))
+    age(path, seconds_old, used_ago)
+    return path
+
+
+def put_temp(layout: CacheLayout, k: bytes, pid: int, host: str = HOST,
+             seconds_old: float = 0.0, nonce: str = "1a2b") -> str:
+    path = temp_path(layout.block_path(k), host, pid, nonce)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "wb") as f:
+        f.write(b"\0" * 1000)
+    age(path, seconds_old)
+    return path
+
+
+def put_lease(layout: CacheLayout, pid: int, host: str = HOST, seconds_old: float = 0.0,
+              interval: float = 30.0) -> str:
+    lease = Lease(host=host, pid=pid, started_ns=time.time_ns(), hash_algo="sha256",
+                  seed_fingerprint="f" * 16, interval_s=interval)
+    path = write_lease(layout.base_path, lease)
+    age(path, seconds_old)
+    return path
+
+
+def dead_pid() -> int:
+    """The pid of a process that has exited (and been reaped)."""
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def files_under(root: str) -> set[str]:
+    out = set()
+    for directory, dirs, files in os.walk(root):
+        for name in files + [d for d in dirs if os.path.islink(os.path.join(directory, d))]:
+            out.add(os.path.relpath(os.path.join(directory, name), root))
+    return out - {".llmkv-gc.lock"}
+
+
+def snapshot(root: str) -> dict[str, tuple]:
+    """Every entry (dirs included) with type, size, inode and times, except
+    gc's own lock file. The atime of lease files is left out: gc reads them
+    (and relatime stamps the read); block atimes are in -- they are the LRU
+    clock, and gc must never touch them."""
+    out = {}
+    for directory, dirs, files in os.walk(root):
+        for name in dirs + files:
+            path = os.path.join(directory, name)
+            rel = os.path.relpath(path, root)
+            if rel == ".llmkv-gc.lock":
+                continue
+            st = os.lstat(path)
+            read_by_gc = os.path.isdir(path) or "/leases/" in f"/{rel}"
+            out[rel] = (st.st_mode, st.st_size, st.st_ino, st.st_mtime_ns,
+                        None if read_by_gc else st.st_atime_ns)
+    return out
+
+
+def gc(root: str, *args: str, capsys=None) -> tuple[int, dict]:
+    """gc in this process with --json; returns (status, report). Pid
+    evidence is on unless a test says otherwise (``auto`` would turn it off
+    if these tests ran in a Kubernetes pod)."""
+    if "--pid-check" not in args:
+        args = (*args, "--pid-check", "on")
+    status = gc_cli.main([root, "--json", *args])
+    report = {}
+    if capsys is not None:
+        out = capsys.readouterr().out
+        report = json.loads(out) if out.strip() else {}
+    return status, report
+
+
+def gc_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = SRC + os.pathsep + env.get("PYTHONPATH", "")
+    env.pop("KUBERNETES_SERVICE_HOST", None)
+    return env
+
+
+def gc_process(root: str, *args: str, **popen) -> subprocess.Popen:
+    """gc as a real process (``python -m llmkv_fs.gc``)."""
+    return subprocess.Popen([sys.executable, "-m", "llmkv_fs.gc", root, *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=gc_env(), **popen)
+
+
+def gc_run(root: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "llmkv_fs.gc", root, *args],
+                          capture_output=True, text=True, env=gc_env(), timeout=timeout)
+
+
+def wait_until(predicate, what: str, deadline_s: float = DEADLINE_S) -> None:
+    deadline = time.monotonic() + deadline_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {deadline_s}s waiting for {what}")
+        time.sleep(0.005)

@@ -1,0 +1,289 @@
+"""gc as operators run it: real processes (``python -m llmkv_fs.gc``), the
+volume lock, --watch and SIGTERM, the progress line on a terminal, and
+watermark eviction on a real, small tmpfs."""
+
+import json
+import os
+import pty
+import select
+import signal
+import subprocess
+import sys
+import uuid
+
+import pytest
+from gc_kit import (
+    DAY,
+    dead_pid,
+    files_under,
+    gc,
+    gc_env,
+    gc_process,
+    gc_run,
+    key,
+    make_digest,
+    put_block,
+    put_lease,
+    put_temp,
+    wait_until,
+)
+
+from llmkv_fs.ops.gc import EXIT_BUSY
+
+OLD = 8 * DAY
+
+
+def build_tree(root: str, blocks: int = 100):
+    """An orphan, a live digest with old blocks and dead temp files."""
+    orphan = make_digest(root, "acme/orphan", config_age=OLD)
+    for i in range(20):
+        put_block(orphan[0], key(i, "orphan"), OLD, OLD)
+    live = make_digest(root, "acme/live")
+    put_lease(live[0], os.getpid())
+    paths = [put_block(live[0], key(i, "live"), DAY) for i in range(blocks)]
+    gone = dead_pid()
+    temps = [put_temp(live[0], key(i, "tmp"), gone) for i in range(10)]
+    return orphan, live, paths, temps
+
+
+def read_line(stream, deadline_s: float = 30.0) -> str:
+    ready, _, _ = select.select([stream], [], [], deadline_s)
+    assert ready, f"no output within {deadline_s}s"
+    return stream.readline()
+
+
+# -- without vLLM ----------------------------------------------------------------------
+
+BLOCKER = r"""
+import sys, runpy
+class Block:
+    def find_spec(self, name, path=None, target=None):
+        if name.split('.')[0] in ('vllm', 'torch'):
+            raise ImportError(f'{name} is blocked in this test')
+sys.meta_path.insert(0, Block())
+sys.argv = ['python -m llmkv_fs.gc'] + sys.argv[1:]
+try:
+    runpy.run_module('llmkv_fs.gc', run_name='__main__')
+except SystemExit as exc:
+    heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('vllm', 'torch'))
+    assert not heavy, heavy
+    raise
+"""
+
+
+def test_python_m_runs_without_vllm_or_torch(volume):
+    orphan, live, paths, temps = build_tree(volume, blocks=5)
+    done = subprocess.run([sys.executable, "-c", BLOCKER, volume, "--json", "--high", "off"],
+                          capture_output=True, text=True, env=gc_env(), timeout=120)
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert report["digests_removed"] == 1 and report["temps"]["removed"] == 10
+    assert not os.path.exists(orphan[0].base_path)
+    # And the console script's subcommand, checked the same way.
+    check = ("import sys; from llmkv_fs.ops.cli import main; rc = main(sys.argv[1:]); "
+             "heavy = [m for m in sys.modules if m.split('.')[0] in ('vllm', 'torch')]; "
+             "assert not heavy, heavy; sys.exit(rc)")
+    done = subprocess.run([sys.executable, "-c", check, "gc", volume, "--dry-run"],
+                          capture_output=True, text=True, env=gc_env(), timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "dry run: nothing changed" in done.stdout
+
+
+# -- the lock ----------------------------------------------------------------------------
+
+HOLDER = r"""
+import sys
+from llmkv_fs.ops.gc_lock import VolumeLock
+lock = VolumeLock(sys.argv[1])
+lock.acquire()
+print('locked', flush=True)
+sys.stdin.read()
+"""
+
+
+def test_second_gc_is_refused_or_waits(disk_root):
+    orphan, live, paths, temps = build_tree(disk_root, blocks=5)
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, disk_root], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True, env=gc_env())
+    try:
+        assert read_line(holder.stdout) == "locked\n"
+        busy = gc_run(disk_root, "--high", "off")
+        assert busy.returncode == EXIT_BUSY
+        assert "another gc holds" in busy.stderr and f"pid={holder.pid}" in busy.stderr
+        assert "--wait" in busy.stderr
+        assert os.path.exists(orphan[0].base_path)  # it did nothing
+
+        waiting = gc_process(disk_root, "--high", "off", "--wait", "--json")
+        # It stays blocked while the lock is held...
+        with pytest.raises(subprocess.TimeoutExpired):
+            waiting.wait(timeout=1.0)
+        assert os.path.exists(orphan[0].base_path)
+        holder.stdin.close()  # ...and runs once it is released.
+        out, err = waiting.communicate(timeout=60)
+        assert waiting.returncode == 0, err
+        assert json.loads(out)["digests_removed"] == 1
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_concurrent_gc_runs_do_not_fight(volume):
+    orphan, live, paths, temps = build_tree(volume)
+    runs = [gc_process(volume, "--json", "--max-bytes", "0", "--protect", "0", "--high", "off")
+            for _ in range(3)]
+    results = [(p.wait(timeout=120), *p.communicate()) for p in runs]
+    statuses = sorted(r[0] for r in results)
+    assert set(statuses) <= {0, EXIT_BUSY} and statuses[0] == 0, results
+    # Whoever ran, the outcome is one clean gc: all gone, no errors, no trash.
+    assert files_under(live[0].rank_dir) == set()
+    assert not os.path.exists(orphan[0].base_path)
+    for status, out, err in results:
+        if status == 0:
+            assert json.loads(out)["error_count"] == 0
+        else:
+            assert "another gc holds" in err
+
+    # With --wait they queue up: all succeed, exactly one found the work.
+    build_tree(volume)
+    runs = [gc_process(volume, "--json", "--wait", "--max-bytes", "0", "--protect", "0",
+                       "--high", "off") for _ in range(3)]
+    reports = []
+    for p in runs:
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err
+        reports.append(json.loads(out))
+    assert sum(r["digests_removed"] for r in reports) == 1
+    assert sum(r["temps"]["removed"] for r in reports) == 10
+    assert sum(r["capacity"]["evicted_blocks"] for r in reports) == 100
+    assert all(r["error_count"] == 0 for r in reports)
+
+
+# -- --watch and SIGTERM ---------------------------------------------------------------
+
+
+def test_watch_loops_until_sigterm_and_exits_zero(disk_root):
+    orphan, live, paths, temps = build_tree(disk_root, blocks=5)
+    watcher = gc_process(disk_root, "--watch", "0.05", "--json", "--high", "off")
+    try:
+        first = json.loads(read_line(watcher.stdout))
+        assert first["digests_removed"] == 1
+        # It keeps going: a temp file of a dead writer planted now is removed
+        # by a later pass.
+        late = put_temp(live[0], key(1, "late"), dead_pid())
+        wait_until(lambda: not os.path.exists(late), "a later pass to remove the temp file")
+        watcher.send_signal(signal.SIGTERM)
+        assert watcher.wait(timeout=30) == 0
+    finally:
+        watcher.kill()
+        watcher.wait()
+
+
+def test_sigterm_while_waiting_for_the_lock_exits_zero(disk_root):
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, disk_root], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True, env=gc_env())
+    try:
+        assert read_line(holder.stdout) == "locked\n"
+        watcher = gc_process(disk_root, "--watch", "1h", "--wait")
+        with pytest.raises(subprocess.TimeoutExpired):
+            watcher.wait(timeout=1.0)  # blocked on the lock
+        watcher.send_signal(signal.SIGTERM)
+        assert watcher.wait(timeout=30) == 0
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+# -- progress on a terminal -------------------------------------------------------------
+
+
+def test_progress_line_only_on_a_terminal(disk_root):
+    build_tree(disk_root, blocks=50)
+    master, slave = pty.openpty()
+    proc = subprocess.Popen([sys.executable, "-m", "llmkv_fs.gc", disk_root, "--dry-run"],
+                            stdout=subprocess.PIPE, stderr=slave, env=gc_env())
+    os.close(slave)
+    chunks = []
+    while True:
+        try:
+            ready, _, _ = select.select([master], [], [], 60)
+            assert ready, "gc produced no terminal output"
+            data = os.read(master, 65536)
+        except OSError:  # EIO: the child closed the terminal
+            break
+        if not data:
+            break
+        chunks.append(data)
+    os.close(master)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0
+    tty = b"".join(chunks).decode()
+    assert "\r\x1b[Kgc: scanning 2 digests" in tty
+    assert tty.endswith("\r\x1b[K")  # the line is cleared when done
+    assert b"\x1b[K" not in out  # stdout (a pipe) got the plain summary
+    # Not a terminal: no progress at all.
+    done = gc_run(disk_root, "--dry-run")
+    assert done.returncode == 0 and done.stderr == ""
+
+
+# -- watermarks on a real small volume --------------------------------------------------------
+
+
+@pytest.fixture
+def tmpfs16(tmp_path):
+    mountpoint = tmp_path / f"wm-{uuid.uuid4().hex[:6]}"
+    mountpoint.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(mountpoint)],
+                          capture_output=True, text=True)
+    if done.returncode:
+        pytest.skip(f"cannot mount a tmpfs here (needs root): {done.stderr.strip()}")
+    yield str(mountpoint)
+    subprocess.run(["umount", "-l", str(mountpoint)], check=False)
+
+
+def used_percent(root: str) -> float:
+    st = os.statvfs(root)
+    used = (st.f_blocks - st.f_bfree) * st.f_frsize
+    return 100.0 * used / (used + st.f_bavail * st.f_frsize)
+
+
+def test_watermarks_evict_lru_until_below_low(tmpfs16, capsys):
+    layouts = make_digest(tmpfs16, "acme/full")
+    put_lease(layouts[0], os.getpid())
+    mib = 1 << 20
+    # 12 x 1 MiB blocks: block i last used (12 - i) hours ago; the two
+    # newest were loaded within --protect.
+    paths = [put_block(layouts[0], key(i), DAY, used_ago=(12 - i) * 3600, payload=mib - 4096)
+             for i in range(10)]
+    paths += [put_block(layouts[0], key(i), DAY, used_ago=60, payload=mib - 4096)
+              for i in (10, 11)]
+    assert used_percent(tmpfs16) > 70
+
+    status, report = gc(tmpfs16, "--high", "60", "--low", "30", "--protect", "10m",
+                        capsys=capsys)
+    assert status == 0, report
+    assert used_percent(tmpfs16) <= 30
+    kept = [i for i, p in enumerate(paths) if os.path.exists(p)]
+    assert kept == list(range(12 - len(kept), 12))  # the most recently used survive
+    assert len(kept) >= 3 and {10, 11} <= set(kept)
+    assert "high 60%" in report["capacity"]["why"]
+    assert os.path.exists(layouts[0].config_path)
+
+    # Below the high mark nothing more goes.
+    status, report = gc(tmpfs16, "--high", "60", "--low", "10", capsys=capsys)
+    assert report["capacity"]["evicted_blocks"] == 0
+    assert [os.path.exists(paths[i]) for i in kept] == [True] * len(kept)
+
+
+def test_watermark_cannot_touch_protected_blocks(tmpfs16, capsys):
+    layouts = make_digest(tmpfs16, "acme/hot")
+    paths = [put_block(layouts[0], key(i), DAY, used_ago=30, payload=(1 << 20) - 4096)
+             for i in range(12)]
+    status, report = gc(tmpfs16, "--high", "50", "--low", "20", "--protect", "10m",
+                        capsys=capsys)
+    assert status == 0
+    assert all(os.path.exists(p) for p in paths)
+    assert report["capacity"]["evicted_blocks"] == 0
+    assert report["capacity"]["short_bytes"] > 0
+    human = subprocess.run([sys.executable, "-m", "llmkv_fs.gc", tmpfs16, "--high", "50",
+                            "--dry-run"], capture_output=True, text=True, env=gc_env())
+    assert "short by" in human.stdout and "--protect 10m" in human.stdout
