@@ -1,5 +1,6 @@
 import os
 import shutil
+import subprocess
 import sys
 import uuid
 from typing import NamedTuple
@@ -96,3 +97,26 @@ def replicas():
     yield made
     for replica in reversed(made):
         replica.close()
+
+
+@pytest.fixture
+def mount_tmpfs(tmp_path):
+    """mount_tmpfs(size="16m", options="") -> path of a real tmpfs of our own
+    (nobody else writes to it: exact space and atime behaviour); unmounted at
+    teardown. Needs root, else the test is skipped."""
+    mounted: list[str] = []
+
+    def mount(size: str = "16m", options: str = "") -> str:
+        mountpoint = tmp_path / f"tmpfs-{uuid.uuid4().hex[:6]}"
+        mountpoint.mkdir()
+        opts = ",".join(filter(None, [f"size={size}", options]))
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(mountpoint)],
+                              capture_output=True, text=True)
+        if done.returncode:
+            pytest.skip(f"cannot mount a tmpfs here (needs root): {done.stderr.strip()}")
+        mounted.append(str(mountpoint))
+        return str(mountpoint)
+
+    yield mount
+    for path in reversed(mounted):
+        subprocess.run(["umount", "-l", path], check=False)

@@ -15,7 +15,6 @@ import subprocess
 import sys
 import textwrap
 import time
-import uuid
 
 import pytest
 
@@ -29,16 +28,8 @@ OLD_NS = 1_000_000_000 * 10**9  # September 2001
 
 
 @pytest.fixture
-def noatime_tmpfs(tmp_path):
-    mountpoint = tmp_path / f"noatime-{uuid.uuid4().hex[:6]}"
-    mountpoint.mkdir()
-    done = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=16m,noatime", "tmpfs", str(mountpoint)],
-        capture_output=True, text=True)
-    if done.returncode:
-        pytest.skip(f"cannot mount a tmpfs here (needs root): {done.stderr.strip()}")
-    yield str(mountpoint)
-    subprocess.run(["umount", "-l", str(mountpoint)], check=False)
+def noatime_tmpfs(mount_tmpfs):
+    return mount_tmpfs("16m", "noatime")
 
 
 def fs_now_ns(mount: str) -> int:

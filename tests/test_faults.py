@@ -4,8 +4,6 @@ CPU tier."""
 
 import glob
 import os
-import subprocess
-import uuid
 
 import pytest
 from harness import Replica, make_keys, offloading_config, ours, payload_for
@@ -13,16 +11,9 @@ from vllm.v1.kv_offload.base import LookupResult
 
 
 @pytest.fixture
-def small_tmpfs(tmp_path):
+def small_tmpfs(mount_tmpfs):
     """A real 12 MiB tmpfs: room for five 2 MiB blocks and their trailers."""
-    mountpoint = tmp_path / f"small-{uuid.uuid4().hex[:6]}"
-    mountpoint.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=12m", "tmpfs", str(mountpoint)],
-                          capture_output=True, text=True)
-    if done.returncode:
-        pytest.skip(f"cannot mount a tmpfs here (needs root): {done.stderr.strip()}")
-    yield str(mountpoint)
-    subprocess.run(["umount", "-l", str(mountpoint)], check=False)
+    return mount_tmpfs("12m")
 
 
 def test_full_disk_fails_stores_cleanly_and_reads_continue(small_tmpfs):
@@ -56,16 +47,8 @@ def test_full_disk_fails_stores_cleanly_and_reads_continue(small_tmpfs):
         replica.close()
 
 
-def test_read_only_root_is_a_clear_startup_error(tmp_path):
-    mountpoint = tmp_path / "ro"
-    mountpoint.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(mountpoint)],
-                          capture_output=True, text=True)
-    if done.returncode:
-        pytest.skip(f"cannot mount a tmpfs here (needs root): {done.stderr.strip()}")
-    try:
-        with pytest.raises(Exception, match="not writable") as info:
-            Replica(offloading_config(tiers=[ours(str(mountpoint))]))
-        assert str(mountpoint) in str(info.value)
-    finally:
-        subprocess.run(["umount", "-l", str(mountpoint)], check=False)
+def test_read_only_root_is_a_clear_startup_error(mount_tmpfs):
+    mountpoint = mount_tmpfs("1m", "ro")
+    with pytest.raises(Exception, match="not writable") as info:
+        Replica(offloading_config(tiers=[ours(mountpoint)]))
+    assert mountpoint in str(info.value)

@@ -9,7 +9,6 @@ import select
 import signal
 import subprocess
 import sys
-import uuid
 
 import pytest
 from gc_kit import (
@@ -229,15 +228,8 @@ def test_progress_line_only_on_a_terminal(disk_root):
 
 
 @pytest.fixture
-def tmpfs16(tmp_path):
-    mountpoint = tmp_path / f"wm-{uuid.uuid4().hex[:6]}"
-    mountpoint.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(mountpoint)],
-                          capture_output=True, text=True)
-    if done.returncode:
-        pytest.skip(f"cannot mount a tmpfs here (needs root): {done.stderr.strip()}")
-    yield str(mountpoint)
-    subprocess.run(["umount", "-l", str(mountpoint)], check=False)
+def tmpfs16(mount_tmpfs):
+    return mount_tmpfs("16m")
 
 
 def used_percent(root: str) -> float:

@@ -13,9 +13,7 @@ from __future__ import annotations
 import glob
 import os
 import shutil
-import subprocess
 import time
-import uuid
 
 import pytest
 
@@ -29,16 +27,9 @@ MiB = 1 << 20
 
 
 @pytest.fixture
-def small_tmpfs(tmp_path):
+def small_tmpfs(mount_tmpfs):
     """A real 16 MiB tmpfs of our own (nobody else writes to it)."""
-    mountpoint = tmp_path / f"guard-{uuid.uuid4().hex[:6]}"
-    mountpoint.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(mountpoint)],
-                          capture_output=True, text=True)
-    if done.returncode:
-        pytest.skip(f"cannot mount a tmpfs here (needs root): {done.stderr.strip()}")
-    yield str(mountpoint)
-    subprocess.run(["umount", "-l", str(mountpoint)], check=False)
+    return mount_tmpfs("16m")
 
 
 def write_filler(path: str, nbytes: int) -> None:
