@@ -25,6 +25,8 @@ import threading
 import time
 from collections.abc import Callable
 
+import xxhash
+
 from llmkv_fs.layout.blockfile import (
     ACCESS_STAMP_INTERVAL_S,
     TRAILER_SIZE,
@@ -75,6 +77,11 @@ class IoOptions:
     file_mode: int = DEFAULT_FILE_MODE
     dir_mode: int = DEFAULT_DIR_MODE
     stamp_access: bool = True
+    # Loads read and hash the payload in pieces of this many bytes (0: one
+    # read, then one hash). On memory-backed volumes the read is a memcpy and
+    # hashing each piece while it is still in cache saves most of the hash's
+    # memory traffic; on disks one large read matters more.
+    hash_chunk: int = 0
 
 
 def probe_o_direct(directory: str) -> bool:
@@ -127,6 +134,24 @@ def _read_all(fd: int, buffers: list[memoryview], valid_sizes: frozenset[int]) -
     return done
 
 
+def _read_hashing(fd: int, row: memoryview, scratch: memoryview, piece: int) -> tuple[int, int]:
+    """Read the payload into ``row`` ``piece`` bytes at a time, hashing each
+    piece right after its read, then the trailer pages into ``scratch``.
+    Returns (bytes read, xxh3-64 of the payload); a short payload stops the
+    read (the caller judges the length, the digest is then meaningless)."""
+    hasher = xxhash.xxh3_64()
+    done = 0
+    size = row.nbytes
+    while done < size:
+        n = os.preadv(fd, [row[done:done + piece]], done)
+        if n == 0:
+            return done, hasher.intdigest()
+        hasher.update(row[done:done + n])
+        done += n
+    done += os.preadv(fd, [scratch], size)
+    return done, hasher.intdigest()
+
+
 def _write_all(fd: int, buffers: list[memoryview]) -> None:
     """Loop ``pwritev`` until every buffer is written (FUSE and NFS may
     accept part of a large write)."""
@@ -149,6 +174,11 @@ class BlockIO:
         trailerless = (options.block_size,) if options.accept_trailerless else ()
         self._valid_sizes = frozenset((options.block_size + TRAILER_SIZE, *trailerless))
         self._chmod_files = needs_chmod(options.file_mode)
+        self._hash_while_reading = bool(
+            options.checksum and options.hash_chunk
+            and options.block_size % options.hash_chunk == 0
+            and options.block_size > options.hash_chunk
+        )
         # path -> monotonic time of our last access stamp. Shared by the I/O
         # threads; single dict operations are atomic under the GIL, and a
         # lost update only costs one extra stamp.
@@ -248,6 +278,12 @@ class BlockIO:
                 # Our own name: left by a previous process that had our pid
                 # and died mid-write. Nobody else can own it.
                 os.unlink(tmp)
+            except OSError as exc:
+                # Another client of a network filesystem created the
+                # directory at the same moment: our handle went stale.
+                if exc.errno != errno.ESTALE:
+                    raise
+                make_dirs(os.path.dirname(tmp), self.options.dir_mode)
         return os.open(tmp, flags, self.options.file_mode)
 
     @staticmethod
@@ -281,9 +317,12 @@ class BlockIO:
             raise
         bad: BlockFileError | None = None
         try:
-            n = _read_all(fd, [row, scratch], self._valid_sizes)
+            if self._hash_while_reading:
+                n, digest = _read_hashing(fd, row, scratch, self.options.hash_chunk)
+            else:
+                n, digest = _read_all(fd, [row, scratch], self._valid_sizes), None
             try:
-                outcome = self._check(key, row, scratch, n)
+                outcome = self._check(key, row, scratch, n, digest)
                 if self.options.stamp_access:
                     self._stamp_access(path)
                 return outcome
@@ -294,10 +333,12 @@ class BlockIO:
         bad.quarantined_to = self.quarantine(path, bad.reason, inode)
         raise bad
 
-    def _check(self, key: bytes, row: memoryview, scratch: memoryview, n: int) -> Outcome:
+    def _check(
+        self, key: bytes, row: memoryview, scratch: memoryview, n: int, digest: int | None
+    ) -> Outcome:
         opts = self.options
         if n == opts.block_size + TRAILER_SIZE:
-            verify_block(row, scratch[:TRAILER_SIZE], key, opts.checksum)
+            verify_block(row, scratch[:TRAILER_SIZE], key, opts.checksum, digest)
             return Outcome.VERIFIED
         if n == opts.block_size and opts.accept_trailerless:
             return Outcome.UNVERIFIED

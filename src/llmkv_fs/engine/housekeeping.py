@@ -65,9 +65,11 @@ class Housekeeping:
         self._stopping = True
         self._wake.set()
         self._thread.join()
-        self._apply_stamps()
+        self._apply_stamps()  # never raises: a failed stamp is skipped
         if self.lease_path is not None:
-            remove_lease(self.lease_path)
+            if not remove_lease(self.lease_path):
+                logger.warning("llmkv_fs: could not remove lease %s; it will go stale",
+                               self.lease_path)
             self.lease_path = None
 
     def _run(self) -> None:

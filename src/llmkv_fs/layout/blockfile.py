@@ -130,9 +130,12 @@ def unpack_trailer(buf) -> Trailer:
     return Trailer(version, flags, payload_len, xxh, created, bytes(view[_HEAD.size:key_end]))
 
 
-def verify_block(payload, trailer_page, key: bytes, verify_checksum: bool) -> Trailer:
+def verify_block(
+    payload, trailer_page, key: bytes, verify_checksum: bool, payload_xxh3: int | None = None
+) -> Trailer:
     """Check a payload against its trailer: length, key, and (when both the
-    writer recorded one and the reader wants it) the xxh3 checksum."""
+    writer recorded one and the reader wants it) the xxh3 checksum --
+    ``payload_xxh3`` if the caller already hashed the payload while reading."""
     trailer = unpack_trailer(trailer_page)
     payload_len = memoryview(payload).nbytes
     if trailer.payload_len != payload_len:
@@ -142,7 +145,8 @@ def verify_block(payload, trailer_page, key: bytes, verify_checksum: bool) -> Tr
     if trailer.key != key:
         raise BlockFileError("wrong-key", "file holds another block's key")
     if verify_checksum and trailer.has_checksum:
-        if payload_checksum(payload) != trailer.payload_xxh3:
+        actual = payload_checksum(payload) if payload_xxh3 is None else payload_xxh3
+        if actual != trailer.payload_xxh3:
             raise BlockFileError("bad-checksum", "payload xxh3 mismatch")
     return trailer
 

@@ -8,6 +8,7 @@ they need, so modes are set explicitly with chmod after creation.
 
 from __future__ import annotations
 
+import errno
 import os
 import socket
 import uuid
@@ -46,8 +47,13 @@ def make_dirs(path: str, dir_mode: int = DEFAULT_DIR_MODE) -> None:
         try:
             _make_dir_chain(path, dir_mode)
             return
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):
             continue  # a parent vanished between two mkdirs: go again
+        except OSError as exc:
+            # Two clients of a network filesystem creating one path at once:
+            # a stale handle, or EEXIST before the name's attributes arrive.
+            if exc.errno != errno.ESTALE:
+                raise
     os.makedirs(path, dir_mode, exist_ok=True)  # raise the real error
 
 
@@ -112,3 +118,24 @@ def write_file_atomically(
     except BaseException:
         os.unlink(tmp)
         raise
+
+
+def filesystem_type(path: str) -> str:
+    """The type of the filesystem holding ``path`` (from mountinfo), or ""."""
+    real = os.path.realpath(path)
+    best, fstype = "", ""
+    try:
+        with open("/proc/self/mountinfo") as f:
+            for line in f:
+                fields = line.split()
+                try:
+                    mountpoint = fields[4].replace("\\040", " ")
+                    kind = fields[fields.index("-") + 1]
+                except (IndexError, ValueError):
+                    continue
+                inside = real == mountpoint or real.startswith(mountpoint.rstrip("/") + "/")
+                if inside and len(mountpoint) >= len(best):
+                    best, fstype = mountpoint, kind
+    except OSError:
+        return ""
+    return fstype

@@ -111,11 +111,16 @@ def refresh_lease(path: str) -> bool:
     return True
 
 
-def remove_lease(path: str) -> None:
+def remove_lease(path: str) -> bool:
+    """Remove a lease; False if the volume refused (read-only, EIO): the
+    lease then simply goes stale, which is all gc needs."""
     try:
         os.unlink(path)
     except FileNotFoundError:
         pass
+    except OSError:
+        return False
+    return True
 
 
 def _parse(path: str, name: str) -> Lease | None:

@@ -8,6 +8,7 @@ write, so either tier can own a digest first.
 
 from __future__ import annotations
 
+import errno
 import json
 import time
 from typing import Any
@@ -55,6 +56,11 @@ def ensure_run_config(
         except FileNotFoundError:
             write_file_atomically(path, render_run_config(wanted), file_mode, dir_mode)
             return "created"
+        except OSError as exc:
+            # Another client of a network filesystem replaced it just now.
+            if exc.errno != errno.ESTALE or time.monotonic() >= deadline:
+                raise
+            continue
         except (ValueError, UnicodeDecodeError):
             if time.monotonic() < deadline:
                 time.sleep(0.05)  # another writer may still be mid-write

@@ -23,6 +23,7 @@ import threading
 from collections.abc import Iterable, Iterator
 from typing import NamedTuple
 
+from llmkv_fs.layout.files import filesystem_type  # noqa: F401  (part of this API)
 from llmkv_fs.layout.leases import LEASES_DIRNAME, Lease, read_leases
 from llmkv_fs.layout.paths import BLOCK_SUFFIX, CONFIG_FILENAME, QUARANTINE_DIRNAME, parse_temp_name
 
@@ -129,27 +130,6 @@ class Listing:
 _NETWORK_FS = ("nfs", "nfs4", "ceph", "lustre", "glusterfs", "cifs", "smb3", "smbfs", "gpfs",
                "beegfs", "9p", "afs", "gfs2", "ocfs2", "panfs", "pvfs2", "orangefs", "wekafs",
                "virtiofs")
-
-
-def filesystem_type(path: str) -> str:
-    """The type of the filesystem holding ``path`` (from mountinfo), or ""."""
-    real = os.path.realpath(path)
-    best, fstype = "", ""
-    try:
-        with open("/proc/self/mountinfo") as f:
-            for line in f:
-                fields = line.split()
-                try:
-                    mountpoint = fields[4].replace("\\040", " ")
-                    kind = fields[fields.index("-") + 1]
-                except (IndexError, ValueError):
-                    continue
-                inside = real == mountpoint or real.startswith(mountpoint.rstrip("/") + "/")
-                if inside and len(mountpoint) >= len(best):
-                    best, fstype = mountpoint, kind
-    except OSError:
-        return ""
-    return fstype
 
 
 def is_network_fs(fstype: str) -> bool:

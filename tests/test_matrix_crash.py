@@ -1,0 +1,222 @@
+"""Fault matrix, crashes: a writer process SIGKILLed at random points while
+it stores 2 MiB blocks (tmpfs, ext4, GlusterFS), and what each durability
+mode asks of the kernel, seen with strace.
+
+The writer is the real store path (FsEngine: IoPool -> BlockIO.store) in a
+forked process; the reader is a real vLLM TieringOffloadingManager.
+"""
+
+import dataclasses
+import mmap
+import os
+import random
+import re
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+from harness import Replica, make_keys, offloading_config, ours, payload_for
+from matrix_kit import (
+    BLOCK,
+    HIT,
+    Forked,
+    TierClock,
+    block_files,
+    block_problem,
+    files_under,
+    record,
+    served,
+    temp_owner,
+)
+
+from llmkv_fs.config import TierSettings
+from llmkv_fs.engine.engine import FsEngine
+
+TRIALS = int(os.environ.get("LLMKV_FS_MATRIX_TRIALS", "10"))  # per filesystem
+SEED = int(os.environ.get("LLMKV_FS_MATRIX_SEED", "5"))
+KEYS_PER_TRIAL = 8
+
+
+def _write(layout, keys_hex: list[str], ready_fd: int) -> dict:
+    """Child: store every key through a real engine, as fast as it can."""
+    keys = [bytes.fromhex(k) for k in keys_hex]
+    primary = mmap.mmap(-1, len(keys) * BLOCK)
+    for i, key in enumerate(keys):
+        primary[i * BLOCK:(i + 1) * BLOCK] = payload_for(key, BLOCK)
+    settings = TierSettings(root_dir=layout.root_dir, n_read_threads=1, n_write_threads=2,
+                            lookup_threads=1)
+    engine = FsEngine(settings, layout, primary, BLOCK)
+    os.write(ready_fd, b"!")
+    for start in range(0, len(keys), 2):
+        engine.submit_store(start, keys[start:start + 2], list(range(start, min(start + 2, len(keys)))))
+    while engine.has_pending_work():
+        engine.take_finished()
+        time.sleep(0.0005)
+    os.write(ready_fd, b".")  # every block is written
+    engine.shutdown()
+    return dict(engine.counters)
+
+
+def _start_writer(layout, keys) -> tuple[Forked, float, int]:
+    """Fork a writer; returns it, when it started storing, and the pipe it
+    reports on (closed by the caller once the child is gone)."""
+    ready_r, ready_w = os.pipe()
+    child = Forked(_write, layout, [k.hex() for k in keys], ready_w)
+    os.close(ready_w)
+    assert os.read(ready_r, 1) == b"!", "writer died before it was ready"
+    return child, time.monotonic(), ready_r
+
+
+def test_sigkill_mid_write_never_publishes_a_torn_file(shared_volume, replicas):
+    """Every trial: fork a writer of 8 x 2 MiB blocks, SIGKILL it at a random
+    instant, then check the volume through the other client: every final
+    ``.bin`` is complete and correct, every leftover is a ``.*.tmp`` named
+    after the dead pid, and a vLLM reader serves exactly the published keys,
+    byte exact."""
+    reader = Replica(offloading_config(tiers=[ours(shared_volume.b)]))
+    replicas.append(reader)
+    clock = TierClock(reader.tier)
+    writer_layout = dataclasses.replace(reader.tier.layout, root_dir=shared_volume.a)
+    rank_dir = reader.tier.layout.rank_dir
+    rng = random.Random(f"{SEED}-{shared_volume.fs}")
+
+    # Calibration: writers run to the end; kills then land anywhere in the
+    # span from the first store to the last block published (the faster of
+    # two runs: the first one on a cold volume is slow).
+    spans = []
+    for run in range(2):
+        keys = make_keys(KEYS_PER_TRIAL, seed=f"kill-{shared_volume.fs}-calibrate-{run}")
+        child, started, pipe = _start_writer(writer_layout, keys)
+        assert os.read(pipe, 1) == b"."
+        spans.append(time.monotonic() - started)
+        counters = child.result()
+        os.close(pipe)
+        assert counters["blocks_written"] == KEYS_PER_TRIAL, counters
+        for path in files_under(rank_dir):
+            os.unlink(path)
+    span = min(spans)
+
+    figures = dict(trials=TRIALS, killed_alive=0, interrupted=0, temp_left=0, published=0,
+                   verified=0, served=0, wrong=0)
+    for trial in range(TRIALS):
+        keys = make_keys(KEYS_PER_TRIAL, seed=f"kill-{shared_volume.fs}-{trial}")
+        paths = {reader.tier.layout.block_path(k): k for k in keys}
+        child, started, pipe = _start_writer(writer_layout, keys)
+        time.sleep(max(0.0, started + rng.uniform(0, span) - time.monotonic()))
+        figures["killed_alive"] += child.kill()
+        os.close(pipe)
+
+        published = block_files(rank_dir)
+        for path in published:
+            assert path in paths, f"trial {trial}: unexpected file {path}"
+            problem = block_problem(path, paths[path])
+            assert problem is None, f"trial {trial}: torn file under a final name: {path}: {problem}"
+        figures["published"] += len(published)
+        figures["interrupted"] += len(published) < KEYS_PER_TRIAL
+        figures["verified"] += len(published)
+        leftovers = [p for p in files_under(rank_dir) if p not in published]
+        for path in leftovers:
+            name = os.path.basename(path)
+            assert name.startswith(".") and name.endswith(".tmp"), f"stray file {path}"
+            assert temp_owner(path) == child.pid, f"{path} is not the dead writer's ({child.pid})"
+        figures["temp_left"] += len(leftovers)
+
+        ctx = reader.new_request()
+        final, _ = reader.find(keys, ctx)
+        hits, wrong = served(reader, keys, final, ctx)
+        figures["served"] += hits
+        figures["wrong"] += wrong
+        assert {k for k, v in final.items() if v is HIT} == {paths[p] for p in published}
+        assert wrong == 0
+        reader.finish_request(ctx)
+        for path in published + leftovers:  # keep the volume small for the next trial
+            os.unlink(path)
+
+    assert clock.errors == []
+    # Kills landed inside the store stream, not only after it.
+    assert figures["interrupted"] >= TRIALS // 3, figures
+    record("sigkill_mid_write", fs=shared_volume.fs, calibration_s=round(span, 3), seed=SEED,
+           scheduler_exceptions=len(clock.errors), **figures)
+
+
+# -- durability: the syscalls each mode makes -------------------------------------------
+
+STORE_N_BLOCKS = r"""
+import hashlib, mmap, sys, time
+from llmkv_fs.config import TierSettings
+from llmkv_fs.engine.engine import FsEngine, prepare_volume
+from llmkv_fs.layout.paths import CacheLayout, RunIdentity
+
+root, n, durability = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+bs = 1 << 20
+layout = CacheLayout.for_identity(root, RunIdentity(
+    model_name="m/strace", dtype="bfloat16", tokens_per_hash=16, blocks_per_file=1,
+    kv_cache_groups=((16, ("l0",)),)))
+prepare_volume(layout)
+primary = mmap.mmap(-1, n * bs)
+keys = [hashlib.sha256(b"%d" % i).digest() + bytes(4) for i in range(n)]
+engine = FsEngine(TierSettings(root_dir=root, durability=durability, n_read_threads=1,
+                               n_write_threads=2, lookup_threads=1), layout, primary, bs)
+engine.submit_store(1, keys, list(range(n)))
+while engine.has_pending_work():
+    engine.take_finished()
+    time.sleep(0.001)
+engine.shutdown()
+print(engine.counters["blocks_written"])
+"""
+
+N_STRACED = 6
+_TID = r"^(?P<tid>\d+)\s+"
+_FSYNC = re.compile(_TID + r"(?:fsync|fdatasync)\(\d+<(?P<path>[^>]*)>")
+_RENAME = re.compile(_TID + r"rename(?:at2?)?\((?:[^,]*, )?\"(?P<src>[^\"]+)\", (?:[^,]*, )?\"(?P<dst>[^\"]+)\"")
+
+
+def _strace_store(root: str, durability: str, out: str) -> list[tuple[str, str, str, str]]:
+    """Store N_STRACED blocks in a child under strace; returns its
+    (tid, 'fsync'|'rename', path, rename target) events about block files,
+    in order."""
+    if shutil.which("strace") is None:
+        pytest.skip("strace is not installed")
+    done = subprocess.run(
+        ["strace", "-f", "-qq", "-y", "-o", out, "-e", "trace=fsync,fdatasync,rename,renameat,renameat2",
+         sys.executable, "-c", STORE_N_BLOCKS, root, str(N_STRACED), durability],
+        capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split()[-1] == str(N_STRACED)
+    events = []
+    with open(out) as f:
+        for line in f:
+            if (m := _FSYNC.match(line)) and "_r0/" in m["path"]:
+                events.append((m["tid"], "fsync", m["path"], ""))
+            elif (m := _RENAME.match(line)) and m["dst"].endswith(".bin"):
+                events.append((m["tid"], "rename", m["src"], m["dst"]))
+    return events
+
+
+@pytest.mark.parametrize("durability", ["none", "file", "full"])
+def test_durability_mode_makes_exactly_its_fsyncs(durability, disk_root, tmp_path):
+    events = _strace_store(disk_root, durability, str(tmp_path / "strace.out"))
+    renames = [e for e in events if e[1] == "rename"]
+    file_syncs = [e for e in events if e[1] == "fsync" and e[2].endswith(".tmp")]
+    dir_syncs = [e for e in events if e[1] == "fsync" and not e[2].endswith((".tmp", ".bin"))]
+    assert len(renames) == N_STRACED
+    if durability == "none":
+        assert file_syncs == [] and dir_syncs == []
+    else:
+        # The temp file is fsynced by the thread that renames it, before the rename.
+        for tid, _, tmp, final in renames:
+            before = events[:events.index((tid, "rename", tmp, final))]
+            assert (tid, "fsync", tmp, "") in before, f"{final}: no fsync of {tmp} before rename"
+        assert len(file_syncs) == N_STRACED
+        if durability == "file":
+            assert dir_syncs == []
+        else:
+            # ...and its directory after the rename, so the name is durable too.
+            for tid, _, tmp, final in renames:
+                after = events[events.index((tid, "rename", tmp, final)) + 1:]
+                assert (tid, "fsync", os.path.dirname(final), "") in after, f"{final}: no dir fsync"
+            assert len(dir_syncs) == N_STRACED
+    record("durability_strace", mode=durability, blocks=N_STRACED, renames=len(renames),
+           file_fsyncs=len(file_syncs), dir_fsyncs=len(dir_syncs))
