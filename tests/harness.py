@@ -1,6 +1,7 @@
 """Test-side names for the vLLM driver (llmkv_fs.tier.driver), with the
 small thread counts a 2-core machine wants."""
 
+import threading
 from typing import Any
 
 from llmkv_fs.tier import driver
@@ -21,3 +22,33 @@ def ours(root: str, **extra: Any) -> dict[str, Any]:
 
 def builtin(root: str, **extra: Any) -> dict[str, Any]:
     return driver.builtin(root, **{"n_read_threads": 2, "n_write_threads": 2, **extra})
+
+
+def resolve(replica, keys, on_hit_pending=None) -> dict:
+    """A fresh request looks ``keys`` up until each is HIT or MISS (see
+    Replica.find for ``on_hit_pending``), then finishes."""
+    ctx = replica.new_request()
+    final, _ = replica.find(keys, ctx, on_hit_pending)
+    replica.finish_request(ctx)
+    return final
+
+
+def store_burst_while_stalled(replica, keys, per_job: int = 3) -> None:
+    """Submit ``keys`` as store jobs of ``per_job`` while the volume is held
+    "slow" (every block write waits), then release it and settle: the I/O
+    threads take one block each, the bounded queue takes what fits, and the
+    rest of the burst is refused."""
+    volume_stalled = threading.Event()
+    real_store = replica.tier.engine.blockio.store
+
+    def slow_store(key, row, *rest):
+        volume_stalled.wait(30)
+        return real_store(key, row, *rest)
+
+    replica.tier.engine.blockio.store = slow_store
+    try:
+        for i in range(0, len(keys), per_job):
+            replica.store(keys[i:i + per_job], settle=False)
+    finally:
+        volume_stalled.set()
+    replica.settle()

@@ -11,12 +11,12 @@ events off report nothing.
 from __future__ import annotations
 
 import os
-import threading
 
-from harness import Replica, make_keys, offloading_config, ours, wait_until
+from harness import (Replica, make_keys, offloading_config, ours, resolve,
+                     store_burst_while_stalled, wait_until)
 from vllm.v1.kv_offload.base import Locality, LookupResult, Medium
 
-HIT, MISS, HIT_PENDING = LookupResult.HIT, LookupResult.MISS, LookupResult.HIT_PENDING
+HIT, MISS = LookupResult.HIT, LookupResult.MISS
 
 
 def start(replicas, tier, events=True):
@@ -52,29 +52,6 @@ def flip_a_bit(path, offset=12345):
         f.write(bytes([byte ^ 0x10]))
 
 
-def resolve(replica, keys, on_hit_pending=None):
-    """Look up until every key is HIT or MISS; ``on_hit_pending(key)`` runs
-    once per key when the tier found it (its load is submitted at step end)."""
-    ctx = replica.new_request()
-    final, pending = {}, set()
-
-    def resolved():
-        with replica.manager.lock:
-            results = [replica.manager.lookup(k, ctx) for k in keys]
-        for key, result in zip(keys, results):
-            if result is HIT_PENDING and key not in pending:
-                pending.add(key)
-                if on_hit_pending:
-                    on_hit_pending(key)
-        final.update(zip(keys, results))
-        done = all(r in (HIT, MISS) for r in results)
-        if not done:
-            replica.step()
-        return done
-
-    wait_until(resolved, "lookups to resolve")
-    replica.finish_request(ctx)
-    return final
 
 
 def test_block_stored_for_landed_keys(disk_root, replicas):
@@ -95,19 +72,8 @@ def test_stores_dropped_by_the_queue_bound_yield_no_event(disk_root, replicas):
                              n_write_threads=1, max_pending_store_blocks=4))
     # Hold the volume "slow" while the burst is submitted: the two I/O threads
     # take one block each, the queue holds at most 4 more, the rest is refused.
-    volume_stalled = threading.Event()
-    real_store = a.tier.engine.blockio.store
-
-    def slow_store(key, row, *rest):
-        volume_stalled.wait(30)
-        return real_store(key, row, *rest)
-
-    a.tier.engine.blockio.store = slow_store
     keys = make_keys(30, seed="events-burst")
-    for i in range(0, 30, 3):
-        a.store(keys[i:i + 3], settle=False)
-    volume_stalled.set()
-    a.settle()
+    store_burst_while_stalled(a, keys)
 
     landed = {k for k in keys if os.path.exists(a.tier.layout.block_path(k))}
     dropped = a.tier.engine.counters["store_blocks_dropped_queue_full"]

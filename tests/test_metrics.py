@@ -25,7 +25,7 @@ import types
 from pathlib import Path
 
 import pytest
-from harness import Replica, make_keys, offloading_config, ours, wait_until
+from harness import Replica, make_keys, offloading_config, ours, resolve, wait_until
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
     KV_OFFLOAD_CONFIG_INFO,
@@ -47,8 +47,7 @@ from llmkv_fs import FsTier
 from llmkv_fs.tier import metrics as tier_metrics
 from llmkv_fs.tier.metrics import METRICS, PREFIX
 
-HIT, MISS, RETRY, HIT_PENDING = (LookupResult.HIT, LookupResult.MISS, LookupResult.RETRY,
-                                 LookupResult.HIT_PENDING)
+HIT, MISS = LookupResult.HIT, LookupResult.MISS
 REPO = Path(__file__).resolve().parent.parent
 MODEL = "acme/llama-test"  # offloading_config's default
 ENGINE_LABELS = ["model_name", "engine"]  # what vLLM's PrometheusStatLogger passes
@@ -90,31 +89,6 @@ def flip_a_bit(path: str, offset: int = 12345) -> None:
         f.write(bytes([byte ^ 0x10]))
 
 
-def resolve(replica: Replica, keys, on_hit_pending=None) -> dict:
-    """Look keys up step by step as the scheduler does until each is HIT or
-    MISS; ``on_hit_pending(key)`` runs when the tier first answered HIT for a
-    key (its promotion is queued and submitted at the next step end)."""
-    ctx = replica.new_request()
-    final: dict = {}
-    seen_pending: set = set()
-
-    def resolved() -> bool:
-        with replica.manager.lock:
-            results = [replica.manager.lookup(k, ctx) for k in keys]
-        for key, result in zip(keys, results):
-            if result is HIT_PENDING and key not in seen_pending:
-                seen_pending.add(key)
-                if on_hit_pending:
-                    on_hit_pending(key)
-        final.update(zip(keys, results))
-        done = all(r in (HIT, MISS) for r in results)
-        if not done:
-            replica.step()
-        return done
-
-    wait_until(resolved, "lookups to resolve")
-    replica.finish_request(ctx)
-    return final
 
 
 def take_stats(replica: Replica, with_info: bool) -> OffloadingConnectorStats:

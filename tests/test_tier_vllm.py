@@ -8,9 +8,9 @@ independent FUSE client, as a replica on another node would see it.
 
 import glob
 import os
-import threading
 
-from harness import Replica, builtin, make_keys, offloading_config, ours, payload_for, wait_until
+from harness import (Replica, builtin, make_keys, offloading_config, ours, payload_for,
+                     store_burst_while_stalled, wait_until)
 from vllm.v1.kv_offload.base import LookupResult
 
 from llmkv_fs import FsTier
@@ -189,19 +189,8 @@ def test_write_queue_bound_fails_stores_instead_of_growing(disk_root, replicas):
                              max_pending_store_blocks=4), cpu_bytes=128 << 20)
     # Hold the volume "slow" until the burst is submitted: the two I/O
     # threads take one block each and the queue holds at most 4 more.
-    volume_stalled = threading.Event()
-    real_store = a.tier.engine.blockio.store
-
-    def slow_store(key, row, *rest):
-        volume_stalled.wait(30)
-        return real_store(key, row, *rest)
-
-    a.tier.engine.blockio.store = slow_store
     keys = make_keys(30, seed="burst")
-    for i in range(0, 30, 3):
-        a.store(keys[i:i + 3], settle=False)
-    volume_stalled.set()
-    a.settle()
+    store_burst_while_stalled(a, keys)
     dropped = a.tier.engine.counters["store_blocks_dropped_queue_full"]
     assert dropped >= 30 - 2 - 4
     assert len(block_files(disk_root)) == 30 - dropped

@@ -161,18 +161,28 @@ class Replica:
 
     # -- the tier->CPU path --------------------------------------------------------
 
-    def find(self, keys: Sequence[bytes], ctx: ReqContext | None = None
+    def find(self, keys: Sequence[bytes], ctx: ReqContext | None = None,
+             on_hit_pending: Callable[[bytes], None] | None = None,
              ) -> tuple[dict[bytes, LookupResult], list[list[LookupResult]]]:
         """Look keys up step by step, as the scheduler does, until each is HIT
-        or MISS. Returns the final verdicts and the per-step history."""
+        or MISS. Returns the final verdicts and the per-step history.
+        ``on_hit_pending(key)`` runs once per key when the tier first found it
+        (its load is submitted at the next step end): the moment to inject a
+        fault between lookup and load."""
         ctx = ctx or self.new_request()
         history: list[list[LookupResult]] = []
         final: dict[bytes, LookupResult] = {}
+        pending: set[bytes] = set()
 
         def resolved() -> bool:
             with self.manager.lock:
                 results = [self.manager.lookup(k, ctx) for k in keys]
             history.append(results)
+            for key, result in zip(keys, results):
+                if result is LookupResult.HIT_PENDING and key not in pending:
+                    pending.add(key)
+                    if on_hit_pending is not None:
+                        on_hit_pending(key)
             final.update(zip(keys, results))
             done = all(r in (LookupResult.HIT, LookupResult.MISS) for r in results)
             if not done:
