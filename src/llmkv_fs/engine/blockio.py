@@ -44,7 +44,7 @@ O_DIRECT = getattr(os, "O_DIRECT", 0)
 _PAGE = mmap.PAGESIZE
 # A gc removing empty directories may delete a parent between our makedirs
 # and open; a few retries close that race without looping forever.
-_DIR_RACE_RETRIES = 4
+_DIR_RACE_RETRIES = 8
 _STAMP_MEMORY = 1 << 16  # paths remembered for stamp rate limiting
 
 

@@ -86,6 +86,24 @@ def _make_dir_chain(path: str, dir_mode: int) -> None:
             os.chmod(directory, dir_mode)
 
 
+def create_in_dir(path: str, flags: int, file_mode: int, dir_mode: int, attempts: int = 8) -> int:
+    """``os.open(path, flags, file_mode)``, creating the parent directories
+    (``make_dirs``) first if needed. Retries when the parent is missing or
+    stale right after it was made: gc may prune it, and another client of a
+    network filesystem creating the same directory can leave this client a
+    stale handle or a not-yet-visible entry for a moment."""
+    for _attempt in range(attempts - 1):
+        try:
+            return os.open(path, flags, file_mode)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            if exc.errno != errno.ESTALE:
+                raise
+        make_dirs(os.path.dirname(path), dir_mode)
+    return os.open(path, flags, file_mode)
+
+
 def write_file_atomically(
     path: str,
     data: bytes,
@@ -96,10 +114,10 @@ def write_file_atomically(
     """Publish ``data`` at ``path`` by temp file + rename: readers see the old
     file or the whole new one. The temp name carries host and pid so gc can
     tell a crashed writer's leftover from a live one's."""
-    make_dirs(os.path.dirname(path), dir_mode)
     nonce = uuid.uuid4().hex[:12]  # unique even for two writers in one process
     tmp = temp_path(path, socket.gethostname(), os.getpid(), nonce)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, file_mode)
+    fd = create_in_dir(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                       file_mode, dir_mode)
     try:
         if needs_chmod(file_mode):
             os.fchmod(fd, file_mode)
