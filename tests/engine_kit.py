@@ -15,6 +15,7 @@ import time
 import pytest
 
 from llmkv_fs.config import TierSettings
+from llmkv_fs.engine.blockio import BlockIO, IoOptions
 from llmkv_fs.engine.engine import FinishedJob, FsEngine, prepare_volume
 from llmkv_fs.layout.paths import CacheLayout, RunIdentity
 
@@ -171,3 +172,15 @@ def store_blocks(engine, primary, job_id: int, ids, chunks) -> FinishedJob:
     return job
 
 
+def write_blocks(root: str, ids, rank: int = 0) -> tuple[CacheLayout, BlockIO]:
+    """Store blocks ``pattern(i)`` under ``make_key(i)`` the way the tier does
+    (temp file, trailer, rename), without an engine: for tools that read a volume."""
+    layout = CacheLayout(root, CacheLayout.for_identity(root, IDENTITY).run_config, rank)
+    prepare_volume(layout)
+    blockio = BlockIO(layout, IoOptions(block_size=BS, use_o_direct=False, fsync_file=False,
+                                        fsync_dir=False, checksum=True))
+    buf = mmap.mmap(-1, BS)
+    for i in ids:
+        buf[:] = pattern(i)
+        blockio.store(make_key(i), memoryview(buf))
+    return layout, blockio

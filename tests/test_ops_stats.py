@@ -12,9 +12,7 @@ import time
 
 import pytest
 
-from engine_kit import BS, IDENTITY, make_key, pattern
-from llmkv_fs.engine.blockio import BlockIO, IoOptions
-from llmkv_fs.engine.engine import prepare_volume
+from engine_kit import BS, make_key, write_blocks
 from llmkv_fs.layout.blockfile import TRAILER_SIZE, BlockFileError
 from llmkv_fs.layout.leases import Lease, seed_fingerprint, write_lease
 from llmkv_fs.layout.paths import CacheLayout, temp_path
@@ -24,16 +22,6 @@ FILE = BS + TRAILER_SIZE
 DAY = 86400.0
 
 
-def store(root: str, ids, rank: int = 0) -> tuple[CacheLayout, BlockIO]:
-    layout = CacheLayout(root, CacheLayout.for_identity(root, IDENTITY).run_config, rank)
-    prepare_volume(layout)
-    blockio = BlockIO(layout, IoOptions(block_size=BS, use_o_direct=False, fsync_file=False,
-                                        fsync_dir=False, checksum=True))
-    buf = mmap.mmap(-1, BS)
-    for i in ids:
-        buf[:] = pattern(i)
-        blockio.store(make_key(i), memoryview(buf))
-    return layout, blockio
 
 
 def lease(host: str, seed: str, pid: int = 4242, algo: str = "sha256") -> Lease:
@@ -53,8 +41,8 @@ def stats_json(capsys, root: str) -> dict:
 
 
 def populate(root: str) -> tuple[CacheLayout, CacheLayout]:
-    r0, blockio = store(root, range(6), rank=0)
-    r1, _ = store(root, range(10, 14), rank=1)
+    r0, blockio = write_blocks(root, range(6), rank=0)
+    r1, _ = write_blocks(root, range(10, 14), rank=1)
     now = time.time()
     for i, age in ((0, 2 * 3600), (1, 2 * DAY), (2, 30 * DAY)):
         t = now - age
@@ -161,7 +149,7 @@ def test_files_verify_quarantined_count_as_quarantined(volume, capsys):
 
 
 def test_agreeing_replicas_and_a_random_seed(volume, capsys):
-    layout, _ = store(volume, range(2))
+    layout, _ = write_blocks(volume, range(2))
     write_lease(layout.base_path, lease("node-a", "42"))
     write_lease(layout.base_path, lease("node-b", "42"))
     (d,) = stats_json(capsys, volume)["digests"]
@@ -201,7 +189,7 @@ def test_stats_changes_nothing_on_the_volume(volume, capsys):
 
 def test_odd_volumes(volume, capsys):
     assert stats_json(capsys, volume)["digests"] == []
-    layout, _ = store(volume, [])  # config.json, no blocks
+    layout, _ = write_blocks(volume, [])  # config.json, no blocks
     os.makedirs(f"{volume}/m_x_0123456789ab_r3")  # a rank dir with no config dir
     report = stats_json(capsys, volume)
     by_name = {d["name"]: d for d in report["digests"]}

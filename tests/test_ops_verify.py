@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import io
 import json
-import mmap
 import os
 import shutil
 import struct
@@ -18,8 +17,7 @@ import time
 import pytest
 import xxhash
 
-from engine_kit import BS, IDENTITY, make_key, pattern
-from llmkv_fs.engine.blockio import BlockIO, IoOptions
+from engine_kit import BS, IDENTITY, make_key, pattern, write_blocks
 from llmkv_fs.engine.engine import prepare_volume
 from llmkv_fs.layout.blockfile import TRAILER_SIZE
 from llmkv_fs.layout.paths import CacheLayout
@@ -28,17 +26,6 @@ from llmkv_fs.ops import blockcheck, cli, verify
 HEAD = 42  # trailer bytes before the key (see layout/blockfile.py)
 
 
-def write_blocks(root: str, ids, rank: int = 0) -> tuple[CacheLayout, BlockIO]:
-    """Store blocks the way the tier does (temp file, trailer, rename)."""
-    layout = CacheLayout(root, CacheLayout.for_identity(root, IDENTITY).run_config, rank)
-    prepare_volume(layout)
-    blockio = BlockIO(layout, IoOptions(block_size=BS, use_o_direct=False, fsync_file=False,
-                                        fsync_dir=False, checksum=True))
-    buf = mmap.mmap(-1, BS)
-    for i in ids:
-        buf[:] = pattern(i)
-        blockio.store(make_key(i), memoryview(buf))
-    return layout, blockio
 
 
 def flip_byte(path: str, offset: int) -> None:
