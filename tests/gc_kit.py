@@ -23,7 +23,7 @@ HOST = socket.gethostname()
 DAY = 86400.0
 PAYLOAD = 4096  # tiny blocks: gc never reads payloads
 DEADLINE_S = 30.0
-SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
+SRC = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def identity(model: str = "acme/llama", rank: int = 0, tp: int = 1, dtype: str = "bfloat16"

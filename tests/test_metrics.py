@@ -441,7 +441,7 @@ def _placeholder_values() -> dict[str, list[str]]:
     from llmkv_fs.engine.blockio import Outcome
 
     reasons = set()
-    for path in (REPO / "src/llmkv_fs").rglob("*.py"):
+    for path in (REPO / "llmkv_fs").rglob("*.py"):
         reasons |= set(re.findall(r'BlockFileError\(\s*"([\w-]+)"', path.read_text()))
     reasons |= {"truncated", "bad-length"}
     return {
@@ -456,7 +456,7 @@ def _engine_counter_names() -> set[str]:
     subscripts of ``counters``/``count``, ``_refuse(..., "name")``, and the
     values of module-level ``*_COUNTER`` tables; f-string placeholders are
     expanded to the values they can take."""
-    source = (REPO / "src/llmkv_fs/engine/engine.py").read_text()
+    source = (REPO / "llmkv_fs/engine/engine.py").read_text()
     tree = ast.parse(source)
     placeholders = _placeholder_values()
     found: set[str] = set()

@@ -3,7 +3,7 @@ NUMA-pinned against unpinned. Imports nothing from vLLM or torch (only
 llmkv_fs.engine, llmkv_fs.layout, llmkv_fs.config and the stdlib), so it runs
 on any machine with Python 3.10+ and xxhash, e.g. a big box without vLLM:
 
-    PYTHONPATH=src python3 tools/bench_engine.py --dir /mnt/nvme/bench --json out.json
+    python3 tools/bench_engine.py --dir /mnt/nvme/bench --json out.json
 
 The primary buffer is an anonymous mmap (or a /dev/shm file with --shm, like
 vLLM's SharedOffloadRegion). Each (threads, numa_node) configuration gets a
@@ -28,7 +28,7 @@ import sys
 import time
 
 if importlib.util.find_spec("llmkv_fs") is None:  # a checkout, not installed
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from llmkv_fs.config import TierSettings  # noqa: E402
 from llmkv_fs.engine.engine import FsEngine, prepare_volume  # noqa: E402

@@ -2,7 +2,7 @@
 vLLM scheduler / tier-poll thread) per block, while the I/O threads really
 move blocks on a real directory. Imports nothing from vLLM or torch.
 
-    PYTHONPATH=src python3 tools/bench_owner.py --dir /dev/shm/owner --threads 4
+    python3 tools/bench_owner.py --dir /dev/shm/owner --threads 4
 
 Transfers: every job is submitted, then take_finished is polled every
 --poll-ms (as vLLM's tier-poll thread does). The owner's time inside those
@@ -25,7 +25,7 @@ import sys
 import time
 
 if importlib.util.find_spec("llmkv_fs") is None:  # a checkout, not installed
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from llmkv_fs.config import TierSettings  # noqa: E402
 from llmkv_fs.engine.engine import FsEngine, prepare_volume  # noqa: E402
