@@ -1,12 +1,15 @@
 """llmkv_fs: a shared-filesystem KV-cache tier for vLLM's TieringOffloadingSpec.
 
-The package is split into four rooms:
+The package is split into rooms (docs/architecture.md has the import rule):
 
-* ``llmkv_fs.layout`` -- paths, run-config digest, ``config.json`` and the block
-  file format (no vLLM, no threads);
-* ``llmkv_fs.engine`` -- thread pools, block I/O, lookups, NUMA (no vLLM);
-* ``llmkv_fs.tier``   -- the thin vLLM adapter (``FsTier``) and plugin;
-* ``llmkv_fs.ops``    -- command-line tools that read the layout.
+* ``llmkv_fs.layout``  -- every name on the volume, the run-config digest,
+  ``config.json`` and the block file format (no vLLM, no threads);
+* ``llmkv_fs.engine``  -- thread pools, block I/O, lookups, NUMA (no vLLM);
+* ``llmkv_fs.tier``    -- the thin vLLM adapter (``FsTier``), plugin, metrics;
+* ``llmkv_fs.ops``     -- the volume tools gc, stats, verify (layout only);
+* ``llmkv_fs.harness`` -- the CPU-only vLLM driver, demo, bench, plots;
+* ``llmkv_fs.cli``     -- the ``llmkv-fs`` command line on top of them all
+  (also ``python -m llmkv_fs``).
 
 Importing the package is cheap: ``FsTier`` (which imports vLLM) is resolved
 lazily, so ``{"type": "FsTier", "module_path": "llmkv_fs"}`` works without

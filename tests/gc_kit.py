@@ -13,11 +13,11 @@ import subprocess
 import sys
 import time
 
+from llmkv_fs.cli import main as cli_main
 from llmkv_fs.layout.blockfile import TRAILER_SIZE, pack_trailer, payload_checksum
 from llmkv_fs.layout.leases import Lease, write_lease
 from llmkv_fs.layout.paths import CacheLayout, RunIdentity, temp_path
 from llmkv_fs.layout.run_config import ensure_run_config
-from llmkv_fs.ops import gc as gc_cli
 
 HOST = socket.gethostname()
 DAY = 86400.0
@@ -135,7 +135,7 @@ def gc(root: str, *args: str, capsys=None) -> tuple[int, dict]:
     if these tests ran in a Kubernetes pod)."""
     if "--pid-check" not in args:
         args = (*args, "--pid-check", "on")
-    status = gc_cli.main([root, "--json", *args])
+    status = cli_main(["gc", root, "--json", *args])
     report = {}
     if capsys is not None:
         out = capsys.readouterr().out
@@ -151,14 +151,14 @@ def gc_env() -> dict[str, str]:
 
 
 def gc_process(root: str, *args: str, **popen) -> subprocess.Popen:
-    """gc as a real process (``python -m llmkv_fs.gc``)."""
-    return subprocess.Popen([sys.executable, "-m", "llmkv_fs.gc", root, *args],
+    """gc as a real process (``python -m llmkv_fs gc``)."""
+    return subprocess.Popen([sys.executable, "-m", "llmkv_fs", "gc", root, *args],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=gc_env(), **popen)
 
 
 def gc_run(root: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "llmkv_fs.gc", root, *args],
+    return subprocess.run([sys.executable, "-m", "llmkv_fs", "gc", root, *args],
                           capture_output=True, text=True, env=gc_env(), timeout=timeout)
 
 

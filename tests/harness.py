@@ -1,11 +1,11 @@
-"""Test-side names for the vLLM driver (llmkv_fs.tier.driver), with the
+"""Test-side names for the vLLM driver (llmkv_fs.harness.driver), with the
 small thread counts a 2-core machine wants."""
 
 import threading
 from typing import Any
 
-from llmkv_fs.tier import driver
-from llmkv_fs.tier.driver import (  # noqa: F401  (re-exported for tests)
+from llmkv_fs.harness import driver
+from llmkv_fs.harness.driver import (  # noqa: F401  (re-exported for tests)
     DEADLINE_S,
     MiB,
     Replica,

@@ -256,7 +256,7 @@ def test_configuration_doc_is_the_generated_table(capsys):
     """docs/configuration.md carries `llmkv-fs config-doc` verbatim."""
     from pathlib import Path
 
-    from llmkv_fs.ops.cli import main
+    from llmkv_fs.cli import main
 
     assert main(["config-doc"]) == 0
     table = capsys.readouterr().out

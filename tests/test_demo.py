@@ -1,6 +1,7 @@
 """``llmkv-fs demo`` end to end, as the README runs it: a subprocess of the
-real command line, small sizes, on tmpfs. Each run starts three replica
-processes that each import vLLM (about 10 s apiece on an idle 2-core box).
+real command line (``python -m llmkv_fs demo``), small sizes, on tmpfs. Each
+run starts three replica processes that each import vLLM (about 10 s apiece
+on an idle 2-core box).
 
 What the damage runs prove -- the demo's hidden ``--damage`` alters a real
 block file of document 0 on disk after replicas 1 and 2 exit and before the
@@ -50,9 +51,9 @@ def tmpfs_root():
 
 
 def run_demo(root: str, *extra: str) -> subprocess.CompletedProcess:
-    exe = os.path.join(os.path.dirname(sys.executable), "llmkv-fs")
-    cmd = [exe] if os.path.exists(exe) else [sys.executable, "-m", "llmkv_fs.ops.cli"]
-    proc = subprocess.run([*cmd, "demo", "--root", root, *SMALL, *extra],
+    # The ``llmkv-fs`` script's main (llmkv_fs.cli:main), from the tree on the path.
+    proc = subprocess.run([sys.executable, "-m", "llmkv_fs", "demo", "--root", root, *SMALL,
+                           *extra],
                           capture_output=True, text=True, timeout=1500)
     print(proc.stdout, proc.stderr)  # shown by pytest when a test fails
     return proc

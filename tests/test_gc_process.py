@@ -1,14 +1,17 @@
-"""gc as operators run it: real processes (``python -m llmkv_fs.gc``), the
+"""gc as operators run it: real processes (``python -m llmkv_fs gc``), the
 volume lock, --watch and SIGTERM, the progress line on a terminal, and
 watermark eviction on a real, small tmpfs."""
 
+import fcntl
 import json
 import os
 import pty
 import select
 import signal
+import struct
 import subprocess
 import sys
+import termios
 
 import pytest
 from gc_kit import (
@@ -60,9 +63,9 @@ class Block:
         if name.split('.')[0] in ('vllm', 'torch'):
             raise ImportError(f'{name} is blocked in this test')
 sys.meta_path.insert(0, Block())
-sys.argv = ['python -m llmkv_fs.gc'] + sys.argv[1:]
+sys.argv = ['python -m llmkv_fs', 'gc'] + sys.argv[1:]
 try:
-    runpy.run_module('llmkv_fs.gc', run_name='__main__')
+    runpy.run_module('llmkv_fs', run_name='__main__')
 except SystemExit as exc:
     heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('vllm', 'torch'))
     assert not heavy, heavy
@@ -79,7 +82,7 @@ def test_python_m_runs_without_vllm_or_torch(volume):
     assert report["digests_removed"] == 1 and report["temps"]["removed"] == 10
     assert not os.path.exists(orphan[0].base_path)
     # And the console script's subcommand, checked the same way.
-    check = ("import sys; from llmkv_fs.ops.cli import main; rc = main(sys.argv[1:]); "
+    check = ("import sys; from llmkv_fs.cli import main; rc = main(sys.argv[1:]); "
              "heavy = [m for m in sys.modules if m.split('.')[0] in ('vllm', 'torch')]; "
              "assert not heavy, heavy; sys.exit(rc)")
     done = subprocess.run([sys.executable, "-c", check, "gc", volume, "--dry-run"],
@@ -92,7 +95,7 @@ def test_python_m_runs_without_vllm_or_torch(volume):
 
 HOLDER = r"""
 import sys
-from llmkv_fs.ops.gc_lock import VolumeLock
+from llmkv_fs.ops.gc.lock import VolumeLock
 lock = VolumeLock(sys.argv[1])
 lock.acquire()
 print('locked', flush=True)
@@ -198,7 +201,9 @@ def test_sigterm_while_waiting_for_the_lock_exits_zero(disk_root):
 def test_progress_line_only_on_a_terminal(disk_root):
     build_tree(disk_root, blocks=50)
     master, slave = pty.openpty()
-    proc = subprocess.Popen([sys.executable, "-m", "llmkv_fs.gc", disk_root, "--dry-run"],
+    # A terminal has a size (a bare pty has 0 columns, and tqdm fits its line to that).
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 120, 0, 0))
+    proc = subprocess.Popen([sys.executable, "-m", "llmkv_fs", "gc", disk_root, "--dry-run"],
                             stdout=subprocess.PIPE, stderr=slave, env=gc_env())
     os.close(slave)
     chunks = []
@@ -216,9 +221,10 @@ def test_progress_line_only_on_a_terminal(disk_root):
     out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 0
     tty = b"".join(chunks).decode()
-    assert "\r\x1b[Kgc: scanning 2 digests" in tty
-    assert tty.endswith("\r\x1b[K")  # the line is cleared when done
-    assert b"\x1b[K" not in out  # stdout (a pipe) got the plain summary
+    assert "\rgc: scanning 2 digests" in tty
+    cleared = tty.rsplit("\r", 2)
+    assert cleared[-1] == "" and cleared[-2].strip() == ""  # the line is cleared when done
+    assert b"\r" not in out  # stdout (a pipe) got the plain summary
     # Not a terminal: no progress at all.
     done = gc_run(disk_root, "--dry-run")
     assert done.returncode == 0 and done.stderr == ""
@@ -276,6 +282,6 @@ def test_watermark_cannot_touch_protected_blocks(tmpfs16, capsys):
     assert all(os.path.exists(p) for p in paths)
     assert report["capacity"]["evicted_blocks"] == 0
     assert report["capacity"]["short_bytes"] > 0
-    human = subprocess.run([sys.executable, "-m", "llmkv_fs.gc", tmpfs16, "--high", "50",
+    human = subprocess.run([sys.executable, "-m", "llmkv_fs", "gc", tmpfs16, "--high", "50",
                             "--dry-run"], capture_output=True, text=True, env=gc_env())
     assert "short by" in human.stdout and "--protect 10m" in human.stdout

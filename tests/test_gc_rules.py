@@ -336,7 +336,7 @@ def test_dry_run_changes_nothing(volume, capsys):
 def test_a_tier_starting_during_removal_keeps_its_digest(volume, capsys, monkeypatch):
     """A lease written between gc's last check and its rename of the config
     directory: gc finds it in what it just moved aside and moves it back."""
-    from llmkv_fs.ops import gc_act
+    from llmkv_fs.ops.gc import actions
 
     layouts = make_digest(volume, "acme/restart", config_age=OLD)
     put_block(layouts[0], key(0), OLD, OLD)
@@ -347,7 +347,7 @@ def test_a_tier_starting_during_removal_keeps_its_digest(volume, capsys, monkeyp
             put_lease(layouts[0], os.getpid())
         return real_rename(src, dst)
 
-    monkeypatch.setattr(gc_act.os, "rename", tier_starts_first)
+    monkeypatch.setattr(actions.os, "rename", tier_starts_first)
     status, report = gc(volume, *QUIET, capsys=capsys)
     assert status == 0
     (entry,) = report["digests"]
@@ -358,7 +358,7 @@ def test_a_tier_starting_during_removal_keeps_its_digest(volume, capsys, monkeyp
 
 
 def test_pid_check_auto_in_a_kubernetes_pod(volume, capsys, monkeypatch):
-    from llmkv_fs.ops.gc_rules import pids_are_ours
+    from llmkv_fs.ops.gc.rules import pids_are_ours
 
     layouts = make_digest(volume, "acme/pod", config_age=OLD)
     put_block(layouts[0], key(0), OLD, OLD)

@@ -16,7 +16,7 @@ from engine_kit import BS, make_key, write_blocks
 from llmkv_fs.layout.blockfile import TRAILER_SIZE, BlockFileError
 from llmkv_fs.layout.leases import Lease, seed_fingerprint, write_lease
 from llmkv_fs.layout.paths import CacheLayout, temp_path
-from llmkv_fs.ops import cli
+from llmkv_fs import cli
 
 FILE = BS + TRAILER_SIZE
 DAY = 86400.0

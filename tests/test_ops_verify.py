@@ -21,7 +21,8 @@ from engine_kit import BS, IDENTITY, make_key, pattern, write_blocks
 from llmkv_fs.engine.engine import prepare_volume
 from llmkv_fs.layout.blockfile import TRAILER_SIZE
 from llmkv_fs.layout.paths import CacheLayout
-from llmkv_fs.ops import blockcheck, cli, verify
+from llmkv_fs import cli
+from llmkv_fs.ops import blockcheck, verify
 
 HEAD = 42  # trailer bytes before the key (see layout/blockfile.py)
 
@@ -314,7 +315,7 @@ def test_progress_line_only_on_a_terminal(volume, capsys):
     progress = verify._Progress(4, 4 * BS, tty)
     progress.update(4, 4 * BS, 0, force=True)
     text = tty.getvalue()
-    assert "\rverify: 4/4 files" in text and "files/s" in text
+    assert "\rverify: " in text and "| 4/4 [" in text and "files/s" in text
     pipe = io.StringIO()
     verify.verify_volume(volume, threads=2, progress_stream=pipe)
     assert pipe.getvalue() == ""
@@ -338,7 +339,8 @@ def test_key_from_path_round_trips_the_layout():
 def test_ops_tools_import_without_vllm_or_torch(tmp_path):
     code = (
         "import sys\n"
-        "from llmkv_fs.ops import cli, stats, verify\n"
+        "from llmkv_fs import cli\n"
+        "from llmkv_fs.ops import stats, verify\n"
         "cli.build_parser()\n"
         f"assert cli.main(['verify', {str(tmp_path)!r}, '--json']) == 0\n"
         f"assert cli.main(['stats', {str(tmp_path)!r}, '--json']) == 0\n"

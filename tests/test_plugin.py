@@ -83,7 +83,7 @@ SERVE_WITH_FS_TYPE = r"""
 import glob, json, sys
 from vllm.plugins import load_general_plugins
 load_general_plugins()
-from llmkv_fs.tier.driver import Replica, make_keys, offloading_config
+from llmkv_fs.harness.driver import Replica, make_keys, offloading_config
 root = sys.argv[1]
 # The operator's config, unchanged from vLLM's built-in fs tier.
 tier = {"type": "fs", "root_dir": root, "n_read_threads": 2, "n_write_threads": 1,

@@ -227,7 +227,7 @@ def test_trailerless_files_are_refused_when_configured(shared_volume, replicas):
 
 STORE_IN_ANOTHER_PROCESS = r"""
 import sys
-from llmkv_fs.tier.driver import Replica, make_keys, offloading_config, ours
+from llmkv_fs.harness.driver import Replica, make_keys, offloading_config, ours
 replica = Replica(offloading_config(tiers=[ours(sys.argv[1], n_read_threads=1, n_write_threads=2)]))
 replica.store(make_keys(5, seed="cross-process"))
 replica.close()

@@ -150,12 +150,12 @@ def scan_aiofiles(root: str, threads: int) -> tuple[int, int]:
 
 
 def scan_gc(root: str, threads: int) -> tuple[int, int]:
-    from llmkv_fs.ops import gc as gc_cli
+    from llmkv_fs.cli import main
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        status = gc_cli.main([root, "--dry-run", "--json", "--threads", str(threads),
-                              "--max-bytes", "0", "--protect", "10m"])
+        status = main(["gc", root, "--dry-run", "--json", "--threads", str(threads),
+                       "--max-bytes", "0", "--protect", "10m"])
     assert status == 0, out.getvalue()
     report = json.loads(out.getvalue())
     return report["scan"]["files"], report["scan"]["dirs"]

@@ -38,7 +38,7 @@ __all__ = [
 # "<model>_<12 hex digest>" and its "_r<rank>" siblings.
 _DIGEST_DIR_RE = re.compile(r"^(?P<model>.+)_(?P<digest>[0-9a-f]{12})$")
 _RANK_DIR_RE = re.compile(r"^(?P<base>.+_[0-9a-f]{12})_r(?P<rank>\d+)$")
-# Hidden names gc renames digests to before deleting them (see ops/gc_act.py).
+# Hidden names gc renames digests to before deleting them (see ops/gc/actions.py).
 TRASH_PREFIX = ".llmkv-gc-trash~"
 # Temp files that do not carry our "<host>~<pid>~<nonce>" writer tag:
 # vLLM's built-in tier writes "<hash>.bin_<random>.tmp" next to the block and

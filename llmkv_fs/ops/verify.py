@@ -22,6 +22,8 @@ import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
+from tqdm import tqdm
+
 from llmkv_fs.layout.files import make_dirs
 from llmkv_fs.layout.paths import QUARANTINE_DIRNAME
 from llmkv_fs.ops import scan
@@ -48,33 +50,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 class _Progress:
-    """One self-overwriting line on stderr, only when it is a terminal."""
+    """A tqdm bar on stderr (files checked, bytes read, bad so far), only when
+    it is a terminal; cleared when done. Called from the collecting thread."""
 
     def __init__(self, total_files: int, total_bytes: int, stream=None):
         self.stream = stream if stream is not None else sys.stderr
         self.enabled = bool(getattr(self.stream, "isatty", lambda: False)())
-        self.total_files, self.total_bytes = total_files, total_bytes
-        self.start = time.monotonic()
-        self.last = 0.0
-        self.width = 0
+        self.total_bytes = total_bytes
+        self.bar = tqdm(total=total_files, desc="verify", unit=" files", file=self.stream,
+                        mininterval=_PROGRESS_INTERVAL_S, leave=False, disable=not self.enabled)
 
     def update(self, files: int, nbytes: int, bad: int, force: bool = False) -> None:
-        now = time.monotonic()
-        if not self.enabled or (not force and now - self.last < _PROGRESS_INTERVAL_S):
+        if not self.enabled:
             return
-        self.last = now
-        rate = files / max(now - self.start, 1e-9)
-        line = (f"verify: {files}/{self.total_files} files  "
-                f"{fmt_bytes(nbytes)}/{fmt_bytes(self.total_bytes)}  "
-                f"{rate:.0f} files/s  bad {bad}")
-        self.stream.write("\r" + line.ljust(self.width))
-        self.width = len(line)
-        self.stream.flush()
+        self.bar.set_postfix_str(f"{fmt_bytes(nbytes)}/{fmt_bytes(self.total_bytes)}, bad {bad}",
+                                 refresh=False)
+        self.bar.update(files - self.bar.n)  # redraws once _PROGRESS_INTERVAL_S has passed
+        if force:
+            self.bar.refresh()
 
     def done(self) -> None:
-        if self.enabled and self.width:
-            self.stream.write("\r" + " " * self.width + "\r")
-            self.stream.flush()
+        self.bar.close()
 
 
 def _make_quarantine_dir(rank_dir: str, qdir: str) -> None:

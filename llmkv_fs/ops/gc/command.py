@@ -1,12 +1,5 @@
-"""Keep a shared cache volume healthy while vLLM replicas use it: remove
-orphaned digests (no live lease, nothing used for --min-age), temp files of
-dead writers, and -- when the volume or the cache is over its limit -- the
-least recently used blocks. Never follows a symlink, never removes a block
-used within --protect, never touches config.json or leases of a digest it
-keeps. One gc per volume at a time (a lock file in the root).
-
-Also runs as ``python -m llmkv_fs.gc``; needs neither vLLM nor torch.
-"""
+"""``llmkv-fs gc``'s arguments and its run loop: one pass under the
+volume's lock, or ``--watch`` passes until SIGTERM. Exit codes are below."""
 
 from __future__ import annotations
 
@@ -17,14 +10,14 @@ import sys
 import threading
 import traceback
 
-from llmkv_fs.ops.gc_lock import LockBusy, VolumeLock
-from llmkv_fs.ops.gc_pass import gc_pass
-from llmkv_fs.ops.gc_report import Progress
-from llmkv_fs.ops.gc_rules import Policy, pids_are_ours
+from llmkv_fs.ops.gc.lock import LockBusy, VolumeLock
+from llmkv_fs.ops.gc.report import Progress
+from llmkv_fs.ops.gc.rules import Policy, pids_are_ours
+from llmkv_fs.ops.gc.sweep import gc_pass
 from llmkv_fs.ops.gc_units import duration, percent_or_off, size
 from llmkv_fs.ops.scan import default_threads
 
-__all__ = ["EXIT_BUSY", "add_arguments", "build_parser", "main", "run"]
+__all__ = ["EXIT_BUSY", "EXIT_ERRORS", "EXIT_SIGTERM", "add_arguments", "run"]
 
 EXIT_ERRORS = 1      # the pass ran, some actions failed (listed in the report)
 EXIT_BUSY = 75       # EX_TEMPFAIL: another gc holds the volume's lock
@@ -93,13 +86,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--wait", action="store_true",
                         help="wait for another gc's lock instead of exiting "
                         f"with status {EXIT_BUSY}")
-
-
-def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=prog, description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(parser)
-    return parser
 
 
 def _policy(args: argparse.Namespace) -> Policy:
@@ -178,10 +164,3 @@ def run(args: argparse.Namespace) -> int:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
 
-
-def main(argv: list[str] | None = None, prog: str | None = None) -> int:
-    return run(build_parser(prog).parse_args(argv))
-
-
-if __name__ == "__main__":
-    sys.exit(main(prog="llmkv-fs gc"))

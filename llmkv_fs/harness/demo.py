@@ -3,7 +3,7 @@ through llmkv_fs.
 
 A handful of "documents" (system prompts, ``--doc-chunks`` chunks of 16
 tokens each) are served as requests of document + unique suffix. Two
-replicas -- separate processes (``llmkv_fs.tier.demo_replica``), same
+replicas -- separate processes (``llmkv_fs.harness.demo_replica``), same
 ``PYTHONHASHSEED``, vLLM's real scheduler-side ``TieringOffloadingManager``
 with llmkv_fs as its secondary tier -- take turns in parallel: in each turn
 both serve one request, then wait for each other, so the later turns find on
@@ -33,11 +33,36 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from llmkv_fs.tier.demo_replica import TOKENS_PER_CHUNK, DemoError, ReplicaProcess
+from llmkv_fs.harness.demo_replica import TOKENS_PER_CHUNK, DemoError, ReplicaProcess
+from llmkv_fs.ops.stats import volume_stats
 
 VOCAB = 32000
 DEFAULT_SEED = "4242"  # PYTHONHASHSEED when the environment sets none
 MiB = 1 << 20
+
+
+def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    p.add_argument("--root", help="cache root, e.g. a PVC mount (default: a temporary "
+                   "directory, removed afterwards)")
+    p.add_argument("--keep", action="store_true", help="keep the temporary root")
+    p.add_argument("--docs", type=int, default=4,
+                   help="documents (shared prefixes) requests are built on (default 4)")
+    p.add_argument("--doc-chunks", type=int, default=8,
+                   help="chunks (16 tokens each) per document (default 8)")
+    p.add_argument("--suffix-chunks", type=int, default=2,
+                   help="unique chunks after the document in each request (default 2)")
+    p.add_argument("--requests", type=int, default=8,
+                   help="requests each of the two first replicas serves (default 8)")
+    p.add_argument("--block-mib", type=int, default=2, help="chunk size in MiB (default 2)")
+    p.add_argument("--threads", type=int, default=4, help="read and write threads each")
+    p.add_argument("--cpu-chunks", type=int, default=0,
+                   help="CPU tier size in chunks per replica (default: two requests)")
+    p.add_argument("--hash-algo", default="sha256",
+                   choices=["sha256", "sha256_cbor", "xxhash", "xxhash_cbor"],
+                   help="vLLM prefix-caching hash algorithm (default sha256)")
+    p.add_argument("--damage", choices=["bitflip", "trailerless"], help=argparse.SUPPRESS)
+    p.add_argument("--accept-trailerless", action="store_true", help=argparse.SUPPRESS)
+    return p
 
 
 def _say(text: str = "") -> None:
@@ -172,43 +197,14 @@ def _print_tally(p: ReplicaProcess, label: str = "") -> None:
 
 
 def _volume_summary(root: str) -> dict[str, Any]:
-    try:
-        from llmkv_fs.ops.stats import volume_stats
-    except ImportError:
-        volume_stats = None
-    if volume_stats is not None:
-        report = volume_stats(root, threads=2)
-        return {"source": "llmkv_fs.ops.stats", "digests": [
-            {"name": d["name"], "blocks": d["blocks"], "bytes": d["bytes"],
-             "chunk": d["chunk_bytes"], "quarantined": d["quarantined"]["count"],
-             "reasons": d["quarantined"]["reasons"], "temp": d["temp"]["count"],
-             "live": len(d["leases"]["live"]), "stale": len(d["leases"]["stale"]),
-             "seeds": d["seed_fingerprints"]} for d in report["digests"]],
-            "warnings": report["warnings"]}
-    # Fallback while `llmkv-fs stats` is not installed: a plain walk.
-    digests: dict[str, dict[str, Any]] = {}
-    for dirpath, _, files in os.walk(root):
-        rel = os.path.relpath(dirpath, root)
-        if rel == ".":
-            continue
-        top = rel.split(os.sep)[0]
-        name = top.rsplit("_r", 1)[0] if top.rsplit("_r", 1)[-1].isdigit() else top
-        d = digests.setdefault(name, {"name": name, "blocks": 0, "bytes": 0, "chunk": None,
-                                      "quarantined": 0, "reasons": {}, "temp": 0, "live": 0,
-                                      "stale": 0, "seeds": []})
-        for f in files:
-            path = os.path.join(dirpath, f)
-            if ".quarantine" in rel.split(os.sep):
-                d["quarantined"] += 1
-            elif "leases" in rel.split(os.sep):
-                d["live"] += 1  # not told apart from stale without the stats tool
-            elif f.endswith(".bin"):
-                d["blocks"] += 1
-                d["bytes"] += os.path.getsize(path)
-            elif f != "config.json":
-                d["temp"] += 1
-    return {"source": "os.walk", "digests": sorted(digests.values(), key=lambda d: d["name"]),
-            "warnings": []}
+    report = volume_stats(root, threads=2)
+    return {"source": "llmkv_fs.ops.stats", "digests": [
+        {"name": d["name"], "blocks": d["blocks"], "bytes": d["bytes"],
+         "chunk": d["chunk_bytes"], "quarantined": d["quarantined"]["count"],
+         "reasons": d["quarantined"]["reasons"], "temp": d["temp"]["count"],
+         "live": len(d["leases"]["live"]), "stale": len(d["leases"]["stale"]),
+         "seeds": d["seed_fingerprints"]} for d in report["digests"]],
+        "warnings": report["warnings"]}
 
 
 def _print_volume(root: str, during: dict[str, Any] | None) -> None:

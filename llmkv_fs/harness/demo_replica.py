@@ -2,7 +2,7 @@
 (``ReplicaServer``, ``main``) and the parent's handle on it (``ReplicaProcess``,
 stdlib only, so the parent never imports vLLM).
 
-``python -m llmkv_fs.tier.demo_replica --name r1 --root DIR ...`` imports
+``python -m llmkv_fs.harness.demo_replica --name r1 --root DIR ...`` imports
 vLLM, derives ``NONE_HASH`` with vLLM's ``init_none_hash`` (from
 ``PYTHONHASHSEED`` and ``--hash-algo``), builds vLLM's real scheduler-side
 ``TieringOffloadingManager`` with llmkv_fs as its secondary tier (see
@@ -54,12 +54,12 @@ class DemoError(Exception):
 
 
 class ReplicaProcess:
-    """Parent side: a ``python -m llmkv_fs.tier.demo_replica`` child and its protocol."""
+    """Parent side: a ``python -m llmkv_fs.harness.demo_replica`` child and its protocol."""
 
     def __init__(self, name: str, options: list[str], env: dict[str, str]):
         self.name, self.info = name, {}
         self.tally: Any = None  # the parent's bookkeeping
-        cmd = [sys.executable, "-m", "llmkv_fs.tier.demo_replica", "--name", name, *options]
+        cmd = [sys.executable, "-m", "llmkv_fs.harness.demo_replica", "--name", name, *options]
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=subprocess.PIPE, env=env, text=True, bufsize=1)
         self.stderr: collections.deque[str] = collections.deque(maxlen=60)
@@ -135,7 +135,7 @@ class ReplicaServer:
         from vllm.v1.core import kv_cache_utils
         from vllm.v1.kv_offload.base import LookupResult, make_offload_key
 
-        from llmkv_fs.tier import driver
+        from llmkv_fs.harness import driver
         from llmkv_fs.tier.hashing import hashing_identity
 
         self.np, self.driver, self.kv_cache_utils = np, driver, kv_cache_utils
@@ -246,7 +246,7 @@ class ReplicaServer:
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m llmkv_fs.tier.demo_replica", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m llmkv_fs.harness.demo_replica", description=__doc__)
     p.add_argument("--name", required=True)
     p.add_argument("--root", required=True)
     p.add_argument("--block-bytes", type=int, required=True)

@@ -1,5 +1,5 @@
 """What a gc pass did (or, with --dry-run, would do): one dict for --json,
-a short human summary, and the progress line on a terminal."""
+a short human summary, and the progress line on a terminal (tqdm)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,8 @@ import json
 import sys
 import time
 from typing import Any, TextIO
+
+from tqdm import tqdm
 
 from llmkv_fs.ops.gc_units import fmt_bytes, fmt_duration
 
@@ -105,7 +107,9 @@ class Report:
 
 
 class Progress:
-    """A single self-rewriting line on stderr, only when it is a terminal."""
+    """gc's status line on stderr, drawn by tqdm only when the stream is a
+    terminal: redrawn at most every ``every_s`` unless forced, cleared when
+    done. Called from the pass's thread only."""
 
     def __init__(self, stream: TextIO | None = None, every_s: float = 0.2,
                  enabled: bool | None = None):
@@ -114,23 +118,20 @@ class Progress:
             enabled = bool(getattr(self.stream, "isatty", lambda: False)())
         self.enabled = enabled
         self.every_s = every_s
-        self._last = 0.0
-        self._shown = False
-        self._start = time.monotonic()
+        self._bar: tqdm | None = None  # made on the first update: nothing drawn before
 
     def update(self, text: str, force: bool = False) -> None:
         if not self.enabled:
             return
-        now = time.monotonic()
-        if not force and now - self._last < self.every_s:
+        if self._bar is None:
+            self._bar = tqdm(desc=text, file=self.stream, bar_format="gc: {desc} [{elapsed}]",
+                             mininterval=self.every_s, leave=False)
             return
-        self._last = now
-        self.stream.write(f"\r\x1b[Kgc: {text} [{now - self._start:.0f}s]")
-        self.stream.flush()
-        self._shown = True
+        self._bar.set_description_str(text, refresh=force)
+        if not force:
+            self._bar.update(0)  # tqdm redraws only once every_s has passed
 
     def done(self) -> None:
-        if self.enabled and self._shown:
-            self.stream.write("\r\x1b[K")
-            self.stream.flush()
-            self._shown = False
+        if self._bar is not None:
+            self._bar.close()  # leave=False: the line is cleared
+            self._bar = None

@@ -10,7 +10,7 @@ import os
 import socket
 
 from llmkv_fs.layout.leases import pid_alive
-from llmkv_fs.ops.gc_inventory import DigestFacts, Inventory
+from llmkv_fs.ops.gc.inventory import DigestFacts, Inventory
 from llmkv_fs.ops.gc_units import fmt_bytes, fmt_duration
 from llmkv_fs.ops.scan import FileEntry, temp_writer
 

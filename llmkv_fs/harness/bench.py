@@ -28,13 +28,13 @@ import statistics
 import sys
 import time
 
-from llmkv_fs.tier import bench_report
+from llmkv_fs.harness import bench_report
 
 # vLLM, numpy and the engine are imported by _import_heavy() when a benchmark
 # runs, so building the parser (``llmkv-fs --help``) stays cheap.
 np = TransferJob = driver = _CTX = None
 
-__all__ = ["add_arguments", "main", "run_bench"]
+__all__ = ["add_arguments", "run_bench"]
 
 KINDS = ("ours", "builtin")
 BLOCK_MIB_CHOICES = (0.5, 2.0, 8.0)
@@ -49,7 +49,7 @@ def _import_heavy() -> None:
     from vllm.v1.kv_offload.base import ReqContext
     from vllm.v1.kv_offload.tiering.base import TransferJob as job_cls
 
-    from llmkv_fs.tier import driver as drv
+    from llmkv_fs.harness import driver as drv
 
     np, TransferJob, driver, _CTX = numpy, job_cls, drv, ReqContext(req_id="bench")
 
@@ -279,7 +279,7 @@ def run_case(medium: str, block_mib: float, threads: int, args: argparse.Namespa
             for kind in order:
                 samples[kind].append(bench.throughput(kind, round_no))
             if args.reference:
-                from llmkv_fs.tier.bench_fio import physical_reference
+                from llmkv_fs.harness.bench_fio import physical_reference
 
                 refs.append(physical_reference(os.path.join(bench.base, f"ref-{round_no}"),
                                                bench.block, bench.n, 2 * threads))
@@ -348,13 +348,3 @@ def run_bench(args: argparse.Namespace) -> int:
         bench_report.write_json(result, args.json)
     return 0
 
-
-def main(argv: list[str] | None = None) -> int:
-    parser = add_arguments(argparse.ArgumentParser(
-        prog="llmkv-fs bench", description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter))
-    return run_bench(parser.parse_args(argv))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -24,8 +24,8 @@ from collections.abc import Callable
 from llmkv_fs.layout.blockfile import last_used
 from llmkv_fs.layout.leases import read_leases
 from llmkv_fs.ops import scan
-from llmkv_fs.ops.gc_inventory import DigestFacts, Inventory, allocated
-from llmkv_fs.ops.gc_rules import Policy, digest_verdict, temp_verdict
+from llmkv_fs.ops.gc.inventory import DigestFacts, Inventory, allocated
+from llmkv_fs.ops.gc.rules import Policy, digest_verdict, temp_verdict
 
 __all__ = ["delete_tree", "evict", "prune_dirs", "remove_digest", "remove_temps"]
 

@@ -16,11 +16,11 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 
-from llmkv_fs.ops import gc_act
-from llmkv_fs.ops.gc_inventory import DigestFacts, Inventory, take_inventory
-from llmkv_fs.ops.gc_lock import VolumeLock
-from llmkv_fs.ops.gc_report import Progress, Report
-from llmkv_fs.ops.gc_rules import Policy, capacity_need, pick_lru, volume_usage
+from llmkv_fs.ops.gc import actions
+from llmkv_fs.ops.gc.inventory import DigestFacts, Inventory, take_inventory
+from llmkv_fs.ops.gc.lock import VolumeLock
+from llmkv_fs.ops.gc.report import Progress, Report
+from llmkv_fs.ops.gc.rules import Policy, capacity_need, pick_lru, volume_usage
 from llmkv_fs.ops.scan import Digest, filesystem_type, list_root
 
 __all__ = ["gc_pass", "matches"]
@@ -64,7 +64,7 @@ def gc_pass(
         if dry_run:
             report.trash_removed += 1
             continue
-        _removed, complete = gc_act.delete_tree(trash, errors)
+        _removed, complete = actions.delete_tree(trash, errors)
         report.trash_removed += complete
 
     facts = [DigestFacts(d, selected=not models or matches(d, models), pinned=matches(d, keep))
@@ -98,7 +98,7 @@ def gc_pass(
             report.interrupted = True
             break
         progress.update(f"judging digest {index + 1}/{len(selected)}")
-        removed, why = gc_act.remove_digest(f, policy, lock.volume_now, dry_run, errors)
+        removed, why = actions.remove_digest(f, policy, lock.volume_now, dry_run, errors)
         report.digests.append({
             "name": f.digest.name, "removed": removed, "why": why, "bytes": f.bytes,
             "files": f.files, "blocks": f.blocks, "pinned": f.pinned,
@@ -112,7 +112,7 @@ def gc_pass(
     if not report.interrupted:
         progress.update(f"temp files: {len(inv.temps)}", force=True)
         inv.temps = [t for t in inv.temps if t[2] not in gone]
-        removed, temp_bytes, kept = gc_act.remove_temps(inv, policy, now, dry_run, emptied, errors)
+        removed, temp_bytes, kept = actions.remove_temps(inv, policy, now, dry_run, emptied, errors)
         report.temps = {"removed": removed, "bytes": temp_bytes, "kept": kept}
         freed += temp_bytes
 
@@ -130,7 +130,7 @@ def gc_pass(
                 evicted, evicted_bytes = blocks, nbytes
             else:
                 progress.update(f"evicting {blocks:,} blocks", force=True)
-                evicted, evicted_bytes = gc_act.evict(inv, cutoff, need, now, policy.protect,
+                evicted, evicted_bytes = actions.evict(inv, cutoff, need, now, policy.protect,
                                                       emptied, errors, stop)
             report.capacity.update(evicted_blocks=evicted, evicted_bytes=evicted_bytes)
         report.capacity["short_bytes"] = max(0, need - report.capacity["evicted_bytes"])
@@ -140,7 +140,7 @@ def gc_pass(
     if not report.interrupted:
         progress.update("removing empty directories", force=True)
         prunable = set(range(len(selected))) - gone
-        report.dirs_pruned = gc_act.prune_dirs(inv, prunable, emptied, now, policy.protect,
+        report.dirs_pruned = actions.prune_dirs(inv, prunable, emptied, now, policy.protect,
                                                dry_run, errors)
     progress.done()
     report.seconds = round(time.monotonic() - started, 3)
