@@ -322,6 +322,9 @@ def run_bench(args: argparse.Namespace) -> int:
     args.threads = args.threads or [4]
     if min(args.threads) < 1 or args.jobs < 1 or args.blocks_per_job < 1 or args.rounds < 1:
         raise SystemExit("--threads, --jobs, --blocks-per-job and --rounds must be >= 1")
+    if args.plot_dir and bench_report.plotting_missing():
+        print(f"# --plot-dir: plots will be skipped: {bench_report.plotting_missing()}",
+              file=sys.stderr, flush=True)
     _import_heavy()
     for medium in args.dir:
         os.makedirs(medium, exist_ok=True)

@@ -1,5 +1,6 @@
 """Rendering for ``llmkv-fs bench``: the machine's description, the markdown
-tables, the JSON document and the PNG plots (Pillow's ImageDraw only).
+tables, the JSON document and the PNG plots (matplotlib, the ``[bench]``
+extra; without it the plots are skipped with a message).
 
 Everything here works on the plain result dict that ``bench.py`` builds, so a
 saved ``--json`` file can be re-rendered without re-running anything.
@@ -15,7 +16,7 @@ import platform
 import re
 import sys
 
-__all__ = ["fs_of", "machine_info", "markdown", "plot_all", "write_json"]
+__all__ = ["fs_of", "machine_info", "markdown", "plot_all", "plotting_missing", "write_json"]
 
 DIRECTIONS = ("store", "load")
 SERIES = (("ours", "llmkv_fs", (31, 119, 180)), ("builtin", "vLLM built-in fs", (255, 127, 14)),
@@ -164,91 +165,49 @@ def write_json(result: dict, path: str) -> None:
 
 # -- plots ---------------------------------------------------------------------------
 
-def _nice_step(span: float, ticks: int = 5) -> float:
-    raw = span / max(1, ticks)
-    mag = 10 ** math.floor(math.log10(raw)) if raw > 0 else 1.0
-    for m in (1, 2, 2.5, 5, 10):
-        if raw <= m * mag:
-            return m * mag
-    return 10 * mag
+PLOTS_NEED = "matplotlib is not installed (pip install 'llmkv-fs[bench]')"
 
 
-def _font(size: int):
-    from PIL import ImageFont
-
+def plotting_missing() -> str | None:
+    """Why plots cannot be drawn here (a message naming the fix), or None."""
     try:
-        return ImageFont.load_default(size=size)
-    except TypeError:  # Pillow < 10.1: fixed bitmap font
-        return ImageFont.load_default()
-
-
-def _dashed(draw, p, q, fill, width, dash=8):
-    (x0, y0), (x1, y1) = p, q
-    length = math.hypot(x1 - x0, y1 - y0)
-    for i in range(0, int(length), 2 * dash):
-        a, b = i / length, min(i + dash, length) / length
-        draw.line([(x0 + (x1 - x0) * a, y0 + (y1 - y0) * a),
-                   (x0 + (x1 - x0) * b, y0 + (y1 - y0) * b)], fill=fill, width=width)
+        found = importlib.util.find_spec("matplotlib") is not None
+    except ValueError:  # a module object without a spec in sys.modules
+        found = False
+    return None if found else PLOTS_NEED
 
 
 def plot_one(path: str, title: str, subtitle: str, xs: list[int],
              series: list[tuple[str, tuple[int, int, int], list[float | None], bool]]) -> None:
-    from PIL import Image, ImageDraw
+    """GB/s against thread counts (evenly spaced), one line per series, the
+    dashed ones for the physical reference; 1100 x 600 pixels."""
+    from matplotlib.figure import Figure  # no pyplot: no GUI backend, no global state
 
-    w, h, left, right, top, bottom = 1100, 600, 90, 250, 90, 80
-    img = Image.new("RGB", (w, h), "white")
-    draw = ImageDraw.Draw(img)
-    big, small = _font(20), _font(15)
-    draw.text((left, 18), title, fill="black", font=big)
-    draw.text((left, 48), subtitle, fill=(80, 80, 80), font=small)
-    values = [v for _, _, ys, _ in series for v in ys if v is not None]
-    step = _nice_step(max(values, default=1.0) * 1.1)
-    ymax = step * math.ceil(max(values, default=1.0) * 1.1 / step)
-    x0, x1, y0, y1 = left, w - right, h - bottom, top
-
-    def px(i: int) -> float:
-        return x0 + (x1 - x0) * (0.5 if len(xs) == 1 else 0.04 + 0.92 * i / (len(xs) - 1))
-
-    def py(v: float) -> float:
-        return y0 - (y0 - y1) * v / ymax
-
-    tick = 0.0
-    while tick <= ymax + 1e-9:
-        y = py(tick)
-        draw.line([(x0, y), (x1, y)], fill=(225, 225, 225))
-        draw.line([(x0 - 5, y), (x0, y)], fill="black")
-        label = f"{tick:g}"
-        draw.text((x0 - 10 - draw.textlength(label, font=small), y - 8), label, fill="black", font=small)
-        tick += step
-    for i, x in enumerate(xs):
-        draw.line([(px(i), y0), (px(i), y0 + 5)], fill="black")
-        label = str(x)
-        draw.text((px(i) - draw.textlength(label, font=small) / 2, y0 + 8), label, fill="black", font=small)
-    draw.line([(x0, y0), (x1, y0)], fill="black", width=2)
-    draw.line([(x0, y0), (x0, y1)], fill="black", width=2)
-    xlabel = "I/O threads per side (n_read_threads = n_write_threads)"
-    draw.text(((x0 + x1) / 2 - draw.textlength(xlabel, font=small) / 2, h - 40), xlabel,
-              fill="black", font=small)
-    draw.text((12, top - 28), "GB/s", fill="black", font=small)
+    fig = Figure(figsize=(11, 6), dpi=100)
+    fig.subplots_adjust(left=0.082, right=0.773, top=0.85, bottom=0.133)
+    ax = fig.add_subplot()
+    fig.text(0.082, 0.945, title, fontsize=15)
+    fig.text(0.082, 0.905, subtitle, fontsize=10, color="#505050")
     for name, color, ys, dashed in series:
-        points = [(px(i), py(v)) for i, v in enumerate(ys) if v is not None]
-        for p, q in zip(points, points[1:]):
-            (_dashed if dashed else lambda d, a, b, fill, width: d.line([a, b], fill=fill, width=width))(
-                draw, p, q, fill=color, width=3)
-        for x, y in points:
-            draw.ellipse([x - 5, y - 5, x + 5, y + 5], fill=color)
-    lx, ly = x1 + 24, y1 + 8  # legend right of the plot area: never over a line
-    box_w = max(draw.textlength(n, font=small) for n, *_ in series) + 44
-    draw.rectangle([lx - 6, ly - 6, lx + box_w, ly + 24 * len(series)], fill="white",
-                   outline=(160, 160, 160))
-    for k, (name, color, _, dashed) in enumerate(series):
-        yy = ly + 24 * k + 9
-        if dashed:
-            _dashed(draw, (lx, yy), (lx + 28, yy), fill=color, width=3, dash=5)
-        else:
-            draw.line([(lx, yy), (lx + 28, yy)], fill=color, width=3)
-        draw.text((lx + 36, yy - 9), name, fill="black", font=small)
-    img.save(path)
+        points = [(i, v) for i, v in enumerate(ys) if v is not None]
+        ax.plot([i for i, _ in points], [v for _, v in points], label=name,
+                color=tuple(c / 255 for c in color), linestyle="--" if dashed else "-",
+                linewidth=2, marker="o", markersize=7)
+    ax.set_xticks(range(len(xs)), [str(x) for x in xs])
+    if len(xs) == 1:
+        ax.set_xlim(-1, 1)  # the one point in the middle
+    else:
+        ax.margins(x=0.045)
+    values = [v for _, _, ys, _ in series for v in ys if v is not None]
+    ax.set_ylim(0, max(values, default=1.0) * 1.1)  # headroom above the highest point
+    ax.grid(axis="y", color="#e1e1e1")
+    ax.set_axisbelow(True)
+    ax.spines[["top", "right"]].set_visible(False)
+    ax.set_xlabel("I/O threads per side (n_read_threads = n_write_threads)")
+    ax.set_ylabel("GB/s")
+    # Right of the plot area: never over a line.
+    ax.legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), frameon=True)
+    fig.savefig(path)
 
 
 def _slug(text: str) -> str:
@@ -256,7 +215,12 @@ def _slug(text: str) -> str:
 
 
 def plot_all(result: dict, plot_dir: str) -> list[str]:
-    """One PNG per medium, block size and direction: GB/s against threads."""
+    """One PNG per medium, block size and direction: GB/s against threads.
+    Without matplotlib, says so on stderr and draws nothing."""
+    missing = plotting_missing()
+    if missing:
+        print(f"# plots skipped: {missing}", file=sys.stderr)
+        return []
     os.makedirs(plot_dir, exist_ok=True)
     m = result["machine"]
     written = []
