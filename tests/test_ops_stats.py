@@ -15,7 +15,8 @@ import pytest
 from engine_kit import BS, make_key, write_blocks
 from llmkv_fs.layout.blockfile import TRAILER_SIZE, BlockFileError
 from llmkv_fs.layout.leases import Lease, seed_fingerprint, write_lease
-from llmkv_fs.layout.paths import CacheLayout, temp_path
+from llmkv_fs.layout.names import temp_path
+from llmkv_fs.layout.paths import CacheLayout
 from llmkv_fs.ops import cli
 
 FILE = BS + TRAILER_SIZE
