@@ -16,7 +16,8 @@ import time
 from llmkv_fs.cli import main as cli_main
 from llmkv_fs.layout.blockfile import TRAILER_SIZE, pack_trailer, payload_checksum
 from llmkv_fs.layout.leases import Lease, write_lease
-from llmkv_fs.layout.paths import CacheLayout, RunIdentity, temp_path
+from llmkv_fs.layout.names import temp_path
+from llmkv_fs.layout.paths import CacheLayout, RunIdentity
 from llmkv_fs.layout.run_config import ensure_run_config
 
 HOST = socket.gethostname()

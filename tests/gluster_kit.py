@@ -34,6 +34,8 @@ import uuid
 
 import pytest
 
+from llmkv_fs.layout.fsinfo import read_mounts
+
 REQUIRE_ENV = "LLMKV_FS_REQUIRE_GLUSTER"
 PREFIX = "llmkvtest"
 BASE_DIR = "/var/tmp"
@@ -148,13 +150,7 @@ def _daemon_running(name: str) -> bool:
 
 def _glusterfs_mounts() -> list[tuple[str, str]]:
     """(source, mount point) of every FUSE GlusterFS mount."""
-    found = []
-    with open("/proc/self/mounts") as f:
-        for line in f:
-            fields = line.split()
-            if len(fields) >= 3 and fields[2] == "fuse.glusterfs":
-                found.append((fields[0], fields[1].replace("\\040", " ")))
-    return found
+    return [(m.device, m.mount_point) for m in read_mounts() if m.fstype == "fuse.glusterfs"]
 
 
 def _owner_alive(name: str) -> bool:

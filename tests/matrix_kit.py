@@ -35,7 +35,7 @@ from harness import MiB, payload_for, wait_until
 from vllm.v1.kv_offload.base import LookupResult
 
 from llmkv_fs.layout.blockfile import FORMAT_VERSION, TRAILER_SIZE, BlockFileError, verify_block
-from llmkv_fs.layout.paths import parse_temp_name
+from llmkv_fs.layout.names import parse_temp_name
 
 HIT, MISS, RETRY, HIT_PENDING = (LookupResult.HIT, LookupResult.MISS, LookupResult.RETRY,
                                  LookupResult.HIT_PENDING)

@@ -167,9 +167,8 @@ _MODES_SCRIPT = textwrap.dedent("""
     os.umask(args["umask"])
     from llmkv_fs.config import TierSettings
     from llmkv_fs.engine.engine import FsEngine, prepare_volume
-    from llmkv_fs.engine.housekeeping import lease_for
     from llmkv_fs.layout import files
-    from llmkv_fs.layout.leases import read_leases
+    from llmkv_fs.layout.leases import lease_for, read_leases
     from llmkv_fs.layout.paths import CacheLayout, RunIdentity
 
     BS = 64 * 1024

@@ -20,7 +20,7 @@ from gc_kit import (
     snapshot,
 )
 
-from llmkv_fs.ops.scan import TRASH_PREFIX
+from llmkv_fs.layout.names import TRASH_PREFIX
 
 OLD = 8 * DAY
 QUIET = ("--high", "off")  # capacity rules off unless a test asks for them

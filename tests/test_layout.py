@@ -19,14 +19,8 @@ from harness import offloading_config
 from vllm.v1.kv_offload.config import OffloadingCacheConfig
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
-from llmkv_fs.layout.paths import (
-    CacheLayout,
-    LayoutError,
-    RunIdentity,
-    parse_temp_name,
-    safe_model_component,
-    temp_path,
-)
+from llmkv_fs.layout.names import parse_temp_name, safe_model_component, temp_path
+from llmkv_fs.layout.paths import CacheLayout, LayoutError, RunIdentity
 
 from layout_kit import ROOT, ONE_GROUP, TWO_GROUPS, KEYS, vllm_mapper, our_layout, spec_for, assert_same_layout
 

@@ -14,7 +14,6 @@ import select
 import shutil
 import time
 
-import pytest
 from engine_kit import IDENTITY
 from harness import Replica, make_keys, offloading_config, ours, payload_for
 from matrix_kit import (

@@ -15,8 +15,9 @@ import pytest
 from engine_kit import BS, make_key, write_blocks
 from llmkv_fs.layout.blockfile import TRAILER_SIZE, BlockFileError
 from llmkv_fs.layout.leases import Lease, seed_fingerprint, write_lease
-from llmkv_fs.layout.paths import CacheLayout, temp_path
 from llmkv_fs import cli
+from llmkv_fs.layout.names import temp_path
+from llmkv_fs.layout.paths import CacheLayout
 
 FILE = BS + TRAILER_SIZE
 DAY = 86400.0

@@ -17,12 +17,13 @@ import time
 import pytest
 import xxhash
 
-from engine_kit import BS, IDENTITY, make_key, pattern, write_blocks
+from engine_kit import BS, make_key, pattern, write_blocks
 from llmkv_fs.engine.engine import prepare_volume
+from llmkv_fs.layout import quarantine as quarantine_module
 from llmkv_fs.layout.blockfile import TRAILER_SIZE
 from llmkv_fs.layout.paths import CacheLayout
 from llmkv_fs import cli
-from llmkv_fs.ops import blockcheck, verify
+from llmkv_fs.ops import verify
 
 HEAD = 42  # trailer bytes before the key (see layout/blockfile.py)
 
@@ -234,13 +235,13 @@ def test_repair_puts_back_a_file_republished_just_before_the_rename(volume, caps
     fresh = f"{os.path.dirname(path)}/.fresh"
     shutil.copyfile(path, fresh)
     os.truncate(path, 10)
-    real_mkdir = verify._make_quarantine_dir
+    real_mkdir = quarantine_module.make_quarantine_dir
 
-    def republish_then_mkdir(rank_dir, qdir):
+    def republish_then_mkdir(rank_dir, dir_mode=None):
         os.rename(fresh, path)  # lands after the inode check, before the rename
-        real_mkdir(rank_dir, qdir)
+        return real_mkdir(rank_dir, dir_mode)
 
-    monkeypatch.setattr(verify, "_make_quarantine_dir", republish_then_mkdir)
+    monkeypatch.setattr(quarantine_module, "make_quarantine_dir", republish_then_mkdir)
     rc, report = run_cli(capsys, volume, "--repair")
     (b,) = report["bad"]
     assert (b["reason"], b["repair"], b["quarantined_to"]) == ("truncated", "replaced", None)
@@ -321,19 +322,6 @@ def test_progress_line_only_on_a_terminal(volume, capsys):
     assert pipe.getvalue() == ""
     assert cli.main(["verify", volume]) == 0
     assert capsys.readouterr().err == ""  # pytest's stderr is not a TTY
-
-
-def test_key_from_path_round_trips_the_layout():
-    layout = CacheLayout("/v", CacheLayout.for_identity("/v", IDENTITY).run_config, 3)
-    keys = [make_key(1), make_key(2, group=7), bytes.fromhex("0123456789abcdef") + b"\x80\0\0\1",
-            b"\0\0\1" + bytes(29) + b"\0\0\0\0"]
-    for key in keys:
-        assert blockcheck.key_from_path(layout.rank_dir, layout.block_path(key)) == key
-    p = layout.block_path(make_key(1))
-    head, name = os.path.split(p)
-    for bad in (p.replace("_g0", "_g00"), p.replace(".bin", "0.bin"), f"{head}/../{name}",
-                f"{layout.rank_dir}/{name}", p.replace(layout.rank_dir, "/v/other_r3")):
-        assert blockcheck.key_from_path(layout.rank_dir, bad) is None, bad
 
 
 def test_ops_tools_import_without_vllm_or_torch(tmp_path):

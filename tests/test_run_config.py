@@ -15,10 +15,8 @@ from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
 from vllm.v1.kv_offload.tiering.fs.manager import FileSystemTierManager
 
 from llmkv_fs.layout import files as files_module  # run_config publishes through it
-from llmkv_fs.layout.paths import (
-    CacheLayout,
-    parse_temp_name,
-)
+from llmkv_fs.layout.names import parse_temp_name
+from llmkv_fs.layout.paths import CacheLayout
 from llmkv_fs.layout.run_config import RunConfigMismatch, ensure_run_config, render_run_config
 
 from layout_kit import TWO_GROUPS, vllm_mapper, our_layout, spec_for

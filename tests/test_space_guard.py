@@ -18,8 +18,9 @@ import time
 import pytest
 
 from llmkv_fs.config import TierSettings
-from llmkv_fs.engine.space import SpaceGuard, VolumeUsage, volume_usage
+from llmkv_fs.engine.space import SpaceGuard
 from llmkv_fs.layout.blockfile import TRAILER_SIZE
+from llmkv_fs.layout.fsinfo import VolumeUsage, volume_usage
 
 from engine_kit import BS, Gate, fill, make_key, pattern, row, store_blocks, wait_jobs, wait_until
 

@@ -33,6 +33,7 @@ if importlib.util.find_spec("llmkv_fs") is None:  # a checkout, not installed
 from llmkv_fs.config import TierSettings  # noqa: E402
 from llmkv_fs.engine.engine import FsEngine, prepare_volume  # noqa: E402
 from llmkv_fs.engine.numa import format_cpulist, read_topology  # noqa: E402
+from llmkv_fs.layout.fsinfo import mount_of  # noqa: E402
 from llmkv_fs.layout.paths import CacheLayout, RunIdentity  # noqa: E402
 
 MiB = 1 << 20
@@ -49,13 +50,8 @@ def numa_setting(text: str) -> str | int:
 
 
 def fs_of(path: str) -> str:
-    real, best, found = os.path.realpath(path), -1, "?"
-    with open("/proc/mounts", encoding="utf-8") as f:
-        for line in f:
-            dev, mount, fstype = line.split()[:3]
-            if (real == mount or real.startswith(mount.rstrip("/") + "/")) and len(mount) >= best:
-                best, found = len(mount), f"{fstype} ({dev} on {mount})"
-    return found
+    mount = mount_of(path)
+    return "?" if mount is None else f"{mount.fstype} ({mount.device} on {mount.mount_point})"
 
 
 def machine(dirs: list[str]) -> dict:

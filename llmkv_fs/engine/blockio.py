@@ -35,16 +35,16 @@ from llmkv_fs.layout.blockfile import (
     payload_checksum,
     verify_block,
 )
-from llmkv_fs.layout.files import DEFAULT_DIR_MODE, DEFAULT_FILE_MODE, make_dirs, needs_chmod
-from llmkv_fs.layout.paths import CacheLayout, temp_path
+from llmkv_fs.layout.files import DEFAULT_DIR_MODE, DEFAULT_FILE_MODE, create_in_dir, needs_chmod
+from llmkv_fs.layout.names import probe_path, temp_path
+from llmkv_fs.layout.paths import CacheLayout
+from llmkv_fs.layout.quarantine import file_ident, move_to_quarantine
+from llmkv_fs.layout.vectored import read_all, write_all
 
 __all__ = ["Abandoned", "BlockIO", "BlockMissing", "IoOptions", "Outcome", "probe_o_direct"]
 
 O_DIRECT = getattr(os, "O_DIRECT", 0)
 _PAGE = mmap.PAGESIZE
-# A gc removing empty directories may delete a parent between our makedirs
-# and open; a few retries close that race without looping forever.
-_DIR_RACE_RETRIES = 8
 _STAMP_MEMORY = 1 << 16  # paths remembered for stamp rate limiting
 
 
@@ -89,7 +89,7 @@ def probe_o_direct(directory: str) -> bool:
     6.6, overlayfs and some FUSE/NFS mounts refuse it with EINVAL)."""
     if not O_DIRECT:
         return False
-    path = f"{directory}/.llmkv_fs_o_direct_probe.{socket.gethostname()}~{os.getpid()}"
+    path = probe_path(directory, socket.gethostname(), os.getpid())
     page = mmap.mmap(-1, _PAGE)
     try:
         fd = os.open(path, os.O_CREAT | os.O_WRONLY | os.O_TRUNC | O_DIRECT, 0o600)
@@ -104,34 +104,6 @@ def probe_o_direct(directory: str) -> bool:
         page.close()
         with contextlib.suppress(OSError):
             os.unlink(path)
-
-
-def _advance(buffers: list[memoryview], n: int) -> list[memoryview]:
-    """The part of ``buffers`` left after the first ``n`` bytes."""
-    while buffers and n >= buffers[0].nbytes:
-        n -= buffers[0].nbytes
-        buffers = buffers[1:]
-    return [buffers[0][n:], *buffers[1:]] if n else buffers
-
-
-def _read_all(fd: int, buffers: list[memoryview], valid_sizes: frozenset[int]) -> int:
-    """Fill ``buffers`` from the file; returns the bytes read (short: EOF).
-
-    One ``preadv`` normally settles it: a regular file reads short only at
-    its end, and asking again to be sure would cost a round trip on NFS. Only
-    a count no valid block file has -- which FUSE or NFS could produce by
-    splitting a read -- is followed up before the file is judged bad.
-    """
-    done = os.preadv(fd, buffers, 0)
-    while done not in valid_sizes and 0 < done:
-        pending = _advance(buffers, done)
-        if not pending:
-            break
-        n = os.preadv(fd, pending, done)
-        if n == 0:
-            break
-        done += n
-    return done
 
 
 def _read_hashing(fd: int, row: memoryview, scratch: memoryview, piece: int) -> tuple[int, int]:
@@ -150,18 +122,6 @@ def _read_hashing(fd: int, row: memoryview, scratch: memoryview, piece: int) -> 
         done += n
     done += os.preadv(fd, [scratch], size)
     return done, hasher.intdigest()
-
-
-def _write_all(fd: int, buffers: list[memoryview]) -> None:
-    """Loop ``pwritev`` until every buffer is written (FUSE and NFS may
-    accept part of a large write)."""
-    offset = 0
-    while buffers:
-        n = os.pwritev(fd, buffers, offset)
-        if n == 0:
-            raise OSError(errno.EIO, "pwritev wrote 0 bytes")
-        offset += n
-        buffers = _advance(buffers, n)
 
 
 class BlockIO:
@@ -242,7 +202,7 @@ class BlockIO:
         fd = self._create_temp(tmp)
         try:
             try:
-                _write_all(fd, [row, trailer])
+                write_all(fd, [row, trailer])
                 if opts.fsync_file:
                     os.fsync(fd)
             finally:
@@ -265,26 +225,18 @@ class BlockIO:
         return Outcome.WRITTEN
 
     def _create_temp(self, tmp: str) -> int:
-        flags = self._open_flags(os.O_WRONLY | os.O_CREAT | os.O_EXCL)
-        for _ in range(_DIR_RACE_RETRIES):
+        # replace_leftover: a file under our own temp name was left by a
+        # previous process that had our pid and died mid-write. Nobody else
+        # can own it.
+        fd = create_in_dir(tmp, self._open_flags(os.O_WRONLY | os.O_CREAT | os.O_EXCL),
+                           self.options.file_mode, self.options.dir_mode, replace_leftover=True)
+        if self._chmod_files:
             try:
-                fd = os.open(tmp, flags, self.options.file_mode)
-                if self._chmod_files:
-                    os.fchmod(fd, self.options.file_mode)
-                return fd
-            except FileNotFoundError:
-                make_dirs(os.path.dirname(tmp), self.options.dir_mode)
-            except FileExistsError:
-                # Our own name: left by a previous process that had our pid
-                # and died mid-write. Nobody else can own it.
-                os.unlink(tmp)
-            except OSError as exc:
-                # Another client of a network filesystem created the
-                # directory at the same moment: our handle went stale.
-                if exc.errno != errno.ESTALE:
-                    raise
-                make_dirs(os.path.dirname(tmp), self.options.dir_mode)
-        return os.open(tmp, flags, self.options.file_mode)
+                os.fchmod(fd, self.options.file_mode)
+            except BaseException:
+                os.close(fd)
+                raise
+        return fd
 
     @staticmethod
     def _fsync_dir(directory: str) -> None:
@@ -320,17 +272,17 @@ class BlockIO:
             if self._hash_while_reading:
                 n, digest = _read_hashing(fd, row, scratch, self.options.hash_chunk)
             else:
-                n, digest = _read_all(fd, [row, scratch], self._valid_sizes), None
+                n, digest = read_all(fd, [row, scratch], self._valid_sizes), None
             try:
                 outcome = self._check(key, row, scratch, n, digest)
                 if self.options.stamp_access:
                     self._stamp_access(path)
                 return outcome
             except BlockFileError as exc:
-                bad, inode = exc, os.fstat(fd).st_ino
+                bad, ident = exc, file_ident(os.fstat(fd))
         finally:
             os.close(fd)
-        bad.quarantined_to = self.quarantine(path, bad.reason, inode)
+        bad.quarantined_to = self.quarantine(path, bad.reason, ident)
         raise bad
 
     def _check(
@@ -371,21 +323,14 @@ class BlockIO:
                 done += 1
         return done
 
-    def quarantine(self, path: str, reason: str, inode: int | None = None) -> str | None:
-        """Move a bad block file aside so no lookup finds it again. Skips the
-        move if ``path`` now names another inode than the one we read (a
-        writer republished it meanwhile). Returns the new path, or None."""
+    def quarantine(
+        self, path: str, reason: str, ident: tuple[int, int] | None = None
+    ) -> str | None:
+        """Move a bad block file aside so no lookup finds it again, unless
+        ``path`` names another file by now than the one we read (a writer
+        republished it meanwhile). Returns the new path, or None."""
         try:
-            if inode is None:
-                inode = os.lstat(path).st_ino
-            elif os.lstat(path).st_ino != inode:
-                return None
-            target = (
-                f"{self.layout.quarantine_dir}/{os.path.basename(path)}"
-                f".{reason}.{time.time_ns()}"
-            )
-            make_dirs(self.layout.quarantine_dir, self.options.dir_mode)
-            os.rename(path, target)
-            return target
+            return move_to_quarantine(path, self.layout.rank_dir, reason, ident,
+                                      self.options.dir_mode)
         except FileNotFoundError:
             return None

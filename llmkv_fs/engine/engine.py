@@ -44,7 +44,7 @@ from llmkv_fs.engine.space import SpaceGuard
 from llmkv_fs.engine.volume import EngineError, prepare_volume
 from llmkv_fs.layout.blockfile import BlockFileError
 from llmkv_fs.layout.leases import Lease
-from llmkv_fs.layout.files import filesystem_type
+from llmkv_fs.layout.fsinfo import filesystem_type
 from llmkv_fs.layout.paths import CacheLayout
 
 __all__ = ["EngineError", "FinishedJob", "FsEngine", "prepare_volume"]

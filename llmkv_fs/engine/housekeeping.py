@@ -12,7 +12,6 @@ over, returns at once) and ``stop`` (joins; removes the lease).
 from __future__ import annotations
 
 import logging
-import os
 import socket
 import threading
 import time
@@ -22,7 +21,7 @@ from llmkv_fs.engine.space import SpaceGuard
 from llmkv_fs.layout.files import DEFAULT_DIR_MODE, DEFAULT_FILE_MODE
 from llmkv_fs.layout.leases import Lease, read_leases, refresh_lease, remove_lease, write_lease
 
-__all__ = ["Housekeeping", "lease_for"]
+__all__ = ["Housekeeping"]
 
 logger = logging.getLogger("vllm.llmkv_fs.housekeeping")
 
@@ -138,11 +137,3 @@ class Housekeeping:
             )
         self._warned = differing
 
-
-def lease_for(hash_algo: str, seed_fingerprint: str, interval_s: float,
-              vllm_version: str, llmkv_fs_version: str) -> Lease:
-    return Lease(
-        host=socket.gethostname(), pid=os.getpid(), started_ns=time.time_ns(),
-        hash_algo=hash_algo, seed_fingerprint=seed_fingerprint, interval_s=interval_s,
-        vllm_version=vllm_version, llmkv_fs_version=llmkv_fs_version,
-    )

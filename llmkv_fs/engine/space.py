@@ -8,30 +8,9 @@ attributes, each replaced atomically; a decision one sample old is fine.
 
 from __future__ import annotations
 
-import dataclasses
-import os
+from llmkv_fs.layout.fsinfo import VolumeUsage, volume_usage
 
-
-@dataclasses.dataclass(frozen=True)
-class VolumeUsage:
-    total_bytes: int
-    used_bytes: int
-    free_bytes: int  # available to unprivileged writers (f_bavail)
-
-    @property
-    def used_percent(self) -> float:
-        # df's definition: used / (used + available), root reserve excluded.
-        usable = self.used_bytes + self.free_bytes
-        return 100.0 * self.used_bytes / usable if usable else 100.0
-
-
-def volume_usage(path: str) -> VolumeUsage:
-    st = os.statvfs(path)
-    return VolumeUsage(
-        total_bytes=st.f_blocks * st.f_frsize,
-        used_bytes=(st.f_blocks - st.f_bfree) * st.f_frsize,
-        free_bytes=st.f_bavail * st.f_frsize,
-    )
+__all__ = ["SpaceGuard"]
 
 
 class SpaceGuard:

@@ -16,6 +16,8 @@ import platform
 import re
 import sys
 
+from llmkv_fs.layout.fsinfo import mount_of
+
 __all__ = ["fs_of", "machine_info", "markdown", "plot_all", "plotting_missing", "write_json"]
 
 DIRECTIONS = ("store", "load")
@@ -26,24 +28,11 @@ SERIES = (("ours", "llmkv_fs", (31, 119, 180)), ("builtin", "vLLM built-in fs", 
 # -- the machine -------------------------------------------------------------------
 
 def fs_of(path: str) -> dict[str, str]:
-    """Mount point, filesystem type and device of ``path`` (/proc/mounts)."""
-    real = os.path.realpath(path)
-    best = {"mount": "/", "fstype": "?", "device": "?"}
-    try:
-        with open("/proc/mounts", encoding="utf-8") as f:
-            lines = f.read().splitlines()
-    except OSError:
-        return best
-    best_len = -1
-    for line in lines:
-        parts = line.split()
-        if len(parts) < 3:
-            continue
-        mount = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), parts[1])
-        inside = real == mount or real.startswith(mount.rstrip("/") + "/")
-        if inside and len(mount) >= best_len:  # later mounts shadow earlier ones
-            best, best_len = {"mount": mount, "fstype": parts[2], "device": parts[0]}, len(mount)
-    return best
+    """Mount point, filesystem type and device of ``path`` (the mount table)."""
+    mount = mount_of(path)
+    if mount is None:
+        return {"mount": "/", "fstype": "?", "device": "?"}
+    return {"mount": mount.mount_point, "fstype": mount.fstype, "device": mount.device}
 
 
 def _ram_gib() -> float | None:

@@ -12,11 +12,26 @@ import errno
 import os
 import socket
 import uuid
+from collections.abc import Callable
+from typing import TypeVar
 
-from llmkv_fs.layout.paths import temp_path
+from llmkv_fs.layout.names import temp_path
+
+__all__ = ["DEFAULT_DIR_MODE", "DEFAULT_FILE_MODE", "PROCESS_UMASK", "SHARED_FS_ATTEMPTS",
+           "create_in_dir", "is_transient", "make_dirs", "needs_chmod", "retry_transient",
+           "write_file_atomically"]
 
 DEFAULT_FILE_MODE = 0o640
 DEFAULT_DIR_MODE = 0o770
+# Two GlusterFS clients creating one fresh directory at the same moment: the
+# loser's mkdir or open in it fails for a moment with ESTALE, or its mkdir
+# with EEXIST while isdir() still says no; and gc may prune an empty directory
+# between our mkdir and our open (ENOENT). Eight attempts ride that out
+# (docs/reliability.md, bug 2: 16 processes x 8 fresh directories through two
+# clients) without looping forever on a real error.
+SHARED_FS_ATTEMPTS = 8
+
+_T = TypeVar("_T")
 
 
 def _umask() -> int:
@@ -36,6 +51,38 @@ def needs_chmod(mode: int) -> bool:
     return bool(mode & PROCESS_UMASK) or bool(mode & 0o7000)
 
 
+def is_transient(exc: OSError) -> bool:
+    """ENOENT or ESTALE: a parent missing or stale for a moment (see
+    SHARED_FS_ATTEMPTS)."""
+    return isinstance(exc, FileNotFoundError) or exc.errno == errno.ESTALE
+
+
+def retry_transient(
+    operation: Callable[[], _T],
+    recover: Callable[[OSError], object],
+    transient: Callable[[OSError], bool] = is_transient,
+) -> _T:
+    """``operation()``, tried up to SHARED_FS_ATTEMPTS times while it fails
+    with an error ``transient`` accepts; ``recover(error)`` runs between
+    attempts (re-create the parent, say). Any other error, and the last
+    attempt's, propagates."""
+    for _attempt in range(SHARED_FS_ATTEMPTS - 1):
+        try:
+            return operation()
+        except OSError as exc:
+            if not transient(exc):
+                raise
+            recover(exc)
+    return operation()
+
+
+def _dir_race(exc: OSError) -> bool:
+    # A parent vanished between two mkdirs (NotADirectoryError also stands
+    # for EEXIST whose name is not yet a visible directory), or two clients
+    # of a network filesystem creating one path at once left a stale handle.
+    return isinstance(exc, NotADirectoryError) or is_transient(exc)
+
+
 def make_dirs(path: str, dir_mode: int = DEFAULT_DIR_MODE) -> None:
     """``os.makedirs(path, exist_ok=True)``, giving every directory it creates
     exactly ``dir_mode``. Tries the leaf first (on a young cache the parent
@@ -43,18 +90,13 @@ def make_dirs(path: str, dir_mode: int = DEFAULT_DIR_MODE) -> None:
     walks up only on ENOENT. Safe against a concurrent creator or remover of
     any level: a level that appears meanwhile is fine, one removed meanwhile
     (gc pruning empty directories) is created again."""
-    for _attempt in range(8):
-        try:
-            _make_dir_chain(path, dir_mode)
-            return
-        except (FileNotFoundError, NotADirectoryError):
-            continue  # a parent vanished between two mkdirs: go again
-        except OSError as exc:
-            # Two clients of a network filesystem creating one path at once:
-            # a stale handle, or EEXIST before the name's attributes arrive.
-            if exc.errno != errno.ESTALE:
-                raise
-    os.makedirs(path, dir_mode, exist_ok=True)  # raise the real error
+    try:
+        # Nothing to repair between attempts: the next one walks up again.
+        retry_transient(lambda: _make_dir_chain(path, dir_mode), lambda _exc: None, _dir_race)
+    except OSError as exc:
+        if not _dir_race(exc):
+            raise
+        os.makedirs(path, dir_mode, exist_ok=True)  # raise the real error
 
 
 def _make_dir_chain(path: str, dir_mode: int) -> None:
@@ -86,22 +128,26 @@ def _make_dir_chain(path: str, dir_mode: int) -> None:
             os.chmod(directory, dir_mode)
 
 
-def create_in_dir(path: str, flags: int, file_mode: int, dir_mode: int, attempts: int = 8) -> int:
+def create_in_dir(
+    path: str, flags: int, file_mode: int, dir_mode: int, replace_leftover: bool = False
+) -> int:
     """``os.open(path, flags, file_mode)``, creating the parent directories
     (``make_dirs``) first if needed. Retries when the parent is missing or
-    stale right after it was made: gc may prune it, and another client of a
-    network filesystem creating the same directory can leave this client a
-    stale handle or a not-yet-visible entry for a moment."""
-    for _attempt in range(attempts - 1):
-        try:
-            return os.open(path, flags, file_mode)
-        except FileNotFoundError:
-            pass
-        except OSError as exc:
-            if exc.errno != errno.ESTALE:
-                raise
-        make_dirs(os.path.dirname(path), dir_mode)
-    return os.open(path, flags, file_mode)
+    stale right after it was made (see SHARED_FS_ATTEMPTS). With
+    ``replace_leftover`` the name is this writer's own, so a file already
+    there (O_EXCL) is a dead predecessor's and is removed first."""
+    directory = os.path.dirname(path)
+
+    def recover(exc: OSError) -> None:
+        if isinstance(exc, FileExistsError):
+            os.unlink(path)
+        else:
+            make_dirs(directory, dir_mode)
+
+    def transient(exc: OSError) -> bool:
+        return is_transient(exc) or (replace_leftover and isinstance(exc, FileExistsError))
+
+    return retry_transient(lambda: os.open(path, flags, file_mode), recover, transient)
 
 
 def write_file_atomically(
@@ -136,24 +182,3 @@ def write_file_atomically(
     except BaseException:
         os.unlink(tmp)
         raise
-
-
-def filesystem_type(path: str) -> str:
-    """The type of the filesystem holding ``path`` (from mountinfo), or ""."""
-    real = os.path.realpath(path)
-    best, fstype = "", ""
-    try:
-        with open("/proc/self/mountinfo") as f:
-            for line in f:
-                fields = line.split()
-                try:
-                    mountpoint = fields[4].replace("\\040", " ")
-                    kind = fields[fields.index("-") + 1]
-                except (IndexError, ValueError):
-                    continue
-                inside = real == mountpoint or real.startswith(mountpoint.rstrip("/") + "/")
-                if inside and len(mountpoint) >= len(best):
-                    best, fstype = mountpoint, kind
-    except OSError:
-        return ""
-    return fstype

@@ -14,20 +14,21 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import re
+import socket
 import time
 from typing import Any
 
 import xxhash
 
 from llmkv_fs.layout.files import DEFAULT_DIR_MODE, DEFAULT_FILE_MODE, write_file_atomically
+from llmkv_fs.layout.names import lease_dir, lease_file_name, parse_lease_file_name
 
-LEASES_DIRNAME = "leases"
-LEASE_SUFFIX = ".json"
+__all__ = ["STALE_AFTER_INTERVALS", "Lease", "lease_for", "pid_alive", "read_leases",
+           "refresh_lease", "remove_lease", "seed_fingerprint", "write_lease"]
+
 # A lease not refreshed for this many intervals belongs to a dead process
 # (a stalled NFS server may delay a refresh or two; four is not a hiccup).
 STALE_AFTER_INTERVALS = 4
-_LEASE_RE = re.compile(r"^(?P<host>[^~/]+)~(?P<pid>\d+)~(?P<started>\d+)\.json$")
 
 
 def seed_fingerprint(hash_algo: str, seed: str | None) -> str:
@@ -58,7 +59,7 @@ class Lease:
 
     @property
     def file_name(self) -> str:
-        return f"{self.host}~{self.pid}~{self.started_ns}{LEASE_SUFFIX}"
+        return lease_file_name(self.host, self.pid, self.started_ns)
 
     def is_live(self, now: float | None = None, this_host: str | None = None) -> bool:
         """Fresh heartbeat, and -- when the lease is from this host -- the pid
@@ -86,8 +87,14 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
-def lease_dir(digest_dir: str) -> str:
-    return f"{digest_dir}/{LEASES_DIRNAME}"
+def lease_for(hash_algo: str, seed_fingerprint: str, interval_s: float,
+              vllm_version: str, llmkv_fs_version: str) -> Lease:
+    """The lease of this process, starting now."""
+    return Lease(
+        host=socket.gethostname(), pid=os.getpid(), started_ns=time.time_ns(),
+        hash_algo=hash_algo, seed_fingerprint=seed_fingerprint, interval_s=interval_s,
+        vllm_version=vllm_version, llmkv_fs_version=llmkv_fs_version,
+    )
 
 
 def write_lease(
@@ -124,8 +131,7 @@ def remove_lease(path: str) -> bool:
 
 
 def _parse(path: str, name: str) -> Lease | None:
-    match = _LEASE_RE.match(name)
-    if match is None:
+    if parse_lease_file_name(name) is None:
         return None
     try:
         with open(path, "rb") as f:

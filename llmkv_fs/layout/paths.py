@@ -9,6 +9,8 @@ The layout is vLLM 0.33's ``FileMapper`` layout, byte for byte::
 ``digest`` is the first 12 hex digits of sha256 over the canonical JSON of
 the run-config fields, so two replicas with the same model, dtype, block
 size, parallelism (unless parallel-agnostic) and KV groups share a directory.
+Each name itself is built (and parsed) in ``names.py``; this module puts the
+names of one run config together.
 """
 
 from __future__ import annotations
@@ -17,38 +19,12 @@ import dataclasses
 import functools
 import hashlib
 import json
-import os
-import re
 from typing import Any
 
-__all__ = [
-    "BLOCK_SUFFIX",
-    "CONFIG_FILENAME",
-    "QUARANTINE_DIRNAME",
-    "CacheLayout",
-    "LayoutError",
-    "RunIdentity",
-    "TempName",
-    "parse_temp_name",
-    "split_key",
-]
+from llmkv_fs.layout import names
+from llmkv_fs.layout.names import LayoutError
 
-CONFIG_FILENAME = "config.json"
-BLOCK_SUFFIX = ".bin"
-QUARANTINE_DIRNAME = ".quarantine"
-_DIGEST_LEN = 12
-_NAME_MAX = 255  # bytes in one path component on every Linux filesystem we target
-# An OffloadKey is <block hash><4-byte big-endian KV group index>.
-_GROUP_BYTES = 4
-
-
-class LayoutError(ValueError):
-    """A name from the configuration cannot become a safe path component."""
-
-
-def split_key(key: bytes) -> tuple[bytes, int]:
-    """Split an OffloadKey into (block hash, KV group index)."""
-    return key[:-_GROUP_BYTES], int.from_bytes(key[-_GROUP_BYTES:], "big")
+__all__ = ["CacheLayout", "LayoutError", "RunIdentity", "run_config_digest"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,26 +84,7 @@ class RunIdentity:
 
 def run_config_digest(run_config: dict[str, Any]) -> str:
     canonical = json.dumps(run_config, sort_keys=True, separators=(",", ":"))
-    return hashlib.sha256(canonical.encode("utf-8")).hexdigest()[:_DIGEST_LEN]
-
-
-def safe_model_component(model_name: str) -> str:
-    """vLLM's escaping ('/' -> '_'), plus the checks it leaves out.
-
-    With '/' gone and the digest appended, no model name can climb out of the
-    root ("../x" becomes ".._x_<digest>"); NUL and over-long names would only
-    fail later with an obscure OSError, so they are refused here.
-    """
-    if "\0" in model_name:
-        raise LayoutError(f"model name {model_name!r} contains a NUL byte")
-    safe = model_name.replace("/", "_")
-    # Longest sibling we create: the rank directory, with room for 5-digit ranks.
-    if len(f"{safe}_{'0' * _DIGEST_LEN}_r99999".encode()) > _NAME_MAX:
-        raise LayoutError(
-            f"model name {model_name!r} is too long for a path component "
-            f"({_NAME_MAX} bytes including the digest suffix)"
-        )
-    return safe
+    return hashlib.sha256(canonical.encode("utf-8")).hexdigest()[:names.DIGEST_LEN]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,7 +107,7 @@ class CacheLayout:
 
     @functools.cached_property
     def digest_dir_name(self) -> str:
-        return f"{safe_model_component(self.run_config['model_name'])}_{self.digest}"
+        return names.digest_dir_name(self.run_config["model_name"], self.digest)
 
     @functools.cached_property
     def base_path(self) -> str:
@@ -161,44 +118,15 @@ class CacheLayout:
 
     @functools.cached_property
     def config_path(self) -> str:
-        return f"{self.base_path}/{CONFIG_FILENAME}"
+        return names.config_path(self.base_path)
 
     @functools.cached_property
     def rank_dir(self) -> str:
-        return f"{self.base_path}_r{self.rank}"
+        return names.rank_dir_name(self.base_path, self.rank)
 
     @functools.cached_property
     def quarantine_dir(self) -> str:
-        return f"{self.rank_dir}/{QUARANTINE_DIRNAME}"
+        return names.quarantine_dir(self.rank_dir)
 
     def block_path(self, key: bytes) -> str:
-        block_hash, group = split_key(key)
-        h = block_hash.hex()
-        return f"{self.rank_dir}/{h[:3]}/{h[3:5]}_g{group}/{h}{BLOCK_SUFFIX}"
-
-
-@dataclasses.dataclass(frozen=True)
-class TempName:
-    host: str
-    pid: int
-    nonce: str
-
-
-# ".<final name>.<host>~<pid>~<nonce>.tmp": hidden (a leading dot keeps it out
-# of globbing tools), and it names its writer so gc can prove a writer dead.
-# Host names contain dots, so the final name is anchored on its suffix.
-_TEMP_RE = re.compile(
-    r"^\.(?P<final>.+?\.(?:bin|json))\.(?P<host>[^~/]+)~(?P<pid>\d+)~(?P<nonce>[0-9a-z]+)\.tmp$"
-)
-
-
-def temp_path(final_path: str, host: str, pid: int, nonce: str) -> str:
-    directory, name = os.path.split(final_path)
-    return f"{directory}/.{name}.{host}~{pid}~{nonce}.tmp"
-
-
-def parse_temp_name(name: str) -> TempName | None:
-    match = _TEMP_RE.match(name)
-    if match is None:
-        return None
-    return TempName(match["host"], int(match["pid"]), match["nonce"])
+        return f"{self.rank_dir}/{names.block_rel_path(key)}"

@@ -17,18 +17,18 @@ import dataclasses
 import errno
 import mmap
 import os
-import re
 import stat
 import threading
 from collections.abc import Iterable
 
 from llmkv_fs.layout.blockfile import TRAILER_SIZE, BlockFileError, unpack_trailer, verify_block
-from llmkv_fs.layout.paths import BLOCK_SUFFIX, CacheLayout, split_key
+from llmkv_fs.layout.names import parse_block_path
+from llmkv_fs.layout.quarantine import file_ident
+from llmkv_fs.layout.vectored import read_all
 
 __all__ = [
     "BAD", "ERROR", "UNVERIFIED", "VANISHED", "VERIFIED",
-    "ChunkSize", "Result", "check_block", "infer_chunk_size", "is_block_name",
-    "key_from_path", "open_for_check",
+    "ChunkSize", "Result", "check_block", "infer_chunk_size", "open_for_check",
 ]
 
 VERIFIED, UNVERIFIED, BAD, ERROR, VANISHED = "verified", "unverified", "bad", "error", "vanished"
@@ -36,40 +36,8 @@ VERIFIED, UNVERIFIED, BAD, ERROR, VANISHED = "verified", "unverified", "bad", "e
 _PAGE = mmap.PAGESIZE
 O_NOATIME = getattr(os, "O_NOATIME", 0)
 _BASE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
-# "<hhh>/<hh>_g<group>/<hash>.bin" below a rank directory; the group is a
-# decimal u32 without leading zeros (as block_path writes it).
-_REL_RE = re.compile(r"^([0-9a-f]{3})/([0-9a-f]{2})_g(0|[1-9][0-9]{0,9})/([0-9a-f]+)\.bin$")
 _PROBE_SIZES = 8       # distinct file sizes tried when looking for a trailer
 _PROBE_PER_SIZE = 3    # files of one size tried
-
-
-def is_block_name(name: str) -> bool:
-    """A name a block file has (``<hash>.bin``, not hidden): what verify
-    reads. Independent of scan's classification on purpose: a symlink or
-    FIFO named like a block must be reported, whatever kind scan gives it."""
-    return name.endswith(BLOCK_SUFFIX) and not name.startswith(".")
-
-
-def key_from_path(rank_dir: str, path: str) -> bytes | None:
-    """The OffloadKey whose ``block_path`` is ``path``, or None if ``path``
-    is not a block path of ``rank_dir`` (a stray or misplaced file)."""
-    prefix = rank_dir.rstrip("/") + "/"
-    if not path.startswith(prefix):
-        return None
-    match = _REL_RE.match(path[len(prefix):])
-    if match is None:
-        return None
-    top, mid, group, block_hash = match.groups()
-    if len(block_hash) % 2 or int(group) >= 1 << 32:
-        return None
-    key = bytes.fromhex(block_hash) + int(group).to_bytes(4, "big")
-    # Round trip through the one definition of the layout, so verify can
-    # never disagree with the tier about which key a path holds.
-    layout = CacheLayout(rank_dir, {}, 0)
-    layout.__dict__["rank_dir"] = rank_dir.rstrip("/")  # cached_property slot
-    if layout.block_path(key) != path or split_key(key)[0].hex() != block_hash:
-        return None  # e.g. a hash too short for the <hhh>/<hh> fan-out
-    return key
 
 
 def open_for_check(path: str) -> tuple[int, bool]:
@@ -158,27 +126,8 @@ class _Buffers(threading.local):
 _BUFFERS = _Buffers()
 
 
-def _read_all(fd: int, buffers: list[memoryview]) -> int:
-    """Fill ``buffers`` from offset 0 until EOF or full; the byte count."""
-    done = 0
-    total = sum(b.nbytes for b in buffers)
-    while done < total:
-        pending, skip = [], done
-        for b in buffers:
-            if skip >= b.nbytes:
-                skip -= b.nbytes
-                continue
-            pending.append(b[skip:])
-            skip = 0
-        n = os.preadv(fd, pending, done)
-        if n == 0:
-            break
-        done += n
-    return done
-
-
 def _bad(path: str, reason: str, detail: str, st: os.stat_result) -> Result:
-    return Result(path, BAD, 0, reason, detail, (st.st_dev, st.st_ino))
+    return Result(path, BAD, 0, reason, detail, file_ident(st))
 
 
 def _size_reason(n: int, chunk: int) -> tuple[str, str]:
@@ -199,7 +148,7 @@ def check_block(rank_dir: str, path: str, lst: os.stat_result, chunk: int) -> Re
         return _bad(path, "symlink", f"symlink to {target!r}, not followed", lst)
     if not stat.S_ISREG(lst.st_mode):
         return _bad(path, "not-regular", f"file type {stat.filemode(lst.st_mode)[0]!r}", lst)
-    key = key_from_path(rank_dir, path)
+    key = parse_block_path(rank_dir, path)
     if key is None:
         return _bad(path, "bad-name", "not a block path of this rank directory", lst)
     try:
@@ -215,7 +164,7 @@ def check_block(rank_dir: str, path: str, lst: os.stat_result, chunk: int) -> Re
         return Result(path, ERROR, 0, "open-error", str(exc))
     try:
         st = os.fstat(fd)
-        result = Result(path, BAD, 0, "", "", (st.st_dev, st.st_ino), preserved)
+        result = Result(path, BAD, 0, "", "", file_ident(st), preserved)
         if not stat.S_ISREG(st.st_mode):
             result.reason, result.detail = "not-regular", "not a regular file"
             return result
@@ -228,7 +177,7 @@ def check_block(rank_dir: str, path: str, lst: os.stat_result, chunk: int) -> Re
             result.reason, result.detail = _size_reason(st.st_size, chunk)
             return result
         payload, scratch = _BUFFERS.get(chunk)
-        n = result.nbytes = _read_all(fd, [payload, scratch])
+        n = result.nbytes = read_all(fd, [payload, scratch])
         if n == chunk + TRAILER_SIZE:
             try:
                 verify_block(payload, scratch[:TRAILER_SIZE], key, verify_checksum=True)

@@ -17,35 +17,34 @@ import itertools
 import json
 import os
 import queue
-import re
 import stat
 import threading
 from collections.abc import Iterable, Iterator
 from typing import NamedTuple
 
-from llmkv_fs.layout.files import filesystem_type  # noqa: F401  (part of this API)
-from llmkv_fs.layout.leases import LEASES_DIRNAME, Lease, read_leases
-from llmkv_fs.layout.paths import BLOCK_SUFFIX, CONFIG_FILENAME, QUARANTINE_DIRNAME, parse_temp_name
+from llmkv_fs.layout.fsinfo import filesystem_type
+from llmkv_fs.layout.leases import Lease, read_leases
+from llmkv_fs.layout.names import (
+    CONFIG_FILENAME,
+    LEASES_DIRNAME,
+    QUARANTINE_DIRNAME,
+    config_path,
+    is_block_name,
+    is_lease_name,
+    is_temp_name,
+    is_trash_name,
+    parse_digest_dir_name,
+    parse_rank_dir_name,
+    temp_writer,
+)
 
 __all__ = [
     "BLOCK", "CONFIG", "LEASE", "OTHER", "QUARANTINED", "SYMLINK", "TEMP",
     "CONFIG_AREA", "RANK_AREA",
     "Digest", "FileEntry", "Listing", "RootListing",
     "classify", "default_threads", "filesystem_type", "is_network_fs", "list_digests",
-    "list_root", "temp_writer", "walk", "walk_files",
+    "list_root", "temp_writer", "walk",
 ]
-
-# "<model>_<12 hex digest>" and its "_r<rank>" siblings.
-_DIGEST_DIR_RE = re.compile(r"^(?P<model>.+)_(?P<digest>[0-9a-f]{12})$")
-_RANK_DIR_RE = re.compile(r"^(?P<base>.+_[0-9a-f]{12})_r(?P<rank>\d+)$")
-# Hidden names gc renames digests to before deleting them (see ops/gc/actions.py).
-TRASH_PREFIX = ".llmkv-gc-trash~"
-# Temp files that do not carry our "<host>~<pid>~<nonce>" writer tag:
-# vLLM's built-in tier writes "<hash>.bin_<random>.tmp" next to the block and
-# probes O_DIRECT with ".o_direct_probe_<random>.tmp"; our own O_DIRECT probe
-# is ".llmkv_fs_o_direct_probe.<host>~<pid>".
-_VLLM_TEMP_RE = re.compile(r"^(?:[0-9a-f]+\.bin|\.o_direct_probe)_\d+\.tmp$")
-_PROBE_RE = re.compile(r"^\.llmkv_fs_o_direct_probe\.(?P<host>[^~/]+)~(?P<pid>\d+)$")
 
 # File kinds. A symlink is always SYMLINK, wherever it is and whatever its name.
 BLOCK, TEMP, QUARANTINED, OTHER = "block", "temp", "quarantined", "other"
@@ -73,7 +72,7 @@ class Digest:
 
     def read_config(self) -> dict | None:
         try:
-            with open(f"{self.config_dir}/{CONFIG_FILENAME}", "rb") as f:
+            with open(config_path(self.config_dir), "rb") as f:
                 config = json.loads(f.read())
         except (OSError, ValueError):
             return None
@@ -159,20 +158,20 @@ def list_root(root: str) -> RootListing:
         if not is_dir:
             other.append(entry.path)
             continue
-        if entry.name.startswith(TRASH_PREFIX):
+        if is_trash_name(entry.name):
             trash.append(entry.path)
             continue
-        rank = _RANK_DIR_RE.match(entry.name)
-        base_name = rank["base"] if rank else entry.name
-        match = _DIGEST_DIR_RE.match(base_name)
-        if match is None:
+        rank = parse_rank_dir_name(entry.name)
+        base_name = rank.digest_dir_name if rank else entry.name
+        parsed = parse_digest_dir_name(base_name)
+        if parsed is None:
             other.append(entry.path)
             continue
         digest = found.setdefault(
-            base_name, Digest(root, base_name, match["model"], match["digest"], False, {})
+            base_name, Digest(root, base_name, parsed.model, parsed.digest, False, {})
         )
         if rank:
-            digest.rank_dirs[int(rank["rank"])] = entry.path
+            digest.rank_dirs[rank.rank] = entry.path
         else:
             digest.has_config_dir = True
     return RootListing([found[name] for name in sorted(found)], sorted(trash),
@@ -192,34 +191,19 @@ def classify(name: str, st: os.stat_result, area: str, in_quarantine: bool = Fal
     it lies (``area``: under a rank or a config directory)."""
     if stat.S_ISLNK(st.st_mode):
         return SYMLINK
-    if (name.startswith(".") or name.endswith(".tmp")) and (
-            temp_writer(name) is not None or _VLLM_TEMP_RE.match(name)):
+    if is_temp_name(name):
         return TEMP
     if not stat.S_ISREG(st.st_mode):
         return OTHER
     if area == RANK_AREA:
         if in_quarantine:
             return QUARANTINED
-        if name.endswith(BLOCK_SUFFIX) and not name.startswith("."):
-            return BLOCK
-        return OTHER
-    if in_leases and name.endswith(".json") and not name.startswith("."):
+        return BLOCK if is_block_name(name) else OTHER
+    if in_leases and is_lease_name(name):
         return LEASE
     if not in_leases and name == CONFIG_FILENAME:
         return CONFIG
     return OTHER
-
-
-def temp_writer(name: str) -> tuple[str, int] | None:
-    """(host, pid) of the process that created a temp file, where its name
-    says so (ours do; vLLM's built-in tier's do not)."""
-    if not name.startswith("."):
-        return None
-    parsed = parse_temp_name(name)
-    if parsed is not None:
-        return parsed.host, parsed.pid
-    probe = _PROBE_RE.match(name)
-    return (probe["host"], int(probe["pid"])) if probe else None
 
 
 # A work item: (id, parent id, top index, path, depth, in quarantine, in leases).
@@ -337,10 +321,3 @@ def walk(tops: Iterable[str | tuple[str, str]], threads: int = 16,
         for thread in pool:
             thread.join()
 
-
-def walk_files(rank_dir: str, threads: int = 16) -> Iterator[FileEntry]:
-    """Every non-directory entry under a rank directory (symlinks included,
-    as SYMLINK, never followed), listed concurrently. Files that vanish
-    during the walk are skipped."""
-    for listing in walk([rank_dir], threads):
-        yield from listing.files

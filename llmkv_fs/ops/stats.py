@@ -18,10 +18,12 @@ import time
 from typing import Any
 
 from llmkv_fs.layout.blockfile import TRAILER_SIZE, last_used
+from llmkv_fs.layout.fsinfo import volume_usage
 from llmkv_fs.layout.leases import Lease
-from llmkv_fs.layout.paths import QUARANTINE_DIRNAME, run_config_digest
+from llmkv_fs.layout.names import in_quarantine, is_block_name, parse_quarantine_name
+from llmkv_fs.layout.paths import run_config_digest
 from llmkv_fs.ops import scan
-from llmkv_fs.ops.blockcheck import infer_chunk_size, is_block_name
+from llmkv_fs.ops.blockcheck import infer_chunk_size
 
 __all__ = ["add_arguments", "fmt_age", "fmt_bytes", "run", "select_digests", "volume_stats"]
 
@@ -117,11 +119,8 @@ def _entry_type(st: os.stat_result) -> str:
 
 
 def _quarantine_reason(name: str) -> str:
-    # "<hash>.bin.<reason>.<ns>" (see BlockIO.quarantine)
-    parts = name.rsplit(".", 2)
-    if len(parts) == 3 and parts[2].isdigit() and parts[0].endswith(".bin"):
-        return parts[1]
-    return "unknown"
+    parsed = parse_quarantine_name(name)
+    return parsed.reason if parsed is not None else "unknown"
 
 
 def _digest_stats(d: scan.Digest, now: float, this_host: str, threads: int) -> dict[str, Any]:
@@ -144,12 +143,10 @@ def _digest_stats(d: scan.Digest, now: float, this_host: str, threads: int) -> d
         if listing.error is not None:
             unreadable.append({"path": listing.path, "detail": str(listing.error)})
         top_dir, area = tops[listing.top]
-        qdir = f"{top_dir}/{QUARANTINE_DIRNAME}"
-        in_quarantine = area == scan.RANK_AREA and (
-            listing.path == qdir or listing.path.startswith(qdir + "/"))
+        quarantined_here = area == scan.RANK_AREA and in_quarantine(top_dir, listing.path)
         for e in listing.files:
             name = os.path.basename(e.path)
-            if in_quarantine:  # whatever it is: the tiers or verify put it there
+            if quarantined_here:  # whatever it is: the tiers or verify put it there
                 quarantined["count"] += 1
                 quarantined["bytes"] += e.st.st_size
                 quarantined["reasons"][_quarantine_reason(name)] += 1
@@ -235,11 +232,11 @@ def _unexpected_in_root(listing: scan.RootListing) -> list[dict[str, str]]:
 
 
 def _statvfs(root: str) -> dict[str, int]:
-    v = os.statvfs(root)
-    return {"size_bytes": v.f_blocks * v.f_frsize, "free_bytes": v.f_bfree * v.f_frsize,
-            "available_bytes": v.f_bavail * v.f_frsize,
-            "used_bytes": (v.f_blocks - v.f_bfree) * v.f_frsize,
-            "inodes": v.f_files, "inodes_free": v.f_ffree}
+    usage = volume_usage(root)
+    # free_bytes counts the root reserve too (f_bfree); available_bytes does not.
+    return {"size_bytes": usage.total_bytes, "free_bytes": usage.total_bytes - usage.used_bytes,
+            "available_bytes": usage.free_bytes, "used_bytes": usage.used_bytes,
+            "inodes": usage.inodes, "inodes_free": usage.inodes_free}
 
 
 def volume_stats(root: str, threads: int = 8, digest_names: list[str] | None = None,

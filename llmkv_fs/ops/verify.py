@@ -24,12 +24,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 from tqdm import tqdm
 
-from llmkv_fs.layout.files import make_dirs
-from llmkv_fs.layout.paths import QUARANTINE_DIRNAME
+from llmkv_fs.layout.names import in_quarantine, is_block_name
+from llmkv_fs.layout.quarantine import move_to_quarantine
 from llmkv_fs.ops import scan
 from llmkv_fs.ops.blockcheck import (
     BAD, ERROR, UNVERIFIED, VANISHED, VERIFIED, Result, check_block, infer_chunk_size,
-    is_block_name,
 )
 from llmkv_fs.ops.stats import fmt_bytes, select_digests
 
@@ -73,45 +72,21 @@ class _Progress:
         self.bar.close()
 
 
-def _make_quarantine_dir(rank_dir: str, qdir: str) -> None:
-    if os.path.isdir(qdir):
-        return
-    # Same mode (and, when we are root, owner) as the rank directory, so
-    # the tiers that share the volume can still write there.
-    st = os.stat(rank_dir)
-    make_dirs(qdir, stat.S_IMODE(st.st_mode))
-    if os.geteuid() == 0:
-        os.chown(qdir, st.st_uid, st.st_gid)
-
-
 def quarantine(rank_dir: str, result: Result) -> tuple[str, str | None]:
     """Move a bad file aside if its path still names the inode judged bad.
     Returns (outcome, new path): "quarantined", "replaced" (another file is
     there now: left alone), "vanished", "skipped" or "failed: ..."."""
-    path = result.path
     if result.ident is None:
         return "skipped", None
     try:
-        now = os.lstat(path)
-        if (now.st_dev, now.st_ino) != result.ident:
-            return "replaced", None
-        if stat.S_ISDIR(now.st_mode):  # never move a tree aside
-            return "skipped", None
-        qdir = f"{rank_dir}/{QUARANTINE_DIRNAME}"
-        _make_quarantine_dir(rank_dir, qdir)
-        target = f"{qdir}/{os.path.basename(path)}.{result.reason}.{time.time_ns()}"
-        os.rename(path, target)
-        moved = os.lstat(target)
-        if (moved.st_dev, moved.st_ino) != result.ident:
-            # A store published a fresh file between our lstat and rename.
-            # Names are content keys, so putting it back is always right.
-            os.rename(target, path)
-            return "replaced", None
+        target = move_to_quarantine(result.path, rank_dir, result.reason, result.ident)
+    except IsADirectoryError:  # never move a tree aside
+        return "skipped", None
     except FileNotFoundError:
         return "vanished", None
     except OSError as exc:
         return f"failed: {exc}", None
-    return "quarantined", target
+    return ("quarantined", target) if target is not None else ("replaced", None)
 
 
 def _work(item, out: queue.SimpleQueue) -> None:
@@ -172,8 +147,7 @@ def _collect(digests: list[scan.Digest], threads: int) -> tuple[list, dict, list
         if listing.error is not None:
             errors.append({"path": listing.path, "digest": d.name, "reason": "list-error",
                            "detail": str(listing.error)})
-        qdir = f"{rank_dir}/{QUARANTINE_DIRNAME}"
-        if listing.path == qdir or listing.path.startswith(qdir + "/"):
+        if in_quarantine(rank_dir, listing.path):
             continue
         for entry in listing.files:
             # By name, not by scan's kind: a symlink or FIFO named like a

@@ -29,7 +29,7 @@ from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, Tra
 from llmkv_fs import __version__
 from llmkv_fs.config import TierSettings
 from llmkv_fs.engine.engine import FsEngine, prepare_volume
-from llmkv_fs.engine.housekeeping import lease_for
+from llmkv_fs.layout.leases import lease_for
 from llmkv_fs.layout.paths import CacheLayout, RunIdentity
 from llmkv_fs.tier.hashing import hashing_identity
 from llmkv_fs.tier.metrics import TierMetrics, metric_definitions

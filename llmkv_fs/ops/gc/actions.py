@@ -23,6 +23,7 @@ from collections.abc import Callable
 
 from llmkv_fs.layout.blockfile import last_used
 from llmkv_fs.layout.leases import read_leases
+from llmkv_fs.layout.names import trash_path
 from llmkv_fs.ops import scan
 from llmkv_fs.ops.gc.inventory import DigestFacts, Inventory, allocated
 from llmkv_fs.ops.gc.rules import Policy, digest_verdict, temp_verdict
@@ -30,10 +31,8 @@ from llmkv_fs.ops.gc.rules import Policy, digest_verdict, temp_verdict
 __all__ = ["delete_tree", "evict", "prune_dirs", "remove_digest", "remove_temps"]
 
 
-def _trash_name(facts: DigestFacts, part: str) -> str:
-    # Short (the model name is left out: NAME_MAX) and never a digest name.
-    return (f"{facts.digest.root}/{scan.TRASH_PREFIX}{facts.digest.digest}{part}"
-            f"~{os.getpid()}~{time.time_ns()}")
+def _trash_name(facts: DigestFacts, rank: int | None) -> str:
+    return trash_path(facts.digest.root, facts.digest.digest, rank, os.getpid(), time.time_ns())
 
 
 def delete_tree(path: str, errors: list[str]) -> tuple[int, bool]:
@@ -91,7 +90,7 @@ def remove_digest(facts: DigestFacts, policy: Policy, now: Callable[[], float],
         return remove, why
     trash: list[str] = []
     if digest.has_config_dir:
-        target = _trash_name(facts, "")
+        target = _trash_name(facts, None)
         try:
             os.rename(digest.config_dir, target)
             trash.append(target)
@@ -108,7 +107,7 @@ def remove_digest(facts: DigestFacts, policy: Policy, now: Callable[[], float],
                 trash.pop()
             return False, "a live lease appeared while removing"
     for rank, path in sorted(digest.rank_dirs.items()):
-        target = _trash_name(facts, f"_r{rank}")
+        target = _trash_name(facts, rank)
         try:
             os.rename(path, target)
             trash.append(target)

@@ -22,9 +22,10 @@ import socket
 import threading
 import time
 
-__all__ = ["LOCK_NAME", "LockBusy", "VolumeLock"]
+from llmkv_fs.layout.names import gc_lock_path
 
-LOCK_NAME = ".llmkv-gc.lock"
+__all__ = ["LockBusy", "VolumeLock"]
+
 _POLL_S = 0.2
 
 
@@ -34,7 +35,7 @@ class LockBusy(Exception):
 
 class VolumeLock:
     def __init__(self, root: str):
-        self.path = f"{root}/{LOCK_NAME}"
+        self.path = gc_lock_path(root)
         self._fd: int | None = None
 
     def acquire(self, wait: bool = False, stop: threading.Event | None = None) -> bool:

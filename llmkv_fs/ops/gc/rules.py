@@ -9,6 +9,7 @@ import dataclasses
 import os
 import socket
 
+from llmkv_fs.layout import fsinfo
 from llmkv_fs.layout.leases import pid_alive
 from llmkv_fs.ops.gc.inventory import DigestFacts, Inventory
 from llmkv_fs.ops.gc_units import fmt_bytes, fmt_duration
@@ -95,10 +96,8 @@ class Capacity:
 
 def volume_usage(root: str, cache_bytes: int) -> Capacity:
     """Use% as ``df`` shows it: used / (used + available to non-root)."""
-    st = os.statvfs(root)
-    used = (st.f_blocks - st.f_bfree) * st.f_frsize
-    total = used + st.f_bavail * st.f_frsize
-    return Capacity(total, used, cache_bytes)
+    usage = fsinfo.volume_usage(root)
+    return Capacity(usage.usable_bytes, usage.used_bytes, cache_bytes)
 
 
 def capacity_need(cap: Capacity, freed: int, policy: Policy) -> tuple[int, str]:

@@ -1,0 +1,71 @@
+"""Moving a bad block file aside, into its rank directory's ``.quarantine/``,
+so that no lookup finds it again. The engine does it when a load finds a bad
+file, ``llmkv-fs verify --repair`` for every bad file it finds; both while
+live tiers write the volume, so a file republished meanwhile is left alone.
+Stateless: any thread may call it.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+import time
+
+from llmkv_fs.layout.files import make_dirs
+from llmkv_fs.layout.names import quarantine_dir, quarantine_path
+
+__all__ = ["file_ident", "make_quarantine_dir", "move_to_quarantine"]
+
+
+def file_ident(st: os.stat_result) -> tuple[int, int]:
+    """(st_dev, st_ino): which file a path named when it was judged."""
+    return st.st_dev, st.st_ino
+
+
+def make_quarantine_dir(rank_dir: str, dir_mode: int | None = None) -> str:
+    """Create ``rank_dir``'s quarantine directory if needed; returns its
+    path. ``dir_mode`` None (the ops tools, which have no settings): the
+    rank directory's mode and, when we are root, its owner, so the tiers
+    that share the volume can still write there."""
+    qdir = quarantine_dir(rank_dir)
+    if dir_mode is not None:
+        make_dirs(qdir, dir_mode)
+        return qdir
+    if os.path.isdir(qdir):
+        return qdir
+    st = os.stat(rank_dir)
+    make_dirs(qdir, stat.S_IMODE(st.st_mode))
+    if os.geteuid() == 0:
+        os.chown(qdir, st.st_uid, st.st_gid)
+    return qdir
+
+
+def move_to_quarantine(
+    path: str, rank_dir: str, reason: str, ident: tuple[int, int] | None = None,
+    dir_mode: int | None = None,
+) -> str | None:
+    """Move the block file at ``path`` to ``<name>.<reason>.<ns>`` in
+    ``rank_dir``'s quarantine -- only while ``path`` still names ``ident``
+    (``file_ident`` of the file judged bad; None: whatever is there now).
+
+    Returns the new path, or None when ``path`` names another file by now
+    (a writer republished the block meanwhile: left where it is). Raises
+    IsADirectoryError for a directory (a tree is never moved aside),
+    FileNotFoundError when nothing is there any more, and any other OSError
+    when the move failed.
+    """
+    st = os.lstat(path)
+    if ident is not None and file_ident(st) != ident:
+        return None
+    if stat.S_ISDIR(st.st_mode):
+        raise IsADirectoryError(errno.EISDIR, "a directory is never moved aside", path)
+    make_quarantine_dir(rank_dir, dir_mode)
+    target = quarantine_path(rank_dir, os.path.basename(path), reason, time.time_ns())
+    os.rename(path, target)
+    if file_ident(os.lstat(target)) != file_ident(st):
+        # A store published a fresh file between our lstat and rename.
+        # Names are content keys, so putting it back is always right.
+        os.rename(target, path)
+        return None
+    return target
