@@ -16,6 +16,8 @@ import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from llmkv_fs.units import UnitError, parse_size
+
 __all__ = ["SETTINGS", "Setting", "TierConfigError", "TierSettings"]
 
 
@@ -102,17 +104,14 @@ def _mode(required_bits: int, what: str) -> Callable[[str, Any], int]:
     return check
 
 
-_SIZE_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
-
-
 def _byte_size(key: str, value: Any) -> int:
-    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
-        return value
-    if isinstance(value, str):
-        match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*", value, re.I)
-        if match:
-            return int(float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()])
-    raise _fail(key, value, 'a byte count: an integer >= 0 or a string such as "20GiB"')
+    if isinstance(value, (str, int, float)):
+        try:
+            return parse_size(value)
+        except UnitError:
+            pass
+    raise _fail(key, value, 'a whole number of bytes from 0 to 2^63 - 1: an integer, or a string '
+                'with a decimal or binary suffix such as "20GB" (20 * 10^9) or "20GiB" (20 * 2^30)')
 
 
 def _positive_seconds(high: float) -> Callable[[str, Any], float]:
@@ -133,7 +132,7 @@ def _percent(key: str, value: Any) -> float:
 
 
 def _numa_node(key: str, value: Any) -> str | int:
-    if value in ("auto", "off"):
+    if isinstance(value, str) and value in ("auto", "off"):
         return value
     if value is None:
         return "off"
@@ -238,9 +237,10 @@ SETTINGS: tuple[Setting, ...] = (
     ),
     Setting(
         "min_free_bytes", 0,
-        'Space guard: drop new stores while fewer bytes than this are free '
-        '(an integer or a string such as "20GiB"). ENOSPC also trips the guard, '
-        "until free space has grown by one block per I/O thread (someone, e.g. "
+        'Space guard: drop new stores while fewer bytes than this are free: an '
+        'integer, or a size with a decimal or binary suffix (see Sizes below): '
+        '"20GB" or "20G" is 20 * 10^9 bytes, "20GiB" or "20Gi" 20 * 2^30. '
+        "ENOSPC also trips the guard, until free space has grown by one block per I/O thread (someone, e.g. "
         "gc, made room).",
         _byte_size,
     ),

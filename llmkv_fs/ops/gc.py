@@ -21,8 +21,10 @@ from llmkv_fs.ops.gc_lock import LockBusy, VolumeLock
 from llmkv_fs.ops.gc_pass import gc_pass
 from llmkv_fs.ops.gc_report import Progress
 from llmkv_fs.ops.gc_rules import Policy, pids_are_ours
-from llmkv_fs.ops.gc_units import duration, percent_or_off, size
 from llmkv_fs.ops.scan import default_threads
+from llmkv_fs.units import parse_duration as duration
+from llmkv_fs.units import parse_percent_or_off as percent_or_off
+from llmkv_fs.units import parse_size as size
 
 __all__ = ["EXIT_BUSY", "add_arguments", "build_parser", "main", "run"]
 

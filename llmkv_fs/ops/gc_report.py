@@ -9,7 +9,8 @@ import sys
 import time
 from typing import Any, TextIO
 
-from llmkv_fs.ops.gc_units import fmt_bytes, fmt_duration
+from llmkv_fs.units import format_bytes as fmt_bytes
+from llmkv_fs.units import format_duration as fmt_duration
 
 __all__ = ["Progress", "Report"]
 

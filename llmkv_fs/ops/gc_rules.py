@@ -11,8 +11,9 @@ import socket
 
 from llmkv_fs.layout.leases import pid_alive
 from llmkv_fs.ops.gc_inventory import DigestFacts, Inventory
-from llmkv_fs.ops.gc_units import fmt_bytes, fmt_duration
 from llmkv_fs.ops.scan import FileEntry, temp_writer
+from llmkv_fs.units import format_bytes as fmt_bytes
+from llmkv_fs.units import format_duration as fmt_duration
 
 __all__ = ["Capacity", "Policy", "capacity_need", "digest_verdict", "pick_lru",
            "pids_are_ours", "temp_verdict", "volume_usage"]

@@ -22,33 +22,15 @@ from llmkv_fs.layout.leases import Lease
 from llmkv_fs.layout.paths import QUARANTINE_DIRNAME, run_config_digest
 from llmkv_fs.ops import scan
 from llmkv_fs.ops.blockcheck import infer_chunk_size, is_block_name
+from llmkv_fs.units import format_bytes as fmt_bytes
+from llmkv_fs.units import format_duration as fmt_age
 
-__all__ = ["add_arguments", "fmt_age", "fmt_bytes", "run", "select_digests", "volume_stats"]
+__all__ = ["add_arguments", "run", "select_digests", "volume_stats"]
 
 # Upper bounds (seconds) of the last-used buckets; the last one is open.
 AGE_BUCKETS = (("<1h", 3600), ("<1d", 86400), ("<7d", 7 * 86400), ("older", None))
 _OTHER_LISTED = 100  # unexpected entries listed per digest (all are counted)
 _SEED_WARNING = "replicas will not share cache"
-
-
-def fmt_bytes(n: float | None) -> str:
-    if n is None:
-        return "-"
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n} B"  # unreachable
-
-
-def fmt_age(seconds: float | None) -> str:
-    if seconds is None:
-        return "-"
-    seconds = max(0.0, seconds)
-    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
-        if seconds >= size:
-            return f"{seconds / size:.1f}{unit}"
-    return f"{seconds:.0f}s"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -29,7 +29,8 @@ from llmkv_fs.ops.blockcheck import (
     BAD, ERROR, UNVERIFIED, VANISHED, VERIFIED, Result, check_block, infer_chunk_size,
     is_block_name,
 )
-from llmkv_fs.ops.stats import fmt_bytes, select_digests
+from llmkv_fs.ops.stats import select_digests
+from llmkv_fs.units import format_bytes as fmt_bytes
 
 __all__ = ["add_arguments", "quarantine", "run", "verify_volume"]
 
