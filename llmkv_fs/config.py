@@ -5,6 +5,9 @@ arguments. ``TierSettings.from_mapping`` is the single gate those keys pass
 through: an unknown key or a bad value raises ``TierConfigError`` naming the
 key and what is valid, before any thread or file exists.
 
+Each setting is declared once, as a field of ``TierSettings`` (type, default,
+and in its metadata the doc, the check and whether vLLM's built-in fs tier
+takes the same key); ``SETTINGS`` is the table view derived from those fields.
 ``docs/configuration.md`` is generated from ``SETTINGS`` (see
 ``llmkv-fs config-doc``) so the documentation cannot drift from the code.
 """
@@ -15,6 +18,8 @@ import dataclasses
 import re
 from collections.abc import Callable, Mapping
 from typing import Any
+
+from llmkv_fs.units import UnitError, parse_size
 
 __all__ = ["SETTINGS", "Setting", "TierConfigError", "TierSettings"]
 
@@ -31,6 +36,16 @@ class Setting:
     check: Callable[[str, Any], Any]
     required: bool = False
     vllm_builtin: bool = False  # accepted by vLLM's own fs tier with the same meaning
+
+
+_DECLARED = "llmkv_fs.setting"  # the metadata key of a TierSettings field
+
+
+@dataclasses.dataclass(frozen=True)
+class _Declared:
+    doc: str
+    check: Callable[[str, Any], Any]
+    vllm_builtin: bool
 
 
 def _fail(key: str, value: Any, expected: str) -> TierConfigError:
@@ -102,17 +117,14 @@ def _mode(required_bits: int, what: str) -> Callable[[str, Any], int]:
     return check
 
 
-_SIZE_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
-
-
 def _byte_size(key: str, value: Any) -> int:
-    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
-        return value
-    if isinstance(value, str):
-        match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*", value, re.I)
-        if match:
-            return int(float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()])
-    raise _fail(key, value, 'a byte count: an integer >= 0 or a string such as "20GiB"')
+    if isinstance(value, (str, int, float)):
+        try:
+            return parse_size(value)
+        except UnitError:
+            pass
+    raise _fail(key, value, 'a whole number of bytes from 0 to 2^63 - 1: an integer, or a string '
+                'with a decimal or binary suffix such as "20GB" (20 * 10^9) or "20GiB" (20 * 2^30)')
 
 
 def _positive_seconds(high: float) -> Callable[[str, Any], float]:
@@ -133,7 +145,7 @@ def _percent(key: str, value: Any) -> float:
 
 
 def _numa_node(key: str, value: Any) -> str | int:
-    if value in ("auto", "off"):
+    if isinstance(value, str) and value in ("auto", "off"):
         return value
     if value is None:
         return "off"
@@ -142,83 +154,72 @@ def _numa_node(key: str, value: Any) -> str | int:
     raise _fail(key, value, '"auto", "off" or a NUMA node id (integer >= 0)')
 
 
-SETTINGS: tuple[Setting, ...] = (
-    Setting(
-        "root_dir", None, "Root directory of the shared cache volume.",
-        _root_dir, required=True, vllm_builtin=True,
-    ),
-    Setting(
-        "n_read_threads", 16,
+def _declare(doc: str, check: Callable[[str, Any], Any], *,
+             vllm_builtin: bool = False) -> dict[str, _Declared]:
+    return {_DECLARED: _Declared(doc, check, vllm_builtin)}
+
+
+@dataclasses.dataclass(frozen=True)
+class TierSettings:
+    """Validated settings of one llmkv_fs tier. Immutable; safe to share
+    between threads.
+
+    Each field is a setting, declared once: its type and default here, its
+    doc, check and vLLM flag in the field's metadata (``SETTINGS`` is the
+    table view of these fields)."""
+
+    root_dir: str = dataclasses.field(metadata=_declare(
+        "Root directory of the shared cache volume.",
+        _root_dir, vllm_builtin=True))
+    n_read_threads: int = dataclasses.field(default=16, metadata=_declare(
         "Load-priority I/O threads (they also drain stores when idle).",
-        _int_between(1, 512), vllm_builtin=True,
-    ),
-    Setting(
-        "n_write_threads", 16,
+        _int_between(1, 512), vllm_builtin=True))
+    n_write_threads: int = dataclasses.field(default=16, metadata=_declare(
         "Store-priority I/O threads (they also drain loads when idle).",
-        _int_between(1, 512), vllm_builtin=True,
-    ),
-    Setting(
-        "enable_kv_events", False,
+        _int_between(1, 512), vllm_builtin=True))
+    enable_kv_events: bool = dataclasses.field(default=False, metadata=_declare(
         "Emit BlockStored KV events for blocks that landed in this tier, and "
         "BlockRemoved for files it quarantined (needs KV cache events enabled "
         "globally).",
-        _boolean, vllm_builtin=True,
-    ),
-    Setting(
-        "locality", None,
+        _boolean, vllm_builtin=True))
+    locality: str | None = dataclasses.field(default=None, metadata=_declare(
         "Whether the volume is LOCAL or REMOTE to this instance (KV events).",
-        _locality, vllm_builtin=True,
-    ),
-    Setting(
-        "durability", "none",
+        _locality, vllm_builtin=True))
+    durability: str = dataclasses.field(default="none", metadata=_declare(
         "none: publish by rename only (a torn file after power loss is caught "
         "by the checksum and quarantined); file: fsync each block before the "
         "rename; full: also fsync the directory after the rename.",
-        _one_of("none", "file", "full"),
-    ),
-    Setting(
-        "checksum", True,
+        _one_of("none", "file", "full")))
+    checksum: bool = dataclasses.field(default=True, metadata=_declare(
         "Write an xxh3-64 checksum of every block and verify it on load. "
         "Off: the trailer still carries length and key, which are verified.",
-        _boolean,
-    ),
-    Setting(
-        "accept_trailerless", False,
+        _boolean))
+    accept_trailerless: bool = dataclasses.field(default=False, metadata=_declare(
         "Also load trailer-less files of exactly one chunk (what vLLM's built-in "
         "fs tier writes), as unverified. Off by default: such a file carries no "
         "key or checksum, so a torn or damaged one would reach the CPU tier "
         "unchecked. Turn it on only for a volume shared with replicas running "
         "vLLM's built-in tier.",
-        _boolean,
-    ),
-    Setting(
-        "io_mode", "auto",
+        _boolean))
+    io_mode: str = dataclasses.field(default="auto", metadata=_declare(
         "auto: O_DIRECT where the volume accepts it (probed once), else "
         "buffered; direct: require O_DIRECT; buffered: never use it.",
-        _one_of("auto", "direct", "buffered"),
-    ),
-    Setting(
-        "numa_node", "auto",
+        _one_of("auto", "direct", "buffered")))
+    numa_node: str | int = dataclasses.field(default="auto", metadata=_declare(
         'auto: pin I/O threads to the CPUs of the NUMA node holding the '
         'primary buffer (multi-node machines only); an integer: that node; '
         '"off": never pin.',
-        _numa_node,
-    ),
-    Setting(
-        "max_pending_store_blocks", 1024,
+        _numa_node))
+    max_pending_store_blocks: int = dataclasses.field(default=1024, metadata=_declare(
         "Store blocks allowed to wait for an I/O thread. A store job that "
         "would exceed it fails at once (the block stays in the CPU tier); a "
         "single job larger than the bound is accepted only into an empty queue.",
-        _int_between(1, 1 << 24),
-    ),
-    Setting(
-        "lookup_threads", 4,
+        _int_between(1, 1 << 24)))
+    lookup_threads: int = dataclasses.field(default=4, metadata=_declare(
         "Threads that run one step's batched existence checks in parallel "
         "(each check is one metadata round trip on a network filesystem).",
-        _int_between(1, 256),
-    ),
-    Setting(
-        "job_timeout_s", 30.0,
+        _int_between(1, 256)))
+    job_timeout_s: float = dataclasses.field(default=30.0, metadata=_declare(
         "Deadline of one transfer job. A store past it fails (blocks in flight "
         "are abandoned and never published). A load past it fails its queued "
         "blocks at once; a load whose read is still inside the kernel is "
@@ -227,71 +228,34 @@ SETTINGS: tuple[Setting, ...] = (
         "overdue the volume counts as stalled: new jobs fail at once and "
         "lookups miss, until the stuck calls return. A lookup check waits at "
         "most min(job_timeout_s, 5 s) before answering miss.",
-        _positive_seconds(86400),
-    ),
-    Setting(
-        "max_usage_percent", 95.0,
+        _positive_seconds(86400)))
+    max_usage_percent: float = dataclasses.field(default=95.0, metadata=_declare(
         "Space guard: when the volume (statvfs, sampled about once a second "
         "off the scheduler thread) is fuller than this, new stores are dropped "
         "(reported failed, counted) and loads continue.",
-        _percent,
-    ),
-    Setting(
-        "min_free_bytes", 0,
-        'Space guard: drop new stores while fewer bytes than this are free '
-        '(an integer or a string such as "20GiB"). ENOSPC also trips the guard, '
+        _percent))
+    min_free_bytes: int = dataclasses.field(default=0, metadata=_declare(
+        'Space guard: drop new stores while fewer bytes than this are free: an '
+        'integer, or a size with a decimal or binary suffix (see Sizes below): '
+        '"20GB" or "20G" is 20 * 10^9 bytes, "20GiB" or "20Gi" 20 * 2^30. '
+        "ENOSPC also trips the guard, "
         "until free space has grown by one block per I/O thread (someone, e.g. "
         "gc, made room).",
-        _byte_size,
-    ),
-    Setting(
-        "file_mode", 0o640,
+        _byte_size))
+    file_mode: int = dataclasses.field(default=0o640, metadata=_declare(
         'Mode of block and config files ("0640"). KV bytes reveal prompt '
         "content, so others get nothing; the group may read, which is how "
         "replicas running as different users in one fsGroup share.",
-        _mode(0o600, "owner read and write"),
-    ),
-    Setting(
-        "dir_mode", 0o770,
+        _mode(0o600, "owner read and write")))
+    dir_mode: int = dataclasses.field(default=0o770, metadata=_declare(
         'Mode of directories this tier creates ("0770"). Group write lets '
         "replicas and gc running as other users of the group add, "
         "quarantine and remove files.",
-        _mode(0o700, "owner read, write and search"),
-    ),
-    Setting(
-        "lease_interval_s", 30.0,
+        _mode(0o700, "owner read, write and search")))
+    lease_interval_s: float = dataclasses.field(default=30.0, metadata=_declare(
         "How often the tier refreshes its lease file under the digest "
         "directory; gc treats a lease older than 4 intervals as dead.",
-        _positive_seconds(3600),
-    ),
-)
-
-_BY_KEY = {s.key: s for s in SETTINGS}
-
-
-@dataclasses.dataclass(frozen=True)
-class TierSettings:
-    """Validated settings of one llmkv_fs tier. Immutable; safe to share
-    between threads."""
-
-    root_dir: str
-    n_read_threads: int = 16
-    n_write_threads: int = 16
-    enable_kv_events: bool = False
-    locality: str | None = None
-    durability: str = "none"
-    checksum: bool = True
-    accept_trailerless: bool = False
-    io_mode: str = "auto"
-    numa_node: str | int = "auto"
-    max_pending_store_blocks: int = 1024
-    lookup_threads: int = 4
-    job_timeout_s: float = 30.0
-    max_usage_percent: float = 95.0
-    min_free_bytes: int = 0
-    file_mode: int = 0o640
-    dir_mode: int = 0o770
-    lease_interval_s: float = 30.0
+        _positive_seconds(3600)))
 
     @classmethod
     def from_mapping(cls, config: Mapping[str, Any]) -> TierSettings:
@@ -317,15 +281,16 @@ class TierSettings:
         return dataclasses.asdict(self)
 
 
-def _defaults_match() -> None:
-    # The dataclass defaults and the SETTINGS table must agree; checked at
-    # import so a drift fails every test run, not a production start-up.
+def _table() -> tuple[Setting, ...]:
+    table = []
     for f in dataclasses.fields(TierSettings):
-        setting = _BY_KEY[f.name]
-        if not setting.required and f.default != setting.default:
-            raise AssertionError(f"default of {f.name} differs from SETTINGS")
-    if set(_BY_KEY) != {f.name for f in dataclasses.fields(TierSettings)}:
-        raise AssertionError("SETTINGS and TierSettings list different keys")
+        declared: _Declared = f.metadata[_DECLARED]  # KeyError: a field without _declare()
+        required = f.default is dataclasses.MISSING
+        table.append(Setting(f.name, None if required else f.default, declared.doc,
+                             declared.check, required=required,
+                             vllm_builtin=declared.vllm_builtin))
+    return tuple(table)
 
 
-_defaults_match()
+SETTINGS: tuple[Setting, ...] = _table()
+_BY_KEY = {s.key: s for s in SETTINGS}

@@ -375,22 +375,6 @@ def test_pid_check_auto_in_a_kubernetes_pod(volume, capsys, monkeypatch):
     assert pids_are_ours()
 
 
-@pytest.mark.parametrize("text, seconds", [("90", 90), ("30s", 30), ("10m", 600), ("1.5h", 5400),
-                                           ("7d", 604800), ("0", 0)])
-def test_durations(text, seconds):
-    from llmkv_fs.ops.gc_units import duration
-
-    assert duration(text) == seconds
-
-
-@pytest.mark.parametrize("text, n", [("1000", 1000), ("500G", 500 * 10**9), ("2Ti", 2 << 40),
-                                     ("800MiB", 800 << 20), ("1.5k", 1500)])
-def test_sizes(text, n):
-    from llmkv_fs.ops.gc_units import size
-
-    assert size(text) == n
-
-
 @pytest.mark.parametrize("args, message", [
     (["--min-age", "7 weeks"], "is not a duration"),
     (["--max-bytes", "lots"], "is not a size"),

@@ -21,7 +21,12 @@ import stat
 import threading
 from collections.abc import Iterable
 
-from llmkv_fs.layout.blockfile import TRAILER_SIZE, BlockFileError, unpack_trailer, verify_block
+from llmkv_fs.layout.blockfile import (
+    TRAILER_SIZE,
+    BlockFileError,
+    unpack_trailer,
+    verify_block,
+)
 from llmkv_fs.layout.names import parse_block_path
 from llmkv_fs.layout.quarantine import file_ident
 from llmkv_fs.layout.vectored import read_all

@@ -24,33 +24,14 @@ from llmkv_fs.layout.names import in_quarantine, is_block_name, parse_quarantine
 from llmkv_fs.layout.paths import run_config_digest
 from llmkv_fs.ops import scan
 from llmkv_fs.ops.blockcheck import infer_chunk_size
+from llmkv_fs.units import format_bytes, format_duration
 
-__all__ = ["add_arguments", "fmt_age", "fmt_bytes", "run", "select_digests", "volume_stats"]
+__all__ = ["add_arguments", "run", "select_digests", "volume_stats"]
 
 # Upper bounds (seconds) of the last-used buckets; the last one is open.
 AGE_BUCKETS = (("<1h", 3600), ("<1d", 86400), ("<7d", 7 * 86400), ("older", None))
 _OTHER_LISTED = 100  # unexpected entries listed per digest (all are counted)
 _SEED_WARNING = "replicas will not share cache"
-
-
-def fmt_bytes(n: float | None) -> str:
-    if n is None:
-        return "-"
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n} B"  # unreachable
-
-
-def fmt_age(seconds: float | None) -> str:
-    if seconds is None:
-        return "-"
-    seconds = max(0.0, seconds)
-    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
-        if seconds >= size:
-            return f"{seconds / size:.1f}{unit}"
-    return f"{seconds:.0f}s"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -276,7 +257,7 @@ def _print_human(report: dict[str, Any], out) -> None:
              "OTHER"]]
     for p in report["digests"]:
         rows.append([p["name"], str(p["model"]), " ".join(f"r{r}" for r in p["ranks"]) or "-",
-                     str(p["blocks"]), fmt_bytes(p["bytes"]),
+                     str(p["blocks"]), format_bytes(p["bytes"]),
                      str(len(p["leases"]["live"])), str(len(p["leases"]["stale"])),
                      str(p["temp"]["count"]), str(p["quarantined"]["count"]),
                      str(p["other"]["count"])])
@@ -297,34 +278,34 @@ def _print_human(report: dict[str, Any], out) -> None:
             print(f"  config     {fields}", file=out)
             print(f"  kv groups  {len(groups)}: {gtxt}", file=out)
         source = {"trailer": "a trailer"}.get(p["chunk_source"], p["chunk_source"])
-        chunk = (f"{fmt_bytes(p['chunk_bytes'])} payload ({p['chunk_bytes']} B, from "
+        chunk = (f"{format_bytes(p['chunk_bytes'])} payload ({p['chunk_bytes']} B, from "
                  f"{source})") if p["chunk_bytes"] else source
         print(f"  chunk      {chunk}", file=out)
-        per_rank = ", ".join(f"r{r}: {v['blocks']} / {fmt_bytes(v['bytes'])}"
+        per_rank = ", ".join(f"r{r}: {v['blocks']} / {format_bytes(v['bytes'])}"
                              for r, v in p["ranks"].items())
-        print(f"  blocks     {p['blocks']} files, {fmt_bytes(p['bytes'])}"
+        print(f"  blocks     {p['blocks']} files, {format_bytes(p['bytes'])}"
               f"{'  (' + per_rank + ')' if len(p['ranks']) > 1 else ''}", file=out)
         lu = p["last_used"]
         hist = "  ".join(f"{b} {n}" for b, n in lu["buckets"].items())
-        print(f"  last used  {hist}   oldest {fmt_age(lu['oldest_age_s'])} ago, "
-              f"newest {fmt_age(lu['newest_age_s'])} ago", file=out)
+        print(f"  last used  {hist}   oldest {format_duration(lu['oldest_age_s'])} ago, "
+              f"newest {format_duration(lu['newest_age_s'])} ago", file=out)
         live, stale = p["leases"]["live"], p["leases"]["stale"]
         print(f"  leases     {len(live)} live, {len(stale)} stale", file=out)
         for state, leases in (("live", live), ("stale", stale)):
             for x in leases:
                 print(f"    {state:<5} {x['host']} pid {x['pid']}  vllm {x['vllm_version'] or '?'}"
                       f"  llmkv_fs {x['llmkv_fs_version'] or '?'}  {x['hash_algo']} seed "
-                      f"{x['seed_fingerprint']}  heartbeat {fmt_age(x['heartbeat_age_s'])} ago",
+                      f"{x['seed_fingerprint']}  heartbeat {format_duration(x['heartbeat_age_s'])} ago",
                       file=out)
         if p["seed_fingerprints"]:
             print(f"  seeds      {', '.join(p['seed_fingerprints'])}", file=out)
         t = p["temp"]
-        print(f"  temp       {t['count']} files, {fmt_bytes(t['bytes'])}"
-              f"{', oldest ' + fmt_age(t['oldest_age_s']) + ' old' if t['count'] else ''}",
+        print(f"  temp       {t['count']} files, {format_bytes(t['bytes'])}"
+              f"{', oldest ' + format_duration(t['oldest_age_s']) + ' old' if t['count'] else ''}",
               file=out)
         q = p["quarantined"]
         reasons = ", ".join(f"{k} {n}" for k, n in q["reasons"].items())
-        print(f"  quarantine {q['count']} files, {fmt_bytes(q['bytes'])}"
+        print(f"  quarantine {q['count']} files, {format_bytes(q['bytes'])}"
               f"{' (' + reasons + ')' if reasons else ''}", file=out)
         for u in p["unreadable_dirs"]:
             print(f"  !!! cannot list {u['path']}: {u['detail']}", file=out)
@@ -341,14 +322,14 @@ def _print_human(report: dict[str, Any], out) -> None:
     if report["gc_trash"]:
         print(f"\ngc trash (being deleted): {len(report['gc_trash'])}", file=out)
     t, fs = report["totals"], report["filesystem"]
-    print(f"\ntotal      {t['digests']} digests, {t['blocks']} blocks, {fmt_bytes(t['bytes'])}; "
-          f"{t['temp_files']} temp ({fmt_bytes(t['temp_bytes'])}), {t['quarantined_files']} "
-          f"quarantined ({fmt_bytes(t['quarantined_bytes'])}), {t['other']} other; "
+    print(f"\ntotal      {t['digests']} digests, {t['blocks']} blocks, {format_bytes(t['bytes'])}; "
+          f"{t['temp_files']} temp ({format_bytes(t['temp_bytes'])}), {t['quarantined_files']} "
+          f"quarantined ({format_bytes(t['quarantined_bytes'])}), {t['other']} other; "
           f"leases {t['live_leases']} live, {t['stale_leases']} stale", file=out)
     used_pct = 100.0 * fs["used_bytes"] / fs["size_bytes"] if fs["size_bytes"] else 0.0
     inode_pct = (100.0 * (fs["inodes"] - fs["inodes_free"]) / fs["inodes"]) if fs["inodes"] else 0.0
-    print(f"filesystem {fmt_bytes(fs['size_bytes'])} size, {fmt_bytes(fs['used_bytes'])} used "
-          f"({used_pct:.0f}%), {fmt_bytes(fs['available_bytes'])} available; "
+    print(f"filesystem {format_bytes(fs['size_bytes'])} size, {format_bytes(fs['used_bytes'])} used "
+          f"({used_pct:.0f}%), {format_bytes(fs['available_bytes'])} available; "
           f"inodes {inode_pct:.0f}% used", file=out)
     for w in report["warnings"]:
         print(f"!!! {w}", file=out)

@@ -28,9 +28,17 @@ from llmkv_fs.layout.names import in_quarantine, is_block_name
 from llmkv_fs.layout.quarantine import move_to_quarantine
 from llmkv_fs.ops import scan
 from llmkv_fs.ops.blockcheck import (
-    BAD, ERROR, UNVERIFIED, VANISHED, VERIFIED, Result, check_block, infer_chunk_size,
+    BAD,
+    ERROR,
+    UNVERIFIED,
+    VANISHED,
+    VERIFIED,
+    Result,
+    check_block,
+    infer_chunk_size,
 )
-from llmkv_fs.ops.stats import fmt_bytes, select_digests
+from llmkv_fs.ops.stats import select_digests
+from llmkv_fs.units import format_bytes
 
 __all__ = ["add_arguments", "quarantine", "run", "verify_volume"]
 
@@ -62,7 +70,7 @@ class _Progress:
     def update(self, files: int, nbytes: int, bad: int, force: bool = False) -> None:
         if not self.enabled:
             return
-        self.bar.set_postfix_str(f"{fmt_bytes(nbytes)}/{fmt_bytes(self.total_bytes)}, bad {bad}",
+        self.bar.set_postfix_str(f"{format_bytes(nbytes)}/{format_bytes(self.total_bytes)}, bad {bad}",
                                  refresh=False)
         self.bar.update(files - self.bar.n)  # redraws once _PROGRESS_INTERVAL_S has passed
         if force:
@@ -228,10 +236,10 @@ def _print_human(report: dict, out) -> None:
         rate = (f" ({report['files_per_s']:.0f} files/s, "
                 f"{report['bytes_per_s'] / 1e9:.2f} GB/s)")
     print(f"verify {report['root']}: {t['files']} files in {len(report['digests'])} digest(s), "
-          f"{fmt_bytes(t['bytes_read'])} read in {report['elapsed_s']:.2f} s{rate}, "
+          f"{format_bytes(t['bytes_read'])} read in {report['elapsed_s']:.2f} s{rate}, "
           f"listed in {report['listing_s']:.2f} s", file=out)
     for d in report["digests"]:
-        chunk = "-" if d["chunk_bytes"] is None else fmt_bytes(d["chunk_bytes"])
+        chunk = "-" if d["chunk_bytes"] is None else format_bytes(d["chunk_bytes"])
         ranks = " ".join(f"r{r}" for r in d["ranks"]) or "no rank dirs"
         source = {"trailer": "a trailer"}.get(d["chunk_source"], d["chunk_source"])
         print(f"  {d['name']}  chunk {chunk} (from {source})  {ranks}", file=out)

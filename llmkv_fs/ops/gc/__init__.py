@@ -13,6 +13,12 @@ Also runs as ``python -m llmkv_fs gc``; needs neither vLLM nor torch.
 # removal), lock.py keeps one gc per volume, sweep.py runs one pass in order,
 # report.py says what it did, command.py is the command line's side.
 
-from llmkv_fs.ops.gc.command import EXIT_BUSY, EXIT_ERRORS, EXIT_SIGTERM, add_arguments, run
+from llmkv_fs.ops.gc.command import (
+    EXIT_BUSY,
+    EXIT_ERRORS,
+    EXIT_SIGTERM,
+    add_arguments,
+    run,
+)
 
 __all__ = ["EXIT_BUSY", "EXIT_ERRORS", "EXIT_SIGTERM", "add_arguments", "run"]

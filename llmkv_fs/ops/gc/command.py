@@ -14,8 +14,8 @@ from llmkv_fs.ops.gc.lock import LockBusy, VolumeLock
 from llmkv_fs.ops.gc.report import Progress
 from llmkv_fs.ops.gc.rules import Policy, pids_are_ours
 from llmkv_fs.ops.gc.sweep import gc_pass
-from llmkv_fs.ops.gc_units import duration, percent_or_off, size
 from llmkv_fs.ops.scan import default_threads
+from llmkv_fs.units import parse_duration, parse_percent_or_off, parse_size
 
 __all__ = ["EXIT_BUSY", "EXIT_ERRORS", "EXIT_SIGTERM", "add_arguments", "run"]
 
@@ -51,22 +51,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="report what would be removed; change nothing")
     parser.add_argument("--json", action="store_true",
                         help="print the report as JSON (one line per pass with --watch)")
-    parser.add_argument("--min-age", type=duration, default=duration(d["min_age"]),
+    parser.add_argument("--min-age", type=parse_duration, default=parse_duration(d["min_age"]),
                         metavar="AGE", help=f"remove a digest without a live lease only when "
                         f"nothing in it was used for AGE (default {d['min_age']})")
-    parser.add_argument("--tmp-age", type=duration, default=duration(d["tmp_age"]),
+    parser.add_argument("--tmp-age", type=parse_duration, default=parse_duration(d["tmp_age"]),
                         metavar="AGE", help="remove a temp file older than AGE even if its "
                         f"writer's host is not this one (default {d['tmp_age']})")
-    parser.add_argument("--protect", type=duration, default=duration(d["protect"]),
+    parser.add_argument("--protect", type=parse_duration, default=parse_duration(d["protect"]),
                         metavar="AGE", help="never evict a block used within AGE, never "
                         f"remove an empty directory younger than AGE (default {d['protect']})")
-    parser.add_argument("--max-bytes", type=size, default=None, metavar="SIZE",
+    parser.add_argument("--max-bytes", type=parse_size, default=None, metavar="SIZE",
                         help="evict LRU blocks while the cache holds more than SIZE "
                         "(e.g. 800Gi, 1T; default: no limit)")
-    parser.add_argument("--high", type=percent_or_off, default=percent_or_off(d["high"]),
+    parser.add_argument("--high", type=parse_percent_or_off, default=parse_percent_or_off(d["high"]),
                         metavar="PCT", help="evict LRU blocks when the volume is at least PCT "
                         f"percent full, 'off' to disable (default {d['high']})")
-    parser.add_argument("--low", type=percent_or_off, default=None, metavar="PCT",
+    parser.add_argument("--low", type=parse_percent_or_off, default=None, metavar="PCT",
                         help="... until it is at most PCT percent full (default: high - 10)")
     parser.add_argument("--keep", action="append", default=[], metavar="DIGEST_OR_NAME",
                         help="never remove or evict this digest (12-hex digest, directory "
@@ -80,7 +80,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pid-check", choices=("auto", "on", "off"), default="auto",
                         help="trust 'this host, no such pid' as proof a writer is dead; auto: "
                         "on, except in a Kubernetes pod without a shared process namespace")
-    parser.add_argument("--watch", type=duration, default=None, metavar="INTERVAL",
+    parser.add_argument("--watch", type=parse_duration, default=None, metavar="INTERVAL",
                         help="sidecar mode: a pass, then INTERVAL of rest, again and again until "
                         "SIGTERM (then exit 0)")
     parser.add_argument("--wait", action="store_true",

@@ -11,7 +11,7 @@ from typing import Any, TextIO
 
 from tqdm import tqdm
 
-from llmkv_fs.ops.gc_units import fmt_bytes, fmt_duration
+from llmkv_fs.units import format_bytes, format_duration
 
 __all__ = ["Progress", "Report"]
 
@@ -63,30 +63,30 @@ class Report:
         s = self.scan
         if s:
             lines.append(f"scanned {s['digests']} digests: {s['dirs']:,} directories, "
-                         f"{s['files']:,} files ({fmt_bytes(s['bytes'])}) in {s['seconds']:.1f}s")
+                         f"{s['files']:,} files ({format_bytes(s['bytes'])}) in {s['seconds']:.1f}s")
         removed = [d for d in self.digests if d["removed"]]
         kept = [d for d in self.digests if not d["removed"]]
         lines.append(f"digests: {would} {len(removed)} "
-                     f"({fmt_bytes(sum(d['bytes'] for d in removed))}), kept {len(kept)}")
+                     f"({format_bytes(sum(d['bytes'] for d in removed))}), kept {len(kept)}")
         for d in (removed + kept)[:_LIST_LIMIT]:
             verb = ("would remove" if self.dry_run else "removed") if d["removed"] else "kept"
-            lines.append(f"  {verb:<12} {d['name']}  {fmt_bytes(d['bytes'])}  ({d['why']})")
+            lines.append(f"  {verb:<12} {d['name']}  {format_bytes(d['bytes'])}  ({d['why']})")
         t = self.temps
-        lines.append(f"temp files: {would} {t['removed']} ({fmt_bytes(t['bytes'])}), "
+        lines.append(f"temp files: {would} {t['removed']} ({format_bytes(t['bytes'])}), "
                      f"kept {t['kept']}")
         c = self.capacity
         if c.get("need"):
             lines.append(f"capacity: {c['why']}: {'would evict' if self.dry_run else 'evicted'} "
-                         f"{c['evicted_blocks']:,} blocks ({fmt_bytes(c['evicted_bytes'])}) "
+                         f"{c['evicted_blocks']:,} blocks ({format_bytes(c['evicted_bytes'])}) "
                          "least recently used first"
-                         + (f", the newest of them idle {fmt_duration(c['cutoff_idle_s'])}"
+                         + (f", the newest of them idle {format_duration(c['cutoff_idle_s'])}"
                             if c.get("cutoff_idle_s") is not None else ""))
             if c.get("short_bytes"):
-                lines.append(f"  short by {fmt_bytes(c['short_bytes'])}: every other block was "
-                             f"used within --protect {fmt_duration(self.policy['protect_s'])}")
+                lines.append(f"  short by {format_bytes(c['short_bytes'])}: every other block was "
+                             f"used within --protect {format_duration(self.policy['protect_s'])}")
         elif c["volume_bytes"]:
             lines.append(f"capacity: fine (volume {c['volume_used_percent']:.1f}% used, "
-                         f"cache {fmt_bytes(c['cache_bytes'])})")
+                         f"cache {format_bytes(c['cache_bytes'])})")
         lines.append(f"empty directories {'to remove' if self.dry_run else 'removed'}: "
                      f"{self.dirs_pruned}")
         if self.trash_removed:

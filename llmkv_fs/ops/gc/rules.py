@@ -12,8 +12,8 @@ import socket
 from llmkv_fs.layout import fsinfo
 from llmkv_fs.layout.leases import pid_alive
 from llmkv_fs.ops.gc.inventory import DigestFacts, Inventory
-from llmkv_fs.ops.gc_units import fmt_bytes, fmt_duration
 from llmkv_fs.ops.scan import FileEntry, temp_writer
+from llmkv_fs.units import format_bytes, format_duration
 
 __all__ = ["Capacity", "Policy", "capacity_need", "digest_verdict", "pick_lru",
            "pids_are_ours", "temp_verdict", "volume_usage"]
@@ -65,7 +65,7 @@ def digest_verdict(facts: DigestFacts, now: float, policy: Policy) -> tuple[bool
         return False, f"used {idle:.0f}s ago"
     why = "stale leases only" if facts.leases else "no lease"
     what = os.path.relpath(facts.newest_what, facts.digest.root) if facts.newest_what else "empty"
-    return True, f"{why}, idle {fmt_duration(idle)} (newest: {what})"
+    return True, f"{why}, idle {format_duration(idle)} (newest: {what})"
 
 
 def temp_verdict(entry: FileEntry, now: float, policy: Policy) -> tuple[bool, str]:
@@ -114,8 +114,8 @@ def capacity_need(cap: Capacity, freed: int, policy: Policy) -> tuple[int, str]:
     if policy.max_bytes is not None:
         over = cap.cache - freed - policy.max_bytes
         if over > need:
-            need, why = over, (f"cache {fmt_bytes(cap.cache - freed)} > --max-bytes "
-                               f"{fmt_bytes(policy.max_bytes)}")
+            need, why = over, (f"cache {format_bytes(cap.cache - freed)} > --max-bytes "
+                               f"{format_bytes(policy.max_bytes)}")
     return need, why
 
 
