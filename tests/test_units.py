@@ -9,7 +9,7 @@ import math
 import pytest
 
 from llmkv_fs.config import TierConfigError, TierSettings
-from llmkv_fs.ops.gc import build_parser
+from llmkv_fs.cli import build_parser
 from llmkv_fs.units import (
     MAX_SIZE,
     UnitError,
@@ -47,7 +47,7 @@ def test_sizes_decimal_and_binary(text, n):
                                      ("1000", "1.5k", "20G", "20GB", "20GiB", "2Ti", "800MiB")])
 def test_a_size_is_the_same_number_in_the_tier_config_and_on_gcs_command_line(text, n):
     from_config = TierSettings.from_mapping({"root_dir": "/r", "min_free_bytes": text})
-    from_gc = build_parser().parse_args(["/r", "--max-bytes", text])
+    from_gc = build_parser().parse_args(["gc", "/r", "--max-bytes", text])
     assert from_config.min_free_bytes == from_gc.max_bytes == n
 
 
@@ -102,7 +102,7 @@ def test_bad_size_in_the_tier_config_names_the_key_and_what_is_valid(value):
 ])
 def test_bad_gc_arguments_are_argparse_errors_naming_the_option(capsys, option, value, message):
     with pytest.raises(SystemExit) as info:
-        build_parser(prog="llmkv-fs gc").parse_args(["/r", f"{option}={value}"])
+        build_parser().parse_args(["gc", "/r", f"{option}={value}"])
     assert info.value.code == 2
     err = capsys.readouterr().err
     assert f"llmkv-fs gc: error: argument {option}: " in err and message in err
