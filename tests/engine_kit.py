@@ -15,8 +15,8 @@ import time
 import pytest
 
 from llmkv_fs.config import TierSettings
+from llmkv_fs.engine import FinishedJob, FsEngine, prepare_volume
 from llmkv_fs.engine.blockio import BlockIO, IoOptions
-from llmkv_fs.engine.engine import FinishedJob, FsEngine, prepare_volume
 from llmkv_fs.layout.paths import CacheLayout, RunIdentity
 
 BS = 64 * 1024
@@ -137,7 +137,6 @@ def engines():
 
     def make(root, n_blocks: int = 16, block_size: int = BS, **settings):
         layout = CacheLayout.for_identity(root, IDENTITY)
-        prepare_volume(layout)
         primary = mmap.mmap(-1, n_blocks * block_size)
         settings.setdefault("n_read_threads", 2)
         settings.setdefault("n_write_threads", 2)

@@ -19,7 +19,7 @@ import time
 import pytest
 
 from llmkv_fs.config import TierConfigError, TierSettings
-from llmkv_fs.engine import blockio
+from llmkv_fs.engine import Outcome, blockio
 from llmkv_fs.layout.blockfile import ACCESS_STAMP_INTERVAL_S, TRAILER_SIZE
 
 from engine_kit import BS, make_key, pattern, row, store_blocks, wait_jobs, wait_until
@@ -130,7 +130,7 @@ def test_trailerless_file_is_stamped_when_loaded(noatime_tmpfs, engines):
     make_old(path)
     before = fs_now_ns(noatime_tmpfs)
     load(engine, 1, key, 1)
-    assert engine.counters["blocks_unverified"] == 1
+    assert engine.counters[Outcome.UNVERIFIED] == 1
     assert row(primary, 1) == pattern("vllm")
     wait_stamped(path, before)
     assert os.path.getsize(path) == BS  # stamping did not touch the content
@@ -166,7 +166,7 @@ _MODES_SCRIPT = textwrap.dedent("""
     args = json.loads(sys.argv[1])
     os.umask(args["umask"])
     from llmkv_fs.config import TierSettings
-    from llmkv_fs.engine.engine import FsEngine, prepare_volume
+    from llmkv_fs.engine import FsEngine
     from llmkv_fs.layout import files
     from llmkv_fs.layout.leases import lease_for, read_leases
     from llmkv_fs.layout.paths import CacheLayout, RunIdentity
@@ -178,7 +178,6 @@ _MODES_SCRIPT = textwrap.dedent("""
     layout = CacheLayout.for_identity(args["root"], RunIdentity(
         model_name="m/x", dtype="bfloat16", tokens_per_hash=16, blocks_per_file=1,
         kv_cache_groups=((16, ("l0",)),)))
-    prepare_volume(layout, settings.file_mode, settings.dir_mode)
     primary = mmap.mmap(-1, 4 * BS)
     engine = FsEngine(settings, layout, primary, BS)
 

@@ -14,7 +14,7 @@ from vllm.v1.kv_offload.tiering.fs.manager import FileSystemTierManager
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
 from llmkv_fs.config import SETTINGS, TierConfigError, TierSettings
-from llmkv_fs.engine.engine import EngineError
+from llmkv_fs.engine import EngineError
 
 VALID_KEYS = sorted(s.key for s in SETTINGS)
 DEFAULTS = {s.key: s.default for s in SETTINGS if not s.required}

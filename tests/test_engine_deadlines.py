@@ -16,6 +16,7 @@ import time
 
 import pytest
 
+from llmkv_fs.engine import Direction, Failure, LookupAnswer, Outcome, Tally
 from llmkv_fs.engine.blockio import BlockIO
 
 from engine_kit import (
@@ -101,10 +102,10 @@ def test_stuck_store_fails_at_deadline_and_is_never_published(volume, engines, g
     assert not got[2].success and sorted(got[2].failed) == sorted(second)
     assert got[1].nbytes == got[2].nbytes == 0
     c = engine.counters
-    assert c["blocks_deadline_expired"] == 5  # 2 in flight + 1 + 2 queued
-    assert c["store_deadline_failed"] == 5
-    assert c["blocks_written"] == 0
-    assert min(engine.job_latencies["store"]) >= TIMEOUT_S
+    assert c[Tally.DEADLINE_EXPIRED] == 5  # 2 in flight + 1 + 2 queued
+    assert c[Direction.STORE, Failure.DEADLINE] == 5
+    assert c[Outcome.WRITTEN] == 0
+    assert min(engine.job_latencies[Direction.STORE]) >= TIMEOUT_S
     assert [kind for _t, kind, _k in gate.entries] == ["store", "store"]  # queued ones never ran
     assert engine.queued_store_blocks() == 0
 
@@ -118,7 +119,7 @@ def test_stuck_store_fails_at_deadline_and_is_never_published(volume, engines, g
     assert set(refused) == {3, 4}
     assert refused[3].failed == [make_key("late")] and not refused[3].is_load
     assert refused[4].failed == [make_key("old")] and refused[4].is_load
-    assert c["store_blocks_dropped_stalled"] == 1 and c["load_blocks_failed_stalled"] == 1
+    assert c[Direction.STORE, Failure.STALLED] == 1 and c[Direction.LOAD, Failure.STALLED] == 1
     assert engine.lookup(make_key("old"), "r") is False  # exists, but the volume is stalled
     assert len(gate.entries) == 2
     assert row(primary, 6) == bytes(BS)
@@ -134,7 +135,7 @@ def test_stuck_store_fails_at_deadline_and_is_never_published(volume, engines, g
         assert not os.path.lexists(layout.block_path(key)), "an expired store was published"
     assert temp_files(disk_root) == []
     assert engine.take_finished() == []  # the abandoned blocks are not reported twice
-    assert c["blocks_written"] == 0 and c["store_errors"] == 0
+    assert c[Outcome.WRITTEN] == 0 and c[Direction.STORE, Failure.ERROR] == 0
 
     # Threads recovered: a fresh round trip works byte-exact, and lookups
     # answered during the stall were not remembered.
@@ -162,8 +163,8 @@ def test_store_failed_by_deadline_reports_a_sane_io_time(disk_root, engines, gat
 def test_store_that_finishes_in_time_is_unaffected(disk_root, engines):
     engine, layout, primary = engines(disk_root, n_blocks=4, job_timeout_s=5.0)
     store_blocks(engine, primary, 1, [0, 1, 2], [0, 1, 2])
-    assert engine.counters["blocks_written"] == 3
-    assert engine.counters["blocks_deadline_expired"] == 0
+    assert engine.counters[Outcome.WRITTEN] == 3
+    assert engine.counters[Tally.DEADLINE_EXPIRED] == 0
     assert not engine.stalled()
 
 
@@ -197,7 +198,7 @@ def test_stuck_load_is_reported_only_when_its_reads_return(disk_root, engines, g
         wait_until(overdue, "the load to pass its deadline")
         assert early == []  # not reported while a read is in flight
         assert time.monotonic() - submitted >= TIMEOUT_S
-        assert engine.counters["blocks_deadline_expired"] == 2
+        assert engine.counters[Tally.DEADLINE_EXPIRED] == 2
         assert engine.gauges()["stuck_blocks"] == 2
         assert engine.gauges()["queued_load_blocks"] == 0
 
@@ -219,8 +220,8 @@ def test_stuck_load_is_reported_only_when_its_reads_return(disk_root, engines, g
     assert job.latency >= TIMEOUT_S
     assert row(primary, 4) == pattern(0) and row(primary, 5) == pattern(1)
     assert row(primary, 6) == bytes(BS) and row(primary, 7) == bytes(BS)  # never started
-    assert engine.counters["blocks_verified"] == 2
-    assert engine.counters["load_deadline_failed"] == 2
+    assert engine.counters[Outcome.VERIFIED] == 2
+    assert engine.counters[Direction.LOAD, Failure.DEADLINE] == 2
     assert {k for _t, kind, k in gate.entries if kind == "load"} == set(keys[:2])
 
     # Recovered: a failed-by-deadline block loads fine now.
@@ -261,7 +262,7 @@ def test_overdue_lookups_miss_and_a_late_answer_keeps_the_failed_load_verdict(
 
         def decided():
             engine.end_step()
-            return engine.counters["lookups_deadline_missed"] == 2
+            return engine.counters[LookupAnswer.DEADLINE_MISS] == 2
         wait_until(decided, "the lookup deadline")
         assert time.monotonic() - posted >= TIMEOUT_S
         assert engine.stalled()
@@ -269,7 +270,7 @@ def test_overdue_lookups_miss_and_a_late_answer_keeps_the_failed_load_verdict(
         assert engine.lookup(doomed, "r1") is False
         assert engine.lookup(newcomer, "r2") is False  # answered at once while stalled
         assert probed == [plain]  # the batch is still held by its first check; no new one
-        assert engine.counters["lookup_retries"] == 2  # only the first two lookups
+        assert engine.counters[LookupAnswer.RETRY] == 2  # only the first two lookups
     finally:
         release.set()
 
@@ -281,7 +282,7 @@ def test_overdue_lookups_miss_and_a_late_answer_keeps_the_failed_load_verdict(
     assert engine.lookup(doomed, "r1") is False
     engine.end_step()
     assert engine.lookup(doomed, "r1") is False
-    assert engine.counters["lookups_deadline_missed"] == 2
+    assert engine.counters[LookupAnswer.DEADLINE_MISS] == 2
     # Lookups work again: a fresh request gets a fresh check.
     engine.forget_request("r1")
     assert settle(engine, plain, "r3") is True
@@ -338,7 +339,7 @@ def test_stuck_store_through_vllm_fails_cleanly_and_reset_completes(disk_root, r
         replica.settle()  # steps until the manager has nothing in flight
         assert not gate.opened.is_set()
         assert [(r.success, r.transfer_bytes) for r in results] == [(False, 0)]
-        assert engine.counters["store_deadline_failed"] == 3
+        assert engine.counters[Direction.STORE, Failure.DEADLINE] == 3
         assert engine.stalled()
         # The chunks stay in the CPU tier: still a hit there.
         final, _ = replica.find(keys)

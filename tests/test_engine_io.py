@@ -13,8 +13,16 @@ import sys
 import pytest
 
 from llmkv_fs.config import TierSettings
-from llmkv_fs.engine.engine import EngineError, FsEngine, prepare_volume
-from llmkv_fs.layout.blockfile import TRAILER_SIZE, unpack_trailer
+from llmkv_fs.engine import (
+    Direction,
+    EngineError,
+    Failure,
+    FsEngine,
+    Outcome,
+    Tally,
+    prepare_volume,
+)
+from llmkv_fs.layout.blockfile import TRAILER_SIZE, Corruption, unpack_trailer
 from llmkv_fs.layout.paths import CacheLayout
 
 from engine_kit import BS, IDENTITY, fill, make_key, pattern, row, settle, store_blocks, wait_jobs
@@ -34,8 +42,8 @@ def test_store_then_load_round_trip(volume, engines):
     assert stored.success and not stored.is_load
     assert sorted(stored.succeeded) == sorted(keys) and stored.failed == []
     assert stored.nbytes == 6 * BS
-    assert engine.counters["blocks_written"] == 6
-    assert engine.counters["bytes_written"] == 6 * BS
+    assert engine.counters[Outcome.WRITTEN] == 6
+    assert engine.counters[Tally.BYTES_WRITTEN] == 6 * BS
     for key in keys:
         assert os.path.getsize(layout.block_path(key)) == BS + TRAILER_SIZE
 
@@ -48,16 +56,16 @@ def test_store_then_load_round_trip(volume, engines):
         assert row(primary, chunk) == pattern(i), f"block {i} came back wrong"
     for chunk in range(6):
         assert row(primary, chunk) == bytes(BS)  # rows not loaded into stay zero
-    assert engine.counters["blocks_verified"] == 6
-    assert engine.counters["bytes_read"] == 6 * BS
+    assert engine.counters[Outcome.VERIFIED] == 6
+    assert engine.counters[Tally.BYTES_READ] == 6 * BS
     assert loaded.io_seconds >= 0.0
 
     # Storing the same keys again finds them present: nothing moved.
     assert engine.submit_store(3, keys[:2], [15, 9])
     again = wait_jobs(engine, [3])[3]
     assert again.success and again.nbytes == 0
-    assert engine.counters["blocks_present"] == 2
-    assert engine.counters["bytes_written"] == 6 * BS
+    assert engine.counters[Outcome.PRESENT] == 2
+    assert engine.counters[Tally.BYTES_WRITTEN] == 6 * BS
     assert not engine.has_pending_work()
 
 
@@ -80,7 +88,6 @@ def test_buffered_mode_never_uses_o_direct(volume, engines):
 def test_direct_mode_with_unaligned_block_size_raises(disk_root):
     block_size = 4096 + 512
     layout = CacheLayout.for_identity(disk_root, IDENTITY)
-    prepare_volume(layout)
     primary = mmap.mmap(-1, 4 * block_size)
     settings = TierSettings(root_dir=disk_root, io_mode="direct", n_read_threads=1,
                             n_write_threads=1, lookup_threads=1)
@@ -108,7 +115,6 @@ def test_auto_mode_with_unaligned_block_size_falls_back(disk_root, engines):
 
 def test_buffer_not_whole_blocks_raises(disk_root):
     layout = CacheLayout.for_identity(disk_root, IDENTITY)
-    prepare_volume(layout)
     with pytest.raises(EngineError, match="whole number"):
         FsEngine(TierSettings(root_dir=disk_root), layout, mmap.mmap(-1, BS + 4096), BS)
 
@@ -118,6 +124,26 @@ def test_prepare_volume_refuses_missing_root(tmp_path):
     with pytest.raises(EngineError, match="does not exist"):
         prepare_volume(layout)
     assert not (tmp_path / "not-mounted").exists()
+
+
+def test_engine_prepares_its_volume(tmp_path):
+    """Constructing the engine is the one way in: it checks the root and
+    writes config.json before any thread starts."""
+    missing = CacheLayout.for_identity(str(tmp_path / "not-mounted"), IDENTITY)
+    settings = TierSettings(root_dir=missing.root_dir, n_read_threads=1, n_write_threads=1,
+                            lookup_threads=1)
+    with pytest.raises(EngineError, match="does not exist"):
+        FsEngine(settings, missing, mmap.mmap(-1, BS), BS)
+    root = str(tmp_path)
+    layout = CacheLayout.for_identity(root, IDENTITY)
+    for expected in ("created", "matched"):
+        engine = FsEngine(TierSettings(root_dir=root, n_read_threads=1, n_write_threads=1,
+                                       lookup_threads=1), layout, mmap.mmap(-1, BS), BS)
+        try:
+            assert engine.run_config_state == expected
+            assert os.path.isfile(layout.config_path) and os.path.isdir(layout.rank_dir)
+        finally:
+            engine.shutdown()
 
 
 # -- verification, quarantine, trailer-less files -------------------------------------------
@@ -131,8 +157,8 @@ def test_missing_file_load_fails(disk_root, engines):
     assert not job.success
     assert job.failed == [make_key("nope")] and job.succeeded == [make_key(0)]
     assert job.nbytes == BS
-    assert engine.counters["load_missing"] == 1
-    assert engine.counters["quarantined"] == 0
+    assert engine.counters[Direction.LOAD, Failure.MISSING] == 1
+    assert engine.counters[Tally.QUARANTINED] == 0
     assert row(primary, 1) == pattern(0)
 
 
@@ -153,8 +179,8 @@ def test_corrupt_file_is_quarantined(disk_root, engines, offset, reason):
     engine.submit_load(2, [make_key(0)], [1])
     job = wait_jobs(engine, [2])[2]
     assert not job.success and job.failed == [make_key(0)] and job.nbytes == 0
-    assert engine.counters["quarantined"] == 1
-    assert engine.counters[f"load_corrupt_{reason}"] == 1
+    assert engine.counters[Tally.QUARANTINED] == 1
+    assert engine.counters[Corruption(reason)] == 1
     assert not os.path.lexists(path)
     moved = os.listdir(layout.quarantine_dir)
     assert len(moved) == 1
@@ -164,7 +190,7 @@ def test_corrupt_file_is_quarantined(disk_root, engines, offset, reason):
     assert settle(engine, make_key(0), "req") is False
     engine.submit_load(3, [make_key(0)], [1])
     assert not wait_jobs(engine, [3])[3].success
-    assert engine.counters["load_missing"] == 1
+    assert engine.counters[Direction.LOAD, Failure.MISSING] == 1
 
 
 def test_truncated_file_is_quarantined(disk_root, engines):
@@ -174,7 +200,7 @@ def test_truncated_file_is_quarantined(disk_root, engines):
     os.truncate(path, BS // 2)
     engine.submit_load(2, [make_key(0)], [1])
     assert not wait_jobs(engine, [2])[2].success
-    assert engine.counters["load_corrupt_truncated"] == 1
+    assert engine.counters[Corruption.TRUNCATED] == 1
     assert not os.path.lexists(path)
     assert len(os.listdir(layout.quarantine_dir)) == 1
 
@@ -191,13 +217,13 @@ def test_trailerless_file_loads_unverified_when_accepted(volume, engines):
     job = wait_jobs(engine, [1])[1]
     assert job.success and job.nbytes == BS
     assert row(primary, 2) == pattern("raw")
-    assert engine.counters["blocks_unverified"] == 1
-    assert engine.counters["blocks_verified"] == 0
-    assert engine.counters["bytes_read"] == BS
+    assert engine.counters[Outcome.UNVERIFIED] == 1
+    assert engine.counters[Outcome.VERIFIED] == 0
+    assert engine.counters[Tally.BYTES_READ] == BS
     # A store of that key treats the existing file as present.
     assert engine.submit_store(2, [key], [0])
     assert wait_jobs(engine, [2])[2].success
-    assert engine.counters["blocks_present"] == 1
+    assert engine.counters[Outcome.PRESENT] == 1
     assert os.path.getsize(path) == BS
 
 
@@ -211,10 +237,10 @@ def test_trailerless_file_is_refused_by_default_and_replaced_by_a_store(volume, 
     assert settle(engine, key, "req") is False  # nothing we could verify is there
     engine.submit_load(1, [key], [2])
     assert not wait_jobs(engine, [1])[1].success  # the row's bytes are never reported
-    assert engine.counters["load_corrupt_bad-length"] == 1
+    assert engine.counters[Corruption.BAD_LENGTH] == 1
     assert not os.path.exists(path)  # quarantined
     store_blocks(engine, primary, 2, ["vllm-builtin"], [0])
-    assert engine.counters["blocks_written"] == 1
+    assert engine.counters[Outcome.WRITTEN] == 1
     assert os.path.getsize(path) == BS + TRAILER_SIZE
 
 
@@ -291,7 +317,7 @@ def test_planted_symlink_is_not_a_block(disk_root, engines, tmp_path):
     job = wait_jobs(engine, [2])[2]
     assert not job.success and job.failed == [key]
     assert row(primary, 1) == bytes(BS)  # nothing was read through the link
-    assert engine.counters["blocks_verified"] == 0
+    assert engine.counters[Outcome.VERIFIED] == 0
     # The target was neither read into a successful load nor moved.
     assert os.path.getsize(elsewhere) == BS + TRAILER_SIZE
     with open(elsewhere, "rb") as f:
@@ -312,7 +338,7 @@ def test_symlink_refusal_is_not_counted_as_quarantined(disk_root, engines, tmp_p
     in_quarantine = (
         os.listdir(layout.quarantine_dir) if os.path.isdir(layout.quarantine_dir) else []
     )
-    assert engine.counters["quarantined"] == len(in_quarantine) == 0
+    assert engine.counters[Tally.QUARANTINED] == len(in_quarantine) == 0
 
 
 # -- misc ---------------------------------------------------------------------------------------
@@ -320,7 +346,7 @@ def test_symlink_refusal_is_not_counted_as_quarantined(disk_root, engines, tmp_p
 
 def test_engine_and_layout_import_without_vllm_or_torch():
     code = (
-        "import sys, llmkv_fs.engine.engine, llmkv_fs.layout, llmkv_fs.config; "
+        "import sys, llmkv_fs.engine, llmkv_fs.layout, llmkv_fs.config; "
         "assert 'vllm' not in sys.modules and 'torch' not in sys.modules, "
         "sorted(m for m in sys.modules if m.split('.')[0] in ('vllm','torch'))"
     )
@@ -347,8 +373,8 @@ def test_chunk_outside_buffer_fails_that_block_only(disk_root, engines, caplog, 
         job = wait_jobs(engine, [2])[2]
     assert sorted(job.failed) == sorted([keys[1], keys[2]])
     assert sorted(job.succeeded) == sorted([keys[0], keys[3]])
-    direction = "load" if is_load else "store"
-    assert engine.counters[f"{direction}_errors"] == 2
+    direction = Direction.LOAD if is_load else Direction.STORE
+    assert engine.counters[direction, Failure.ERROR] == 2
     assert caplog.text.count("IndexError") == 1, caplog.text  # throttled: one line per kind
     if is_load:
         assert row(primary, 2) == pattern(0) and row(primary, 1) == pattern(3)
@@ -383,7 +409,7 @@ def test_repeated_block_errors_are_logged_once_per_interval(disk_root, engines, 
         for job_id in range(3):
             assert engine.submit_store(job_id, [make_key(job_id)], [job_id])
             assert not wait_jobs(engine, [job_id])[job_id].success
-    assert engine.counters["store_errors"] == 3
+    assert engine.counters[Direction.STORE, Failure.ERROR] == 3
     messages = [r.getMessage() for r in caplog.records if "store of a block failed" in r.getMessage()]
     assert len(messages) == 1 and "Input/output error" in messages[0]
 
@@ -415,7 +441,7 @@ def test_rename_refused_because_another_writer_won_counts_as_present(disk_root, 
     monkeypatch.setattr(os, "access", access_then_race)
     assert engine.submit_store(2, [make_key(0)], [0])
     assert wait_jobs(engine, [2])[2].success
-    assert engine.counters["blocks_present"] == 1
+    assert engine.counters[Outcome.PRESENT] == 1
     leftovers = [n for n in os.listdir(os.path.dirname(layout.block_path(make_key(0))))
                  if n.endswith(".tmp")]
     assert leftovers == []
@@ -432,4 +458,4 @@ def test_a_fifo_planted_at_a_block_path_fails_the_load_instead_of_hanging(disk_r
     job = wait_jobs(engine, [2])[2]  # wait_jobs has a deadline: a hang fails here
     assert job.failed == [make_key("fifo")] and job.succeeded == [make_key("good")]
     assert row(primary, 2) == pattern("good")
-    assert engine.counters["load_errors"] == 1
+    assert engine.counters[Direction.LOAD, Failure.ERROR] == 1

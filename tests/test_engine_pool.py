@@ -8,6 +8,7 @@ import threading
 
 import pytest
 
+from llmkv_fs.engine import Direction, Failure, Outcome
 from llmkv_fs.layout.blockfile import TRAILER_SIZE
 
 from engine_kit import BS, DEADLINE_S, files_under, fill, make_key, pattern, row, store_blocks, wait_jobs, wait_until
@@ -83,7 +84,7 @@ def test_bounded_store_queue_rejects_without_io(disk_root, engines, gate_for):
     rejected_keys = [make_key(c) for c in (5, 6, 7)]
     assert engine.submit_store(3, rejected_keys, [5, 6, 7]) is False
     assert engine.queued_store_blocks() == 3
-    assert engine.counters["store_blocks_dropped_queue_full"] == 3
+    assert engine.counters[Direction.STORE, Failure.QUEUE_FULL] == 3
     assert engine.has_pending_work()
 
     rejected = wait_jobs(engine, [3], deadline_s=0.5)[3]  # reported at once
@@ -94,7 +95,7 @@ def test_bounded_store_queue_rejects_without_io(disk_root, engines, gate_for):
     # The bound is inclusive: one more block fills it exactly, the next does not fit.
     assert engine.submit_store(4, [make_key(8)], [8]) is True
     assert engine.submit_store(5, [make_key(9)], [9]) is False
-    assert engine.counters["store_blocks_dropped_queue_full"] == 4
+    assert engine.counters[Direction.STORE, Failure.QUEUE_FULL] == 4
     # Loads are not bounded by the store queue.
     engine.submit_load(6, [make_key(c) for c in (10, 11, 12, 13, 14)], [10, 11, 12, 13, 14])
 
@@ -102,7 +103,7 @@ def test_bounded_store_queue_rejects_without_io(disk_root, engines, gate_for):
     done = wait_jobs(engine, [1, 2, 4, 5, 6])
     assert done[1].success and done[2].success and done[4].success
     assert not done[5].success and done[5].failed == [make_key(9)]
-    assert engine.counters["blocks_written"] == 6
+    assert engine.counters[Outcome.WRITTEN] == 6
     for key in rejected_keys + [make_key(9)]:
         assert not os.path.lexists(layout.block_path(key)), "a rejected store reached the disk"
     for c in (0, 1, 2, 3, 4, 8):
@@ -153,7 +154,7 @@ def test_drain_waits_for_every_job(disk_root, engines, gate_for):
     finished = engine.take_finished()  # one call: everything is already there
     assert sorted(job.job_id for job in finished) == sorted(ids)
     assert all(job.success for job in finished)
-    assert engine.counters["blocks_written"] == 4 + 8
+    assert engine.counters[Outcome.WRITTEN] == 4 + 8
     assert not engine.has_pending_work()
     for i in range(4):
         assert row(primary, 12 + i) == pattern(i)
@@ -191,10 +192,10 @@ def test_shutdown_cancels_queued_blocks_and_leaves_no_partial_files(disk_root, e
     for job_id in queued_store_ids:
         assert not done[job_id].success and len(done[job_id].failed) == 2
     assert sorted(done[20].failed) == sorted([make_key("absent-1"), make_key("absent-2")])
-    assert engine.counters["store_cancelled"] == 6
-    assert engine.counters["load_cancelled"] == 2
-    assert engine.counters["load_missing"] == 0  # cancelled, never tried
-    assert engine.counters["blocks_written"] == 2
+    assert engine.counters[Direction.STORE, Failure.CANCELLED] == 6
+    assert engine.counters[Direction.LOAD, Failure.CANCELLED] == 2
+    assert engine.counters[Direction.LOAD, Failure.MISSING] == 0  # cancelled, never tried
+    assert engine.counters[Outcome.WRITTEN] == 2
     assert len(gate.entries) == 2  # nothing ran after the first two blocks
 
     files = files_under(layout.rank_dir)

@@ -16,6 +16,8 @@ from harness import (Replica, make_keys, offloading_config, ours, resolve,
                      store_burst_while_stalled, wait_until)
 from vllm.v1.kv_offload.base import Locality, LookupResult, Medium
 
+from llmkv_fs.engine import Direction, Failure, Tally
+
 HIT, MISS = LookupResult.HIT, LookupResult.MISS
 
 
@@ -76,7 +78,7 @@ def test_stores_dropped_by_the_queue_bound_yield_no_event(disk_root, replicas):
     store_burst_while_stalled(a, keys)
 
     landed = {k for k in keys if os.path.exists(a.tier.layout.block_path(k))}
-    dropped = a.tier.engine.counters["store_blocks_dropped_queue_full"]
+    dropped = a.tier.engine.counters[Direction.STORE, Failure.QUEUE_FULL]
     assert dropped > 0 and len(landed) == 30 - dropped
     events = tier_events(a)
     assert keys_of(events, removed=False) == landed
@@ -88,7 +90,7 @@ def test_stores_refused_by_the_space_guard_yield_no_event(disk_root, replicas):
     wait_until(lambda: not a.tier.engine.guard.allows_store(), "the space guard to trip")
     keys = make_keys(3, seed="events-full")
     a.store(keys)
-    assert a.tier.engine.counters["store_blocks_dropped_space"] == 3
+    assert a.tier.engine.counters[Direction.STORE, Failure.SPACE] == 3
     assert not any(os.path.exists(a.tier.layout.block_path(k)) for k in keys)
     assert tier_events(a) == []
 
@@ -108,8 +110,8 @@ def test_quarantined_load_yields_block_removed(disk_root, replicas):
 
     final = resolve(b, keys, vanish)
     assert final == {keys[0]: HIT, keys[1]: MISS, keys[2]: MISS, keys[3]: HIT}
-    assert b.tier.engine.counters["quarantined"] == 1
-    assert b.tier.engine.counters["load_missing"] == 1
+    assert b.tier.engine.counters[Tally.QUARANTINED] == 1
+    assert b.tier.engine.counters[Direction.LOAD, Failure.MISSING] == 1
     events = manager_storage_events(b)
     (removed,) = [e for e in events if e.removed]
     assert removed.keys == [keys[1]] and removed.medium is Medium.STORAGE
@@ -125,7 +127,7 @@ def _store_and_corrupt_load(root, replicas, tier_events_on, global_events_on):
     flip_a_bit(a.tier.layout.block_path(keys[0]))
     b = start(replicas, ours(root, enable_kv_events=tier_events_on), events=global_events_on)
     final = resolve(b, keys)
-    assert final[keys[0]] is MISS and b.tier.engine.counters["quarantined"] == 1
+    assert final[keys[0]] is MISS and b.tier.engine.counters[Tally.QUARANTINED] == 1
     return a, b
 
 

@@ -21,6 +21,7 @@ import pytest
 from harness import Replica, offloading_config, ours, payload_for, wait_until
 
 import llmkv_fs
+from llmkv_fs.engine import Outcome
 from llmkv_fs.layout.leases import STALE_AFTER_INTERVALS, lease_dir, read_leases
 
 WARNING = "will not share cache"
@@ -275,7 +276,7 @@ def _replica_process(role: str, root: str, control: str) -> None:
         out["verdict"] = final[key].name
         if final[key] is LookupResult.HIT:
             out["bytes_ok"] = replica.read_primary(key, ctx) == payload_for(key, replica.row_bytes)
-        out["verified"] = replica.tier.engine.counters["blocks_verified"]
+        out["verified"] = replica.tier.engine.counters[Outcome.VERIFIED]
     replica.close()
     if role != "writer":
         print("RESULT " + json.dumps(out), flush=True)

@@ -32,7 +32,7 @@ from matrix_kit import (
 )
 
 from llmkv_fs.config import TierSettings
-from llmkv_fs.engine.engine import FsEngine
+from llmkv_fs.engine import FsEngine, Outcome
 
 TRIALS = int(os.environ.get("LLMKV_FS_MATRIX_TRIALS", "10"))  # per filesystem
 SEED = int(os.environ.get("LLMKV_FS_MATRIX_SEED", "5"))
@@ -56,7 +56,7 @@ def _write(layout, keys_hex: list[str], ready_fd: int) -> dict:
         time.sleep(0.0005)
     os.write(ready_fd, b".")  # every block is written
     engine.shutdown()
-    return dict(engine.counters)
+    return {"written": engine.counters[Outcome.WRITTEN]}
 
 
 def _start_writer(layout, keys) -> tuple[Forked, float, int]:
@@ -93,7 +93,7 @@ def test_sigkill_mid_write_never_publishes_a_torn_file(shared_volume, replicas):
         spans.append(time.monotonic() - started)
         counters = child.result()
         os.close(pipe)
-        assert counters["blocks_written"] == KEYS_PER_TRIAL, counters
+        assert counters["written"] == KEYS_PER_TRIAL, counters
         for path in files_under(rank_dir):
             os.unlink(path)
     span = min(spans)
@@ -146,7 +146,7 @@ def test_sigkill_mid_write_never_publishes_a_torn_file(shared_volume, replicas):
 STORE_N_BLOCKS = r"""
 import hashlib, mmap, sys, time
 from llmkv_fs.config import TierSettings
-from llmkv_fs.engine.engine import FsEngine, prepare_volume
+from llmkv_fs.engine import FsEngine, Outcome
 from llmkv_fs.layout.paths import CacheLayout, RunIdentity
 
 root, n, durability = sys.argv[1], int(sys.argv[2]), sys.argv[3]
@@ -154,7 +154,6 @@ bs = 1 << 20
 layout = CacheLayout.for_identity(root, RunIdentity(
     model_name="m/strace", dtype="bfloat16", tokens_per_hash=16, blocks_per_file=1,
     kv_cache_groups=((16, ("l0",)),)))
-prepare_volume(layout)
 primary = mmap.mmap(-1, n * bs)
 keys = [hashlib.sha256(b"%d" % i).digest() + bytes(4) for i in range(n)]
 engine = FsEngine(TierSettings(root_dir=root, durability=durability, n_read_threads=1,
@@ -164,7 +163,7 @@ while engine.has_pending_work():
     engine.take_finished()
     time.sleep(0.001)
 engine.shutdown()
-print(engine.counters["blocks_written"])
+print(engine.counters[Outcome.WRITTEN])
 """
 
 N_STRACED = 6

@@ -37,7 +37,8 @@ from matrix_kit import (
     temp_owner,
 )
 
-from llmkv_fs.engine.engine import EngineError
+from llmkv_fs.engine import Direction, EngineError, Failure, Outcome, Tally
+from llmkv_fs.layout.blockfile import Corruption
 
 # One lookup round trip on the lookup thread; the test polls every ~2 ms, so
 # this is a time bound of a second or two on a busy machine, not a tight one.
@@ -101,8 +102,9 @@ def test_damaged_files_are_never_served(shared_volume, replicas, when):
     expected = {}
     for name in loaded_bad:
         expected[DAMAGES[name][1]] = expected.get(DAMAGES[name][1], 0) + 1
-    assert {k: v for k, v in counters.items() if k.startswith("load_corrupt_")} == expected
-    assert counters["quarantined"] == len(loaded_bad)
+    assert {f"load_corrupt_{k}": v for k, v in counters.items()
+            if isinstance(k, Corruption)} == expected
+    assert counters[Tally.QUARANTINED] == len(loaded_bad)
     quarantine = sorted(os.listdir(reader.tier.layout.quarantine_dir))
     assert len(quarantine) == len(loaded_bad)
     for name in loaded_bad:  # each moved aside, named by its reason, gone from its path
@@ -122,7 +124,7 @@ def test_damaged_files_are_never_served(shared_volume, replicas, when):
     assert clock.calls["submit_load"] == loads_before
     assert clock.errors == []
     record("damaged_files", fs=shared_volume.fs, when=when, damaged=len(bad), good=len(good),
-           served=hits, wrong=wrong, quarantined=counters["quarantined"],
+           served=hits, wrong=wrong, quarantined=counters[Tally.QUARANTINED],
            corrupt_counted=sum(expected.values()), scheduler_exceptions=len(clock.errors))
 
 
@@ -141,8 +143,10 @@ def test_file_deleted_between_hit_and_load_fails_only_that_key(shared_volume, re
     assert (hits, wrong) == (3, 0)
     counters = reader.tier.engine.counters
     # ENOENT; through a second GlusterFS client possibly ESTALE (a load error).
-    assert counters["load_missing"] + counters["load_errors"] == 1
-    assert counters["quarantined"] == 0
+    missing = counters[Direction.LOAD, Failure.MISSING]
+    errors = counters[Direction.LOAD, Failure.ERROR]
+    assert missing + errors == 1
+    assert counters[Tally.QUARANTINED] == 0
 
     reader.finish_request(ctx)
     loads = clock.calls["submit_load"]
@@ -153,7 +157,7 @@ def test_file_deleted_between_hit_and_load_fails_only_that_key(shared_volume, re
     assert clock.calls["submit_load"] == loads
     assert clock.errors == []
     record("deleted_after_hit", fs=shared_volume.fs, keys=4, served=hits, wrong=wrong,
-           load_missing=counters["load_missing"], load_errors=counters["load_errors"],
+           load_missing=missing, load_errors=errors,
            scheduler_exceptions=len(clock.errors))
 
 
@@ -176,13 +180,13 @@ def test_eio_fails_loads_and_stores_cleanly(tmp_path, replicas):
         hits, wrong = served(reader, keys, final, ctx)
         assert final == dict.fromkeys(keys, MISS)
         counters = reader.tier.engine.counters
-        assert counters["load_errors"] == len(keys)
-        assert counters["quarantined"] == 0  # an unreadable file is not a bad file
+        assert counters[Direction.LOAD, Failure.ERROR] == len(keys)
+        assert counters[Tally.QUARANTINED] == 0  # an unreadable file is not a bad file
 
         fresh = make_keys(3, seed="eio-store")
         reader.store(fresh)  # settles; the primary keeps them, the tier fails them
-        assert counters["store_errors"] == len(fresh)
-        assert counters["blocks_written"] == 0
+        assert counters[Direction.STORE, Failure.ERROR] == len(fresh)
+        assert counters[Outcome.WRITTEN] == 0
         assert reader.tier.engine.guard.allows_store()  # EIO is not a full volume
         final, _ = reader.find(fresh)
         assert final == dict.fromkeys(fresh, HIT)  # served from the CPU tier
@@ -193,8 +197,8 @@ def test_eio_fails_loads_and_stores_cleanly(tmp_path, replicas):
             replica.tier.engine.housekeeping.lease_path = None
             replicas.remove(replica)
             replica.close()
-    record("eio_ext4_shutdown", loads_failed=counters["load_errors"],
-           stores_failed=counters["store_errors"], served=hits, wrong=wrong,
+    record("eio_ext4_shutdown", loads_failed=counters[Direction.LOAD, Failure.ERROR],
+           stores_failed=counters[Direction.STORE, Failure.ERROR], served=hits, wrong=wrong,
            scheduler_exceptions=len(clock.errors))
 
 
@@ -235,9 +239,12 @@ def _nobody_reads_and_writes(root: str, keys_hex: list[str], fresh_hex: list[str
         final, _ = replica.find(keys, ctx)
         hits, wrong = served(replica, keys, final, ctx)
         replica.store(fresh)
+        counters = replica.tier.engine.counters
         return {"uid": os.getuid(), "verdicts": sorted({v.name for v in final.values()}),
                 "served": hits, "wrong": wrong, "errors": clock.errors,
-                "counters": dict(replica.tier.engine.counters)}
+                "counters": {"load_errors": counters[Direction.LOAD, Failure.ERROR],
+                             "store_errors": counters[Direction.STORE, Failure.ERROR],
+                             "quarantined": counters[Tally.QUARANTINED]}}
     finally:
         replica.close()
 
@@ -259,7 +266,7 @@ def test_eacces_as_nobody_fails_loads_and_stores_cleanly(open_root, replicas):
     counters = got["counters"]
     assert counters["load_errors"] == len(keys)
     assert counters["store_errors"] == len(fresh)
-    assert counters.get("quarantined", 0) == 0
+    assert counters["quarantined"] == 0
     assert sorted(block_files(owner.tier.layout.rank_dir)) == sorted(
         owner.tier.layout.block_path(k) for k in keys)
     assert temp_files(root) == []
@@ -285,15 +292,15 @@ def test_read_only_remount_mid_run_fails_stores_loads_continue(kind, tmp_path, r
         after = make_keys(4, seed="ro-after")
         writer.store(after)
         counters = writer.tier.engine.counters
-        assert counters["store_errors"] >= len(after)
-        assert counters["blocks_written"] == len(before) + len(racing) - (
-            counters["store_errors"] - len(after))
+        assert counters[Direction.STORE, Failure.ERROR] >= len(after)
+        assert counters[Outcome.WRITTEN] == len(before) + len(racing) - (
+            counters[Direction.STORE, Failure.ERROR] - len(after))
 
         ctx = reader.new_request()  # loads go on from the read-only volume
         final, _ = reader.find(before + after, ctx)
         hits, wrong = served(reader, before + after, final, ctx)
         assert final == {**dict.fromkeys(before, HIT), **dict.fromkeys(after, MISS)}
-        assert wrong == 0 and reader.tier.engine.counters["blocks_verified"] == len(before)
+        assert wrong == 0 and reader.tier.engine.counters[Outcome.VERIFIED] == len(before)
         for path in block_files(root):  # what was published before the remount is whole
             key = next(k for k in before + racing if writer.tier.layout.block_path(k) == path)
             assert block_problem(path, key) is None
@@ -311,7 +318,7 @@ def test_read_only_remount_mid_run_fails_stores_loads_continue(kind, tmp_path, r
         for replica in (reader, writer):
             replicas.remove(replica)
             replica.close()
-    record("read_only_remount", fs=kind, stores_failed=counters["store_errors"],
+    record("read_only_remount", fs=kind, stores_failed=counters[Direction.STORE, Failure.ERROR],
            temp_left=len(leftovers),
            loads_ok=len(before), served=hits, wrong=wrong, scheduler_exceptions=0)
 

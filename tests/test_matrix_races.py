@@ -28,8 +28,8 @@ from matrix_kit import (
     served,
 )
 
+from llmkv_fs.engine import Direction, EngineError, Failure, Outcome, prepare_volume
 from llmkv_fs.engine.blockio import BlockIO, IoOptions
-from llmkv_fs.engine.engine import EngineError, prepare_volume
 from llmkv_fs.layout.paths import CacheLayout
 
 SEED = int(os.environ.get("LLMKV_FS_MATRIX_SEED", "5"))
@@ -46,7 +46,10 @@ def _store_at_signal(root: str, keys_hex: list[str], ready_fd: int, go_fd: int) 
         if os.read(go_fd, 1) != b"g":
             raise RuntimeError("the parent gave up before the start")
         replica.store(keys)  # settles: every job reported
-        counters = dict(replica.tier.engine.counters)
+        engine_counters = replica.tier.engine.counters
+        counters = {"blocks_written": engine_counters[Outcome.WRITTEN],  # JSON-able names
+                    "blocks_present": engine_counters[Outcome.PRESENT],
+                    "store_errors": engine_counters[Direction.STORE, Failure.ERROR]}
     finally:
         replica.close()
     return {"counters": counters, "scheduler_exceptions": len(clock.errors), "log": tap.lines}
@@ -194,7 +197,7 @@ SMALL = 64 * 1024
 def _first_use_at_signal(root: str, keys_hex: list[str], ready_fd: int, go_fd: int
                          ) -> list[str]:
     """Child: at the common start, do what a replica does first on a fresh
-    directory -- FsTier.__init__'s prepare_volume, then stores (every child
+    directory -- FsEngine's prepare_volume, then stores (every child
     stores the same keys, into the same fresh directories)."""
     layout = CacheLayout.for_identity(root, IDENTITY)
     blockio = BlockIO(layout, IoOptions(block_size=SMALL, use_o_direct=False, fsync_file=False,

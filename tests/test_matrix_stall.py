@@ -27,6 +27,8 @@ from matrix_kit import (
     temp_files,
 )
 
+from llmkv_fs.engine import Direction, Failure, Outcome
+
 JOB_TIMEOUT_S = 2.0
 CALL_BOUND_S = 0.2  # the slowest single tier call allowed while the volume is stalled
 STALL_S = JOB_TIMEOUT_S + 1.5
@@ -74,7 +76,7 @@ def test_stalled_brick_never_blocks_the_scheduler(gluster, replicas):
                 pending = [reader.manager.lookup(k, ctx) for k in loads]
             slowest_step = max(slowest_step, time.perf_counter() - began)
             now = time.monotonic() - start
-            if seen["store_failed_at"] is None and counters["store_deadline_failed"]:
+            if seen["store_failed_at"] is None and counters[Direction.STORE, Failure.DEADLINE]:
                 seen["store_failed_at"] = now
             if seen["stalled_at"] is None and engine.stalled():
                 seen["stalled_at"] = now
@@ -83,7 +85,7 @@ def test_stalled_brick_never_blocks_the_scheduler(gluster, replicas):
             time.sleep(0.01)
 
         # Still stalled. Stores failed at their deadline, all of them.
-        assert counters["store_deadline_failed"] == len(stores), dict(counters)
+        assert counters[Direction.STORE, Failure.DEADLINE] == len(stores), dict(counters)
         assert JOB_TIMEOUT_S - 0.1 <= seen["store_failed_at"] <= JOB_TIMEOUT_S + 1.0, seen
         assert engine.stalled() and engine.gauges()["stuck_blocks"] >= 1
         # Lookups answer MISS; nothing new is promoted, so no load is submitted.
@@ -95,7 +97,7 @@ def test_stalled_brick_never_blocks_the_scheduler(gluster, replicas):
         # New stores are refused at once.
         reader.store(refused, settle=False)
         reader.step()
-        assert counters["store_blocks_dropped_stalled"] == len(refused)
+        assert counters[Direction.STORE, Failure.STALLED] == len(refused)
         stall_tier_max = clock.max_s
         assert clock.errors == []
         assert stall_tier_max < CALL_BOUND_S, dict(clock.slowest)
@@ -120,7 +122,7 @@ def test_stalled_brick_never_blocks_the_scheduler(gluster, replicas):
     # A full round trip works again: B stores, A (the other client) loads.
     after = make_keys(3, seed="stall-after")
     reader.store(after)
-    assert counters["blocks_written"] == len(after)
+    assert counters[Outcome.WRITTEN] == len(after)
     wctx = writer.new_request()
     wfinal, _ = writer.find(after, wctx)
     assert wfinal == dict.fromkeys(after, HIT)
@@ -132,8 +134,8 @@ def test_stalled_brick_never_blocks_the_scheduler(gluster, replicas):
            store_failed_at_s=round(seen["store_failed_at"], 3),
            stalled_at_s=round(seen["stalled_at"], 3),
            fresh_miss_at_s=round(seen["fresh_miss_at"], 3),
-           stores_failed=counters["store_deadline_failed"],
-           stores_refused=counters["store_blocks_dropped_stalled"],
+           stores_failed=counters[Direction.STORE, Failure.DEADLINE],
+           stores_refused=counters[Direction.STORE, Failure.STALLED],
            loads_served_after=hits, wrong=wrong, recovered_s=round(recovered_s, 3),
            scheduler_exceptions=len(clock.errors))
 
@@ -195,21 +197,21 @@ def test_write_burst_drops_stores_and_loads_stay_fast(volume, replicas, request)
 
     for key in load_keys[:12]:  # idle volume
         load_one(key)
-    idle = list(engine.job_latencies["load"])
-    engine.job_latencies["load"].clear()
+    idle = list(engine.job_latencies[Direction.LOAD])
+    engine.job_latencies[Direction.LOAD].clear()
 
     burst = make_keys(12 * 24, seed="burst-store")  # 12 rounds of 6 jobs x 4 blocks
     for i, key in enumerate(load_keys[12:]):
         round_keys = burst[i * 24:(i + 1) * 24]
         load_one(key, [round_keys[j:j + 4] for j in range(0, 24, 4)])
-    during = list(engine.job_latencies["load"])
+    during = list(engine.job_latencies[Direction.LOAD])
     replica.settle()
 
-    dropped = counters["store_blocks_dropped_queue_full"]
+    dropped = counters[Direction.STORE, Failure.QUEUE_FULL]
     assert dropped > 0
-    assert counters["blocks_written"] + dropped == len(burst)
+    assert counters[Outcome.WRITTEN] + dropped == len(burst)
     assert deepest <= QUEUE_BOUND
-    assert len(block_files(replica.tier.layout.rank_dir)) == len(load_keys) + counters["blocks_written"]
+    assert len(block_files(replica.tier.layout.rank_dir)) == len(load_keys) + counters[Outcome.WRITTEN]
     assert clock.errors == []
     idle_p99, burst_p99 = _p99(idle), _p99(during)
     # Loads go first on the read-priority threads: during the burst a load
@@ -218,7 +220,7 @@ def test_write_burst_drops_stores_and_loads_stay_fast(volume, replicas, request)
     assert burst_p99 < max(10 * idle_p99, 0.5), (idle, during)
     record("write_burst", fs=request.node.callspec.params["volume"], queue_bound=QUEUE_BOUND,
            burst_blocks=len(burst),
-           dropped=dropped, written=counters["blocks_written"], deepest_queue=deepest,
+           dropped=dropped, written=counters[Outcome.WRITTEN], deepest_queue=deepest,
            idle_load_p99_ms=round(idle_p99 * 1e3, 1), burst_load_p99_ms=round(burst_p99 * 1e3, 1),
            loads=len(idle) + len(during), wrong=0,
            scheduler_exceptions=len(clock.errors))

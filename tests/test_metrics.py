@@ -8,13 +8,13 @@ is then checked against what ``TieringOffloadingSpec.build_metric_definitions``
 declares, and rendered by vLLM's real ``OffloadPromMetrics`` into a fresh
 prometheus_client registry, as the API server would.
 
-Also here: the engine's counter names all map onto declared metrics, and
+Also here: every counter key the engine can produce (the enums of
+llmkv_fs.engine.outcomes) maps onto a declared metric and is documented, and
 docs/metrics.md and docs/grafana-llmkv-fs.json name only declared metrics.
 """
 
 from __future__ import annotations
 
-import ast
 import collections
 import functools
 import importlib.util
@@ -44,8 +44,16 @@ from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
 import llmkv_fs
 from llmkv_fs import FsTier
-from llmkv_fs.tier import metrics as tier_metrics
-from llmkv_fs.tier.metrics import METRICS, PREFIX
+from llmkv_fs.engine import (
+    Direction,
+    Failure,
+    LookupAnswer,
+    Outcome,
+    Tally,
+    all_counter_keys,
+)
+from llmkv_fs.layout.blockfile import Corruption
+from llmkv_fs.tier.metrics import METRICS, PREFIX, counter_series
 
 HIT, MISS = LookupResult.HIT, LookupResult.MISS
 REPO = Path(__file__).resolve().parent.parent
@@ -220,13 +228,13 @@ def test_scenario_outcomes(scenario):
     assert sc.final == {keys[0]: HIT, keys[1]: MISS, keys[2]: MISS, keys[3]: HIT,
                         sc.absent[0]: MISS, sc.absent[1]: MISS}
     a, b, c = sc.counters
-    assert c["store_blocks_dropped_space"] == 2
-    assert a["blocks_written"] == 6
-    assert b["blocks_present"] == 2
-    assert b["blocks_verified"] == 2
-    assert b["load_corrupt_bad-checksum"] == 1
-    assert b["quarantined"] == 1
-    assert b["load_missing"] == 1
+    assert c[Direction.STORE, Failure.SPACE] == 2
+    assert a[Outcome.WRITTEN] == 6
+    assert b[Outcome.PRESENT] == 2
+    assert b[Outcome.VERIFIED] == 2
+    assert b[Corruption.BAD_CHECKSUM] == 1
+    assert b[Tally.QUARANTINED] == 1
+    assert b[Direction.LOAD, Failure.MISSING] == 1
 
 
 # -- (a) every name in the payload is declared, with its type and label count ----------
@@ -344,13 +352,11 @@ def test_every_counter_reaches_prometheus_exactly(scenario):
     for engine, counters in enumerate(sc.counters):
         expected: collections.Counter = collections.Counter()
         for key, total in counters.items():
-            for suffix, labels in tier_metrics._counter_target(key):
-                expected[(suffix, labels)] += total
-        for (suffix, labels), total in expected.items():
-            metric = METRICS[PREFIX + suffix]
-            got = sample(sc, f"{PREFIX}{suffix}_total", engine,
-                         **dict(zip(metric.labels, labels))) or 0
-            assert got == total, (engine, suffix, labels)
+            expected[counter_series(key)] += total
+        for (name, labels), total in expected.items():
+            metric = METRICS[name]
+            got = sample(sc, f"{name}_total", engine, **dict(zip(metric.labels, labels))) or 0
+            assert got == total, (engine, name, labels)
 
 
 def test_our_series_join_vllms_tier_label(scenario):
@@ -413,112 +419,79 @@ def test_idle_get_stats_reports_no_increments(scenario):
     assert all(sc.scraped_after_idle[k] == v for k, v in counters.items())
 
 
-# -- (d) every engine counter maps to a declared metric --------------------------------
+# -- (d) every counter key the engine can produce has a declared, documented series ------
 
 
 def _check_counter_keys(keys) -> list[str]:
     bad = []
-    for key in sorted(keys):
-        targets = tier_metrics._counter_target(key)
-        if not targets:
-            bad.append(f"{key}: maps to no metric")
-        for suffix, labels in targets:
-            metric = METRICS.get(PREFIX + suffix)
-            if metric is None:
-                bad.append(f"{key}: maps to undeclared {PREFIX + suffix}")
-            elif metric.kind != "counter" or len(labels) != len(metric.labels):
-                bad.append(f"{key}: {suffix}{labels} does not fit {metric}")
+    for key in keys:
+        name, labels = counter_series(key)
+        metric = METRICS.get(name)
+        if metric is None:
+            bad.append(f"{key}: maps to undeclared {name}")
+        elif metric.kind != "counter" or len(labels) != len(metric.labels):
+            bad.append(f"{key}: {name}{labels} does not fit {metric}")
     return bad
 
 
-def test_counters_of_the_scenario_map_to_declared_metrics(scenario):
+def test_every_counter_key_maps_to_a_declared_metric():
+    keys = list(all_counter_keys())
+    assert len(set(keys)) == len(keys)
+    assert _check_counter_keys(keys) == []
+    # Distinct keys feed distinct series: nothing is counted twice.
+    series_ = [counter_series(key) for key in keys]
+    assert len(set(series_)) == len(series_)
+
+
+def test_counters_of_the_scenario_are_known_keys(scenario):
     keys = set().union(*(c.keys() for c in scenario.counters))
     assert len(keys) >= 10
-    assert _check_counter_keys(keys) == []
+    assert keys <= set(all_counter_keys()), keys - set(all_counter_keys())
 
 
-def _placeholder_values() -> dict[str, list[str]]:
-    from llmkv_fs.engine.blockio import Outcome
-
-    reasons = set()
-    for path in (REPO / "llmkv_fs").rglob("*.py"):
-        reasons |= set(re.findall(r'BlockFileError\(\s*"([\w-]+)"', path.read_text()))
-    reasons |= {"truncated", "bad-length"}
-    return {
-        "direction": ["load", "store"],
-        "outcome.value": [o.value for o in Outcome],
-        "outcome.reason": sorted(reasons),
-    }
+def _doc_label_values() -> dict[str, set[str]]:
+    """The "Label values" table of docs/metrics.md: row title -> values."""
+    rows = {}
+    text = (REPO / "docs/metrics.md").read_text()
+    table = text.split("### Label values", 1)[1].split("\n\n", 2)[1]
+    for line in table.splitlines()[2:]:
+        title, values = line.strip("|").split("|")[:2]
+        rows[" ".join(re.findall(r"`([^`]+)`", title))] = set(re.findall(r"`([^`]+)`", values))
+    return rows
 
 
-def _engine_counter_names() -> set[str]:
-    """Every counter name engine.py can produce, read from its source: string
-    subscripts of ``counters``/``count``, ``_refuse(..., "name")``, and the
-    values of module-level ``*_COUNTER`` tables; f-string placeholders are
-    expanded to the values they can take."""
-    source = (REPO / "llmkv_fs/engine/engine.py").read_text()
-    tree = ast.parse(source)
-    placeholders = _placeholder_values()
-    found: set[str] = set()
-
-    def expand(node) -> list[str]:
-        if isinstance(node, ast.Constant) and isinstance(node.value, str):
-            return [node.value]
-        if isinstance(node, ast.JoinedStr):
-            names = [""]
-            for part in node.values:
-                if isinstance(part, ast.Constant):
-                    names = [n + part.value for n in names]
-                else:
-                    expr = ast.unparse(part.value)
-                    if expr not in placeholders:
-                        raise AssertionError(
-                            f"test cannot expand {{{expr}}} in engine.py: update it")
-                    names = [n + v for n in names for v in placeholders[expr]]
-            return names
-        if isinstance(node, ast.IfExp):
-            return expand(node.body) + expand(node.orelse)
-        return []
-
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Subscript):
-            target = ast.unparse(node.value)
-            if target in ("count", "self.counters", "counters"):
-                found.update(expand(node.slice))
-        elif isinstance(node, ast.Call) and ast.unparse(node.func).endswith("_refuse"):
-            found.update(expand(node.args[-1]))
-        elif isinstance(node, ast.Assign) and any(
-                isinstance(t, ast.Name) and "COUNTER" in t.id for t in node.targets):
-            if isinstance(node.value, ast.Dict):
-                for value in node.value.values:
-                    found.update(expand(value))
-            elif isinstance(node.value, ast.DictComp):
-                found.update(expand(node.value.value))
-    return found
+def _help_words(metric: str) -> set[str]:
+    """The label values a metric's HELP text lists after its colon."""
+    listed = METRICS[PREFIX + metric].doc.split(":", 1)[1]
+    return set(re.findall(r"[a-z][a-z_-]*[a-z]", re.sub(r"\([^)]*\)", "", listed)))
 
 
-def test_every_counter_the_engine_can_emit_maps_to_a_declared_metric():
-    names = _engine_counter_names()
-    # The source scan found the known families (guards the scan itself).
-    assert {"bytes_read", "bytes_written", "blocks_written", "blocks_verified", "load_missing",
-            "lookup_hits", "store_blocks_dropped_queue_full", "load_corrupt_bad-checksum",
-            "store_cancelled", "load_deadline_failed"} <= names, sorted(names)
-    assert _check_counter_keys(names) == []
+def test_every_reason_has_a_documented_label():
+    """Adding a Failure, Corruption, LookupAnswer or Outcome member is one
+    edit; this test then asks for its line in docs/metrics.md and its word in
+    the metric's HELP text."""
+    docs = _doc_label_values()
+    store, load = docs["store_failures reason"], docs["load_failures reason"]
+    assert store | load == {f.value for f in Failure}, (store | load) ^ {f.value for f in Failure}
+    assert store <= _help_words("store_failures"), store - _help_words("store_failures")
+    assert load <= _help_words("load_failures"), load - _help_words("load_failures")
+    corrupt = {c.value for c in Corruption}
+    assert docs["corrupt_blocks reason"] == corrupt
+    assert corrupt <= _help_words("corrupt_blocks")
+    assert docs["result"] == {a.value for a in LookupAnswer} <= _help_words("lookups")
+    for label, direction, metric in (("outcome", Direction.STORE, "stored_blocks"),
+                                     ("verification", Direction.LOAD, "loaded_blocks")):
+        values = {o.value for o in Outcome if o.direction is direction}
+        assert docs[label] == values <= _help_words(metric), label
+    assert docs["direction"] == {d.value for d in Direction}
+    assert set(docs) == {"store_failures reason", "load_failures reason",
+                         "corrupt_blocks reason", "result", "outcome", "verification",
+                         "direction"}
 
 
-def test_corrupt_reasons_feed_both_failure_and_reason():
-    (failure, reason) = tier_metrics._counter_target("load_corrupt_bad-checksum")
-    assert failure == ("load_failures", ("corrupt",))
-    assert reason[0] == "corrupt_blocks"
-
-
-def test_corrupt_reason_labels_are_the_ones_documented_in_help():
-    help_text = METRICS[PREFIX + "corrupt_blocks"].doc
-    documented = {w.strip(" .") for w in help_text.split(":", 1)[1].split(",")}
-    emitted = {labels[0] for key in _engine_counter_names() if key.startswith("load_corrupt_")
-               for suffix, labels in tier_metrics._counter_target(key)
-               if suffix == "corrupt_blocks"}
-    assert emitted <= documented, sorted(emitted - documented)
+def test_tallies_have_their_own_metric():
+    names = [counter_series(t)[0] for t in Tally]
+    assert len(set(names)) == len(Tally) and all(METRICS[n].labels == () for n in names)
 
 
 # -- docs/metrics.md and the dashboard name only declared metrics -----------------------

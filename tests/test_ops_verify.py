@@ -18,7 +18,7 @@ import pytest
 import xxhash
 
 from engine_kit import BS, make_key, pattern, write_blocks
-from llmkv_fs.engine.engine import prepare_volume
+from llmkv_fs.engine import prepare_volume
 from llmkv_fs.layout import quarantine as quarantine_module
 from llmkv_fs.layout.blockfile import TRAILER_SIZE
 from llmkv_fs.layout.paths import CacheLayout

@@ -18,9 +18,10 @@ import time
 import pytest
 
 from llmkv_fs.config import TierSettings
+from llmkv_fs.engine import Direction, Failure, Outcome
 from llmkv_fs.engine.space import SpaceGuard
-from llmkv_fs.layout.blockfile import TRAILER_SIZE
 from llmkv_fs.layout.fsinfo import VolumeUsage, volume_usage
+from llmkv_fs.layout.blockfile import TRAILER_SIZE
 
 from engine_kit import BS, Gate, fill, make_key, pattern, row, store_blocks, wait_jobs, wait_until
 
@@ -161,7 +162,7 @@ def test_watermark_drops_stores_loads_continue_and_gc_lifts_it(small_tmpfs, engi
     assert engine.submit_store(2, dropped, [4, 5, 6]) is False
     job = wait_jobs(engine, [2], deadline_s=0.5)[2]  # reported at once
     assert not job.success and job.failed == dropped
-    assert engine.counters["store_blocks_dropped_space"] == 3
+    assert engine.counters[Direction.STORE, Failure.SPACE] == 3
     assert not any(os.path.lexists(layout.block_path(k)) for k in dropped)
 
     # Loads of what is there go on, byte-exact.
@@ -178,7 +179,7 @@ def test_watermark_drops_stores_loads_continue_and_gc_lifts_it(small_tmpfs, engi
     assert engine.submit_store(4, dropped, [4, 5, 6])
     assert wait_jobs(engine, [4])[4].success
     assert all(os.path.getsize(layout.block_path(k)) == BS + TRAILER_SIZE for k in dropped)
-    assert engine.counters["store_blocks_dropped_space"] == 3
+    assert engine.counters[Direction.STORE, Failure.SPACE] == 3
 
 
 def test_queued_stores_are_dropped_when_the_guard_trips_under_them(small_tmpfs, engines,
@@ -202,8 +203,8 @@ def test_queued_stores_are_dropped_when_the_guard_trips_under_them(small_tmpfs, 
     done = wait_jobs(engine, [1, 2])
     assert done[1].success  # a copy in flight is never cut short
     assert not done[2].success and sorted(done[2].failed) == sorted(queued)
-    assert engine.counters["store_blocks_dropped_space"] == 3
-    assert engine.counters["store_errors"] == 0
+    assert engine.counters[Direction.STORE, Failure.SPACE] == 3
+    assert engine.counters[Direction.STORE, Failure.ERROR] == 0
     assert {k for _t, _kind, k in gate.entries} == set(running)  # queued ones never wrote
     assert sorted(block_files(small_tmpfs)) == sorted(layout.block_path(k) for k in running)
     assert temp_files(small_tmpfs) == []
@@ -222,7 +223,7 @@ def test_min_free_bytes_trips_at_start_and_lifts_when_space_is_freed(small_tmpfs
     fill(primary, 0, pattern("m"))
     assert engine.submit_store(1, [make_key("m")], [0]) is False
     assert not wait_jobs(engine, [1], deadline_s=0.5)[1].success
-    assert engine.counters["store_blocks_dropped_space"] == 1
+    assert engine.counters[Direction.STORE, Failure.SPACE] == 1
 
     os.unlink(f"{small_tmpfs}/filler")
     wait_until(lambda: not tripped(engine), "the guard to lift", deadline_s=5.0)
@@ -248,10 +249,10 @@ def test_enospc_trips_the_guard_until_gc_frees_more_than_the_headroom(small_tmpf
     c = engine.counters
     files = block_files(small_tmpfs)
     assert 0 < len(files) < 24
-    assert c["blocks_written"] == len(files) == len(job.succeeded)
-    assert c["store_errors"] >= 1  # the ENOSPC(s)
-    assert c["store_errors"] + c["store_blocks_dropped_space"] == 24 - len(files)
-    assert c["store_blocks_dropped_space"] >= 1  # later blocks were not even tried
+    assert c[Outcome.WRITTEN] == len(files) == len(job.succeeded)
+    assert c[Direction.STORE, Failure.ERROR] >= 1  # the ENOSPC(s)
+    assert c[Direction.STORE, Failure.ERROR] + c[Direction.STORE, Failure.SPACE] == 24 - len(files)
+    assert c[Direction.STORE, Failure.SPACE] >= 1  # later blocks were not even tried
     assert {os.path.getsize(f) for f in files} == {bs + TRAILER_SIZE}  # nothing torn
     assert temp_files(small_tmpfs) == []
     assert engine.guard.reason == "ENOSPC" and tripped(engine)
@@ -278,4 +279,4 @@ def test_enospc_trips_the_guard_until_gc_frees_more_than_the_headroom(small_tmpf
     assert wait_jobs(engine, [2, 3, 4])[4].success
     with open(layout.block_path(make_key("x")), "rb") as f:
         assert f.read(bs) == pattern(0, bs)
-    assert c["store_blocks_dropped_space"] >= 3
+    assert c[Direction.STORE, Failure.SPACE] >= 3

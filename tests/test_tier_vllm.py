@@ -14,6 +14,8 @@ from harness import (Replica, builtin, make_keys, offloading_config, ours, paylo
 from vllm.v1.kv_offload.base import LookupResult
 
 from llmkv_fs import FsTier
+from llmkv_fs.engine import Direction, Failure, Outcome, Tally
+from llmkv_fs.layout.blockfile import Corruption
 
 HIT, MISS, RETRY, HIT_PENDING = (LookupResult.HIT, LookupResult.MISS, LookupResult.RETRY,
                                  LookupResult.HIT_PENDING)
@@ -50,7 +52,7 @@ def test_second_manager_finds_and_promotes_byte_exact(shared_volume, replicas):
     history = assert_all_promoted_byte_exact(b, keys)
     assert history[0] == [RETRY] * 6  # the check runs off-thread first
     assert HIT_PENDING in {r for step in history for r in step}
-    assert b.tier.engine.counters["blocks_verified"] == 6
+    assert b.tier.engine.counters[Outcome.VERIFIED] == 6
 
 
 def test_unknown_keys_are_a_miss_not_a_retry_forever(volume, replicas):
@@ -74,7 +76,7 @@ def test_builtin_written_root_is_read_by_ours(shared_volume, replicas):
     # Opt-in: trailer-less files carry no key or checksum.
     reader = start(replicas, ours(shared_volume.b, accept_trailerless=True))
     assert_all_promoted_byte_exact(reader, keys)
-    assert reader.tier.engine.counters["blocks_unverified"] == 4
+    assert reader.tier.engine.counters[Outcome.UNVERIFIED] == 4
 
 
 def test_ours_is_read_by_builtin(shared_volume, replicas):
@@ -115,12 +117,12 @@ def test_bit_flip_is_never_loaded_and_is_quarantined(shared_volume, replicas):
     wait_until(lambda: not os.path.lexists(bad), "replica A to see the bad file gone")
     (moved,) = glob.glob(f"{b.tier.layout.quarantine_dir}/*")
     assert ".bad-checksum." in moved
-    assert b.tier.engine.counters["load_corrupt_bad-checksum"] == 1
+    assert b.tier.engine.counters[Corruption.BAD_CHECKSUM] == 1
 
     # A fresh request does not find it again (no livelock, no re-load).
     final, _ = b.find([keys[1]])
     assert final == {keys[1]: MISS}
-    assert b.tier.engine.counters["load_corrupt_bad-checksum"] == 1
+    assert b.tier.engine.counters[Corruption.BAD_CHECKSUM] == 1
 
 
 def test_truncated_and_wrong_key_files_are_rejected(shared_volume, replicas):
@@ -137,7 +139,7 @@ def test_truncated_and_wrong_key_files_are_rejected(shared_volume, replicas):
     # The truncated file has a size no reader accepts: the lookup says MISS.
     assert final[keys[0]] is MISS
     assert final[keys[1]] is MISS
-    assert b.tier.engine.counters["load_corrupt_wrong-key"] == 1
+    assert b.tier.engine.counters[Corruption.WRONG_KEY] == 1
 
 
 def test_store_skips_blocks_already_present(shared_volume, replicas):
@@ -151,7 +153,7 @@ def test_store_skips_blocks_already_present(shared_volume, replicas):
     # with attributes it cached before B's store.
     assert [(os.stat(p).st_ino, os.stat(p).st_mtime_ns)
             for p in block_files(shared_volume.b)] == identity
-    assert b.tier.engine.counters["blocks_present"] == 3
+    assert b.tier.engine.counters[Outcome.PRESENT] == 3
 
 
 def test_reset_cache_with_jobs_in_flight(disk_root, replicas):
@@ -191,7 +193,7 @@ def test_write_queue_bound_fails_stores_instead_of_growing(disk_root, replicas):
     # threads take one block each and the queue holds at most 4 more.
     keys = make_keys(30, seed="burst")
     store_burst_while_stalled(a, keys)
-    dropped = a.tier.engine.counters["store_blocks_dropped_queue_full"]
+    dropped = a.tier.engine.counters[Direction.STORE, Failure.QUEUE_FULL]
     assert dropped >= 30 - 2 - 4
     assert len(block_files(disk_root)) == 30 - dropped
     # Dropped blocks are still in the CPU tier: nothing is lost for serving.
@@ -208,7 +210,7 @@ def test_shutdown_after_a_failed_load_releases_the_primary_mapping(shared_volume
         f.write(b"\xff" * 64)  # same size, bad checksum: the load fails
     b = Replica(offloading_config(tiers=[ours(shared_volume.b)]))
     b.find(keys)
-    assert b.tier.engine.counters["quarantined"] == 1
+    assert b.tier.engine.counters[Tally.QUARANTINED] == 1
     region = b.manager.primary_tier._mmap_region
     b.close()
     # vLLM keeps the mapping (and warns) if any view of it is still exported.
@@ -222,7 +224,7 @@ def test_trailerless_files_are_refused_when_configured(shared_volume, replicas):
     strict = start(replicas, ours(shared_volume.b, accept_trailerless=False))
     final, _ = strict.find(keys)
     assert final == dict.fromkeys(keys, MISS)  # lookup already rejects the size
-    assert strict.tier.engine.counters["blocks_unverified"] == 0
+    assert strict.tier.engine.counters[Outcome.UNVERIFIED] == 0
 
 
 STORE_IN_ANOTHER_PROCESS = r"""
@@ -243,4 +245,4 @@ def test_blocks_stored_by_another_process_are_found_byte_exact(shared_volume, re
     assert done.returncode == 0, done.stderr
     reader = start(replicas, ours(shared_volume.b))
     assert_all_promoted_byte_exact(reader, make_keys(5, seed="cross-process"))
-    assert reader.tier.engine.counters["blocks_verified"] == 5
+    assert reader.tier.engine.counters[Outcome.VERIFIED] == 5

@@ -31,7 +31,7 @@ if importlib.util.find_spec("llmkv_fs") is None:  # a checkout, not installed
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from llmkv_fs.config import TierSettings  # noqa: E402
-from llmkv_fs.engine.engine import FsEngine, prepare_volume  # noqa: E402
+from llmkv_fs.engine import FsEngine  # noqa: E402
 from llmkv_fs.engine.numa import format_cpulist, read_topology  # noqa: E402
 from llmkv_fs.layout.fsinfo import mount_of  # noqa: E402
 from llmkv_fs.layout.paths import CacheLayout, RunIdentity  # noqa: E402
@@ -138,7 +138,6 @@ def one_run(args, medium: str, primary: Primary, threads: int, numa, round_no: i
     root = os.path.join(medium, f"llmkv-bench-engine-{os.getpid()}")
     os.makedirs(root, exist_ok=True)
     layout = CacheLayout.for_identity(root, IDENTITY)
-    prepare_volume(layout)
     settings = TierSettings.from_mapping({
         "root_dir": root, "n_read_threads": threads, "n_write_threads": threads,
         "numa_node": numa, "checksum": args.checksum, "durability": args.durability,

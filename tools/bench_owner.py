@@ -28,7 +28,7 @@ if importlib.util.find_spec("llmkv_fs") is None:  # a checkout, not installed
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from llmkv_fs.config import TierSettings  # noqa: E402
-from llmkv_fs.engine.engine import FsEngine, prepare_volume  # noqa: E402
+from llmkv_fs.engine import FsEngine  # noqa: E402
 from llmkv_fs.layout.paths import CacheLayout, RunIdentity  # noqa: E402
 
 IDENTITY = RunIdentity(model_name="bench/owner", dtype="bfloat16", tokens_per_hash=16,
@@ -96,7 +96,6 @@ def main(argv=None) -> int:
             shutil.rmtree(root, ignore_errors=True)
             os.makedirs(root)
             layout = CacheLayout.for_identity(root, IDENTITY)
-            prepare_volume(layout)
             primary = mmap.mmap(-1, n_blocks * block)
             engine = FsEngine(TierSettings(root_dir=root, n_read_threads=threads,
                                            n_write_threads=threads), layout, primary, block)

@@ -1,3 +1,48 @@
 """Engine room: thread pools, block I/O, lookups and NUMA placement.
 Imports without vLLM (stdlib, numpy-free, xxhash), so it can be driven and
-benchmarked on its own."""
+benchmarked on its own.
+
+Its public names are here: construct ``FsEngine`` (it prepares the volume
+itself), read its ``counters`` (keyed by the types of ``outcomes``)."""
+
+from llmkv_fs.engine.engine import FinishedJob, FsEngine
+from llmkv_fs.engine.outcomes import (
+    CANCELLED,
+    DEADLINE,
+    Abandoned,
+    BlockMissing,
+    BlockNotMoved,
+    BlockResult,
+    CounterKey,
+    Direction,
+    Failed,
+    Failure,
+    LookupAnswer,
+    Outcome,
+    StoreRefused,
+    Tally,
+    all_counter_keys,
+)
+from llmkv_fs.engine.volume import EngineError, prepare_volume
+
+__all__ = [
+    "CANCELLED",
+    "DEADLINE",
+    "Abandoned",
+    "BlockMissing",
+    "BlockNotMoved",
+    "BlockResult",
+    "CounterKey",
+    "Direction",
+    "EngineError",
+    "Failed",
+    "Failure",
+    "FinishedJob",
+    "FsEngine",
+    "LookupAnswer",
+    "Outcome",
+    "StoreRefused",
+    "Tally",
+    "all_counter_keys",
+    "prepare_volume",
+]

@@ -15,7 +15,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
-import enum
 import errno
 import mmap
 import os
@@ -27,10 +26,12 @@ from collections.abc import Callable
 
 import xxhash
 
+from llmkv_fs.engine.outcomes import Abandoned, BlockMissing, Outcome
 from llmkv_fs.layout.blockfile import (
     ACCESS_STAMP_INTERVAL_S,
     TRAILER_SIZE,
     BlockFileError,
+    Corruption,
     pack_trailer,
     payload_checksum,
     verify_block,
@@ -46,24 +47,6 @@ __all__ = ["Abandoned", "BlockIO", "BlockMissing", "IoOptions", "Outcome", "prob
 O_DIRECT = getattr(os, "O_DIRECT", 0)
 _PAGE = mmap.PAGESIZE
 _STAMP_MEMORY = 1 << 16  # paths remembered for stamp rate limiting
-
-
-class Outcome(enum.Enum):
-    """What happened to one block. Anything not listed is an exception."""
-
-    WRITTEN = "written"          # store: published a new file
-    PRESENT = "present"          # store: a valid-sized file was already there
-    VERIFIED = "verified"        # load: trailer, length, key and checksum checked
-    UNVERIFIED = "unverified"    # load: trailer-less file (vLLM's built-in wrote it)
-
-
-class BlockMissing(Exception):
-    """The block file does not exist (never stored, or removed)."""
-
-
-class Abandoned(Exception):
-    """The store's job passed its deadline while the block was being written;
-    the temp file was removed instead of published."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -265,7 +248,7 @@ class BlockIO:
             raise BlockMissing(path) from exc
         except OSError as exc:
             if exc.errno == errno.ELOOP:  # a symlink planted at a block path
-                raise BlockFileError("symlink", path) from exc
+                raise BlockFileError(Corruption.SYMLINK, path) from exc
             raise
         bad: BlockFileError | None = None
         try:
@@ -294,7 +277,7 @@ class BlockIO:
             return Outcome.VERIFIED
         if n == opts.block_size and opts.accept_trailerless:
             return Outcome.UNVERIFIED
-        reason = "truncated" if n < opts.block_size else "bad-length"
+        reason = Corruption.TRUNCATED if n < opts.block_size else Corruption.BAD_LENGTH
         raise BlockFileError(reason, f"{n} bytes, expected {opts.block_size + TRAILER_SIZE}")
 
     def _stamp_access(self, path: str) -> None:

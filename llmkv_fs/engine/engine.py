@@ -28,18 +28,21 @@ import time
 from collections.abc import Sequence
 
 from llmkv_fs.config import TierSettings
-from llmkv_fs.engine.blockio import (
-    Abandoned,
-    BlockIO,
-    BlockMissing,
-    IoOptions,
-    Outcome,
-    probe_o_direct,
-)
+from llmkv_fs.engine.blockio import BlockIO, IoOptions, probe_o_direct
 from llmkv_fs.engine.housekeeping import Housekeeping
 from llmkv_fs.engine.lookup import AsyncExistence
 from llmkv_fs.engine.numa import PinningPlan, plan_pinning, read_topology
-from llmkv_fs.engine.pool import CANCELLED, DEADLINE, IoJob, IoPool, QueueFull
+from llmkv_fs.engine.outcomes import (
+    BlockResult,
+    CounterKey,
+    Direction,
+    Failure,
+    LookupAnswer,
+    Outcome,
+    StoreRefused,
+    Tally,
+)
+from llmkv_fs.engine.pool import IoJob, IoPool, QueueFull
 from llmkv_fs.engine.space import SpaceGuard
 from llmkv_fs.engine.volume import EngineError, prepare_volume
 from llmkv_fs.layout.blockfile import BlockFileError
@@ -47,19 +50,12 @@ from llmkv_fs.layout.leases import Lease
 from llmkv_fs.layout.fsinfo import filesystem_type
 from llmkv_fs.layout.paths import CacheLayout
 
-__all__ = ["EngineError", "FinishedJob", "FsEngine", "prepare_volume"]
+__all__ = ["EngineError", "FinishedJob", "FsEngine"]
 
 logger = logging.getLogger("vllm.llmkv_fs.engine")
 
 
-_OUTCOME_COUNTER = {outcome: f"blocks_{outcome.value}" for outcome in Outcome}
-_LOOKUP_COUNTER = {True: "lookup_hits", False: "lookup_misses", None: "lookup_retries"}
-
-
-class StoreRefused(Exception):
-    """A store block was not attempted (the space guard is tripped)."""
-
-
+_LOOKUP_ANSWER = {True: LookupAnswer.HIT, False: LookupAnswer.MISS, None: LookupAnswer.RETRY}
 _SPACE_ERRNOS = frozenset((errno.ENOSPC, errno.EDQUOT))
 # Lookups are one metadata call each; one that waits this long (or the job
 # deadline, if shorter) means the volume is not answering.
@@ -115,6 +111,14 @@ class _ThrottledErrorLog:
 
 
 class FsEngine:
+    """The engine of one tier instance on one volume directory.
+
+    Constructing it prepares the volume first (``prepare_volume``: the root is
+    checked, ``config.json`` created or verified, the rank directory made), so
+    no I/O thread ever starts on an unchecked volume. Raises EngineError (or
+    RunConfigMismatch) with the path and the fix.
+    """
+
     def __init__(
         self,
         settings: TierSettings,
@@ -122,6 +126,8 @@ class FsEngine:
         primary,
         block_size: int,
     ):
+        # "created", "matched" or "repaired": what became of config.json.
+        self.run_config_state = prepare_volume(layout, settings.file_mode, settings.dir_mode)
         self.settings = settings
         self.layout = layout
         self.block_size = block_size
@@ -148,7 +154,8 @@ class FsEngine:
                 hash_chunk=_HASH_CHUNK if filesystem_type(layout.root_dir) in _MEMORY_FS else 0,
             ),
         )
-        self.counters: collections.Counter[str] = collections.Counter()
+        # Cumulative, updated by the owner only; tier/metrics.py publishes them.
+        self.counters: collections.Counter[CounterKey] = collections.Counter()
         self.guard = SpaceGuard(
             layout.root_dir, settings.max_usage_percent, settings.min_free_bytes,
             # Every I/O thread may start a store the moment the guard lifts.
@@ -161,7 +168,7 @@ class FsEngine:
         self._error_log = _ThrottledErrorLog()
         # Submit-to-report seconds per finished job, by direction; whoever
         # publishes metrics takes and clears them.
-        self.job_latencies: dict[str, list[float]] = {"load": [], "store": []}
+        self.job_latencies: dict[Direction, list[float]] = {d: [] for d in Direction}
         self._rejected: list[FinishedJob] = []
         self._stalled = False  # as of the last stalled() (lookups read this)
         self._pool = IoPool(
@@ -204,7 +211,7 @@ class FsEngine:
 
     # -- I/O threads -----------------------------------------------------------------
 
-    def _execute(self, job: IoJob, index: int) -> Outcome:
+    def _execute(self, job: IoJob, index: int) -> BlockResult:
         chunk = job.chunks[index]
         if not 0 <= chunk < self.num_chunks:
             # A memoryview slice would clamp silently and copy the wrong bytes.
@@ -229,25 +236,28 @@ class FsEngine:
         full, the space guard is tripped or the volume is stalled. A refused
         job is reported failed by the next take_finished, without I/O."""
         if self.stalled():
-            return self._refuse(job_id, False, keys, "store_blocks_dropped_stalled")
+            return self._refuse(job_id, Direction.STORE, keys, Failure.STALLED)
         if not self.guard.allows_store():
-            return self._refuse(job_id, False, keys, "store_blocks_dropped_space")
+            return self._refuse(job_id, Direction.STORE, keys, Failure.SPACE)
         try:
             self._pool.submit(IoJob(job_id, False, keys, chunks, self.settings.job_timeout_s))
             return True
         except QueueFull:
-            return self._refuse(job_id, False, keys, "store_blocks_dropped_queue_full")
+            return self._refuse(job_id, Direction.STORE, keys, Failure.QUEUE_FULL)
 
     def submit_load(self, job_id: int, keys: Sequence[bytes], chunks: Sequence[int]) -> bool:
         """Queue a load; False (reported failed at the next take_finished) if
         the volume is stalled."""
         if self.stalled():
-            return self._refuse(job_id, True, keys, "load_blocks_failed_stalled")
+            return self._refuse(job_id, Direction.LOAD, keys, Failure.STALLED)
         self._pool.submit(IoJob(job_id, True, keys, chunks, self.settings.job_timeout_s))
         return True
 
-    def _refuse(self, job_id: int, is_load: bool, keys: Sequence[bytes], counter: str) -> bool:
-        self.counters[counter] += len(keys)
+    def _refuse(
+        self, job_id: int, direction: Direction, keys: Sequence[bytes], reason: Failure
+    ) -> bool:
+        self.counters[direction, reason] += len(keys)
+        is_load = direction is Direction.LOAD
         self._rejected.append(FinishedJob(job_id, is_load, [], list(keys), 0.0, 0))
         return False
 
@@ -264,7 +274,7 @@ class FsEngine:
         expired = self._pool.expire_overdue()
         if expired:
             self.stalled()
-            self.counters["blocks_deadline_expired"] += expired
+            self.counters[Tally.DEADLINE_EXPIRED] += expired
             self._error_log.report("deadline", f"{expired} block(s) passed job_timeout_s")
         results, self._rejected = self._rejected, []
         for job in self._pool.take_finished():
@@ -277,40 +287,35 @@ class FsEngine:
         return results
 
     def _account(self, job: IoJob) -> FinishedJob:
-        succeeded, failed, quarantined = [], [], []
+        succeeded: list[bytes] = []
+        failed: list[bytes] = []
+        quarantined: list[bytes] = []
         count = self.counters
-        direction = "load" if job.is_load else "store"
+        direction = Direction.LOAD if job.is_load else Direction.STORE
         moved_blocks = 0
         for key, outcome in zip(job.keys, job.outcomes):
-            counter = _OUTCOME_COUNTER.get(outcome)  # the common case: a success
-            if counter is not None:
+            if isinstance(outcome, Outcome):  # the common case: a success
                 succeeded.append(key)
-                count[counter] += 1
+                count[outcome] += 1
                 moved_blocks += outcome is not Outcome.PRESENT
                 continue
             failed.append(key)
-            if isinstance(outcome, BlockFileError):
-                count[f"load_corrupt_{outcome.reason}"] += 1
-                if outcome.quarantined_to:
-                    count["quarantined"] += 1
+            assert outcome is not None, "a reported job has every block's result"
+            count[direction, outcome.reason] += 1
+            error = outcome.error
+            if isinstance(error, BlockFileError):
+                count[error.reason] += 1
+                if error.quarantined_to:
+                    count[Tally.QUARANTINED] += 1
                     quarantined.append(key)
                 # Rare and important: every bad file is named.
                 logger.warning(
-                    "llmkv_fs: bad block file (%s); moved to %s", outcome, outcome.quarantined_to
+                    "llmkv_fs: bad block file (%s); moved to %s", error, error.quarantined_to
                 )
-            elif isinstance(outcome, BlockMissing):
-                count["load_missing"] += 1
-            elif outcome == CANCELLED:
-                count[f"{direction}_cancelled"] += 1
-            elif outcome == DEADLINE or isinstance(outcome, Abandoned):
-                count[f"{direction}_deadline_failed"] += 1
-            elif isinstance(outcome, StoreRefused):
-                count["store_blocks_dropped_space"] += 1
-            else:
-                count[f"{direction}_errors"] += 1
-                self._error_log.report(direction, outcome)
+            elif outcome.reason is Failure.ERROR:
+                self._error_log.report(direction.value, error)
         moved = moved_blocks * self.block_size
-        count["bytes_read" if job.is_load else "bytes_written"] += moved
+        count[Tally.BYTES_READ if job.is_load else Tally.BYTES_WRITTEN] += moved
         latency = time.monotonic() - job.submitted
         self.job_latencies[direction].append(latency)
         return FinishedJob(
@@ -322,7 +327,7 @@ class FsEngine:
         # The step's cached verdict: a per-key clock read would cost more
         # than the lookup itself, and a stall is detected per step anyway.
         verdict = False if self._stalled else self._lookups.lookup(key, request_id)
-        self.counters[_LOOKUP_COUNTER[verdict]] += 1
+        self.counters[_LOOKUP_ANSWER[verdict]] += 1
         return verdict
 
     def end_step(self) -> None:
@@ -330,7 +335,7 @@ class FsEngine:
         self.stalled()
         expired = self._lookups.expire_overdue()
         if expired:
-            self.counters["lookups_deadline_missed"] += expired
+            self.counters[LookupAnswer.DEADLINE_MISS] += expired
             self._error_log.report("lookup", f"{expired} existence check(s) overdue; answered miss")
 
     def set_lease(self, lease: Lease) -> None:

@@ -34,16 +34,16 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TypeVar
 
 from llmkv_fs.engine.numa import pin_current_thread
+from llmkv_fs.engine.outcomes import CANCELLED, DEADLINE, BlockResult, Failed, failed
 
-__all__ = ["CANCELLED", "DEADLINE", "IoJob", "IoPool", "QueueFull"]
+__all__ = ["IoJob", "IoPool", "QueueFull"]
 
 logger = logging.getLogger("vllm.llmkv_fs.pool")
 
-CANCELLED = "cancelled"  # outcome of a block that never started (shutdown)
-DEADLINE = "deadline"  # outcome of a block failed by its job's deadline
+_E = TypeVar("_E", bound=BaseException)
 
 
 class QueueFull(Exception):
@@ -53,8 +53,9 @@ class QueueFull(Exception):
 class IoJob:
     """One submitted job. ``keys[i]`` goes to/from primary chunk ``chunks[i]``.
 
-    ``outcomes[i]`` is None until block i finishes, then an Outcome or an
-    exception instance. ``first_start``/``last_end`` bound the I/O time.
+    ``outcomes[i]`` is None until block i finishes, then its BlockResult: an
+    Outcome, or a Failed (CANCELLED, DEADLINE, or the exception it raised).
+    ``first_start``/``last_end`` bound the I/O time.
     """
 
     __slots__ = (
@@ -71,7 +72,7 @@ class IoJob:
         self.is_load = is_load
         self.keys = keys
         self.chunks = chunks
-        self.outcomes: list[Any] = [None] * len(keys)
+        self.outcomes: list[BlockResult | None] = [None] * len(keys)
         self._left = len(keys)
         self._lock = threading.Lock()
         self.submitted = time.monotonic()
@@ -88,7 +89,7 @@ class IoJob:
         before publishing a store)."""
         return not self.expired
 
-    def _block_done(self, index: int, outcome: Any) -> tuple[bool, bool]:
+    def _block_done(self, index: int, outcome: BlockResult) -> tuple[bool, bool]:
         """Record one executed block. Returns (this call finished the job and
         must report it, the block was stuck: its job expired meanwhile)."""
         with self._lock:
@@ -102,7 +103,9 @@ class IoJob:
             self._left -= 1
             return self._claim_report(), self.expired
 
-    def _fail(self, indices: Sequence[int], outcome: str, *, all_unfinished: bool = False) -> bool:
+    def _fail(
+        self, indices: Sequence[int], outcome: Failed, *, all_unfinished: bool = False
+    ) -> bool:
         """Fail blocks that will not run (``all_unfinished``: also those in
         flight, whose results will be ignored). Caller holds ``_lock``.
         Returns whether the caller must now report the job."""
@@ -128,11 +131,11 @@ class IoJob:
         return self.last_end - self.first_start if self.first_start is not None else 0.0
 
 
-def _without_tracebacks(exc: BaseException) -> BaseException:
+def _without_tracebacks(exc: _E) -> _E:
     """Drop the frames an exception holds: they reference the primary-buffer
     row being copied, and an idle worker keeping that alive stops vLLM from
     unmapping the region at shutdown."""
-    seen = set()
+    seen: set[int] = set()
     link: BaseException | None = exc
     while link is not None and id(link) not in seen:
         seen.add(id(link))
@@ -144,7 +147,7 @@ def _without_tracebacks(exc: BaseException) -> BaseException:
 class IoPool:
     def __init__(
         self,
-        execute: Callable[[IoJob, int], Any],
+        execute: Callable[[IoJob, int], BlockResult],
         n_read_threads: int,
         n_write_threads: int,
         max_queued_store_blocks: int,
@@ -321,10 +324,11 @@ class IoPool:
                     job.running += 1
                     if job.first_start is None:
                         job.first_start = time.monotonic()
+            outcome: BlockResult
             try:
                 outcome = self._execute(job, index)
             except Exception as exc:  # recorded per block; never kills the thread
-                outcome = _without_tracebacks(exc)
+                outcome = failed(_without_tracebacks(exc))
             finishes, was_stuck = job._block_done(index, outcome)
             with self._cond:
                 self._busy_threads -= 1

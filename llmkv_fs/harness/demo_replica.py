@@ -38,12 +38,20 @@ import time
 import traceback
 from typing import Any
 
+from llmkv_fs.engine import CounterKey, Direction, Failure, Outcome, Tally
+from llmkv_fs.layout.blockfile import Corruption
+
 TOKENS_PER_CHUNK = 16  # driver.offloading_config: 16 tokens per block hash, 1 hash per chunk
 START_TIMEOUT_S = 600.0  # importing vLLM takes ~10 s idle, minutes on a loaded box
 COMMAND_TIMEOUT_S = 300.0
 
-_COUNTERS = ("bytes_read", "bytes_written", "blocks_verified", "blocks_unverified",
-             "blocks_written", "blocks_present", "quarantined", "load_missing")
+# The engine's counters the demo reports, by the names its JSON protocol uses.
+_COUNTERS: dict[str, CounterKey] = {
+    "bytes_read": Tally.BYTES_READ, "bytes_written": Tally.BYTES_WRITTEN,
+    "blocks_verified": Outcome.VERIFIED, "blocks_unverified": Outcome.UNVERIFIED,
+    "blocks_written": Outcome.WRITTEN, "blocks_present": Outcome.PRESENT,
+    "quarantined": Tally.QUARANTINED, "load_missing": (Direction.LOAD, Failure.MISSING),
+}
 
 
 class DemoError(Exception):
@@ -171,8 +179,8 @@ class ReplicaServer:
 
     def counters(self) -> dict[str, int]:
         c = self.replica.tier.engine.counters
-        out = {k: int(c.get(k, 0)) for k in _COUNTERS}
-        out.update({k: int(v) for k, v in c.items() if k.startswith("load_corrupt_")})
+        out = {name: int(c[key]) for name, key in _COUNTERS.items()}
+        out.update({f"load_corrupt_{k}": int(v) for k, v in c.items() if isinstance(k, Corruption)})
         return out
 
     # -- one request -----------------------------------------------------------------

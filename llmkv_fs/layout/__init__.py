@@ -2,7 +2,7 @@
 threads; the engine, the tier and the ops tools all read the volume through
 these definitions."""
 
-from llmkv_fs.layout.blockfile import TRAILER_SIZE, BlockFileError, Trailer
+from llmkv_fs.layout.blockfile import TRAILER_SIZE, BlockFileError, Corruption, Trailer
 from llmkv_fs.layout.paths import CacheLayout, LayoutError, RunIdentity
 from llmkv_fs.layout.run_config import RunConfigMismatch, ensure_run_config
 
@@ -10,6 +10,7 @@ __all__ = [
     "TRAILER_SIZE",
     "BlockFileError",
     "CacheLayout",
+    "Corruption",
     "LayoutError",
     "RunConfigMismatch",
     "RunIdentity",

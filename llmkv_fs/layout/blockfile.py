@@ -26,6 +26,7 @@ One page keeps O_DIRECT I/O aligned and leaves room for later fields.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import os
 import struct
 
@@ -37,6 +38,7 @@ __all__ = [
     "MAGIC",
     "TRAILER_SIZE",
     "BlockFileError",
+    "Corruption",
     "Trailer",
     "pack_trailer",
     "payload_checksum",
@@ -54,11 +56,25 @@ _HEAD = struct.Struct("<8sHHIQQQH")  # up to and including the key length
 _TAIL = struct.Struct("<Q")
 
 
-class BlockFileError(Exception):
-    """A block file failed verification. ``reason`` is a short stable token
-    (used in quarantine names and metrics)."""
+class Corruption(enum.StrEnum):
+    """What is wrong with a block file. The values are stable tokens: the
+    quarantine file names, ``llmkv-fs verify`` and the ``corrupt_blocks``
+    metric's ``reason`` label all carry them (docs/metrics.md lists each)."""
 
-    def __init__(self, reason: str, detail: str):
+    BAD_CHECKSUM = "bad-checksum"
+    TRUNCATED = "truncated"
+    BAD_LENGTH = "bad-length"
+    WRONG_KEY = "wrong-key"
+    BAD_MAGIC = "bad-magic"
+    BAD_VERSION = "bad-version"
+    BAD_TRAILER = "bad-trailer"
+    SYMLINK = "symlink"
+
+
+class BlockFileError(Exception):
+    """A block file failed verification; ``reason`` says how."""
+
+    def __init__(self, reason: Corruption, detail: str):
         super().__init__(f"{reason}: {detail}")
         self.reason = reason
         self.quarantined_to: str | None = None  # set by whoever moved the file aside
@@ -111,22 +127,22 @@ def unpack_trailer(buf) -> Trailer:
     one of ours, is from another format version, or is damaged."""
     view = memoryview(buf).cast("B")
     if len(view) < _HEAD.size + _TAIL.size:
-        raise BlockFileError("truncated", "trailer shorter than its header")
+        raise BlockFileError(Corruption.TRUNCATED, "trailer shorter than its header")
     magic, version, flags, _reserved, payload_len, xxh, created, key_len = (
         _HEAD.unpack_from(view, 0)
     )
     if magic != MAGIC:
-        raise BlockFileError("bad-magic", f"trailer magic {magic!r}")
+        raise BlockFileError(Corruption.BAD_MAGIC, f"trailer magic {magic!r}")
     if version != FORMAT_VERSION:
         raise BlockFileError(
-            "bad-version", f"format version {version}, this reader knows {FORMAT_VERSION}"
+            Corruption.BAD_VERSION, f"format version {version}, this reader knows {FORMAT_VERSION}"
         )
     key_end = _HEAD.size + key_len
     if key_len > MAX_KEY_LEN or key_end + _TAIL.size > len(view):
-        raise BlockFileError("bad-trailer", f"key length {key_len}")
+        raise BlockFileError(Corruption.BAD_TRAILER, f"key length {key_len}")
     (stored,) = _TAIL.unpack_from(view, key_end)
     if stored != xxhash.xxh3_64_intdigest(view[:key_end]):
-        raise BlockFileError("bad-trailer", "trailer checksum mismatch")
+        raise BlockFileError(Corruption.BAD_TRAILER, "trailer checksum mismatch")
     return Trailer(version, flags, payload_len, xxh, created, bytes(view[_HEAD.size:key_end]))
 
 
@@ -140,14 +156,15 @@ def verify_block(
     payload_len = memoryview(payload).nbytes
     if trailer.payload_len != payload_len:
         raise BlockFileError(
-            "bad-length", f"trailer says {trailer.payload_len} bytes, block is {payload_len}"
+            Corruption.BAD_LENGTH,
+            f"trailer says {trailer.payload_len} bytes, block is {payload_len}",
         )
     if trailer.key != key:
-        raise BlockFileError("wrong-key", "file holds another block's key")
+        raise BlockFileError(Corruption.WRONG_KEY, "file holds another block's key")
     if verify_checksum and trailer.has_checksum:
         actual = payload_checksum(payload) if payload_xxh3 is None else payload_xxh3
         if actual != trailer.payload_xxh3:
-            raise BlockFileError("bad-checksum", "payload xxh3 mismatch")
+            raise BlockFileError(Corruption.BAD_CHECKSUM, "payload xxh3 mismatch")
     return trailer
 
 

@@ -28,7 +28,7 @@ from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, Tra
 
 from llmkv_fs import __version__
 from llmkv_fs.config import TierSettings
-from llmkv_fs.engine.engine import FsEngine, prepare_volume
+from llmkv_fs.engine import FsEngine
 from llmkv_fs.layout.leases import lease_for
 from llmkv_fs.layout.paths import CacheLayout, RunIdentity
 from llmkv_fs.tier.hashing import hashing_identity
@@ -108,13 +108,12 @@ class FsTier(SecondaryTierManager):
         self.layout = CacheLayout.for_identity(
             self.settings.root_dir, identity_from_spec(offloading_spec)
         )
-        config_state = prepare_volume(self.layout, self.settings.file_mode, self.settings.dir_mode)
         self.engine = FsEngine(self.settings, self.layout, primary_kv_view, self.block_size_bytes)
         self._metrics = TierMetrics(self.engine, _tier_label(offloading_spec, tier_type, self.settings))
         self._lease_pending = True
         logger.info(
             "llmkv_fs %s tier %r ready at %s (config.json %s)",
-            __version__, tier_type, self.layout.rank_dir, config_state,
+            __version__, tier_type, self.layout.rank_dir, self.engine.run_config_state,
         )
 
     # -- lookups -----------------------------------------------------------------

@@ -4,8 +4,8 @@ renders metrics, ``get_stats`` in the engine core).
 
 Every name emitted must be declared: vLLM's Prometheus logger in the API
 server raises on an undeclared one. ``METRICS`` is therefore the single
-table both sides read, and the engine's counter names map onto it through
-``_counter_target``.
+table both sides read, and the engine's typed counter keys map onto it
+through ``counter_series``.
 
 Threading: ``TierMetrics.take_stats`` runs under vLLM's manager lock (the
 scheduler side), like every other tier call; it reads engine counters that
@@ -27,6 +27,16 @@ from vllm.v1.kv_offload.base import (
     OffloadingMetricMetadata,
 )
 from vllm.v1.kv_offload.tiering.base import TIER_LABEL
+
+from llmkv_fs.engine import (
+    CounterKey,
+    Direction,
+    FsEngine,
+    LookupAnswer,
+    Outcome,
+    Tally,
+)
+from llmkv_fs.layout.blockfile import Corruption
 
 PREFIX = "vllm:kv_offload_llmkv_fs_"
 _JOB_SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
@@ -76,8 +86,8 @@ METRICS = {
            "stalled, error, cancelled.", "reason"),
         _m("corrupt_blocks", "counter",
            "Block files refused on load, by what was wrong (the quarantine file "
-           "names and llmkv-fs verify use the same words): bad-checksum, truncated, "
-           "bad-length, wrong-key, bad-magic, bad-version, bad-trailer, symlink.", "reason"),
+           "names and llmkv-fs verify use the same words): "
+           + ", ".join(Corruption) + ".", "reason"),
         _m("quarantined_files", "counter", "Bad block files moved to .quarantine/."),
         _m("deadline_expiries", "counter",
            "Blocks failed because their job passed job_timeout_s."),
@@ -97,33 +107,20 @@ METRICS = {
     )
 }
 
-_DIRECT = {
-    "bytes_written": ("written_bytes", ()),
-    "bytes_read": ("read_bytes", ()),
-    "blocks_written": ("stored_blocks", ("written",)),
-    "blocks_present": ("stored_blocks", ("present",)),
-    "blocks_verified": ("loaded_blocks", ("verified",)),
-    "blocks_unverified": ("loaded_blocks", ("unverified",)),
-    "store_blocks_dropped_queue_full": ("store_failures", ("queue_full",)),
-    "store_blocks_dropped_space": ("store_failures", ("space",)),
-    "store_blocks_dropped_stalled": ("store_failures", ("stalled",)),
-    "store_deadline_failed": ("store_failures", ("deadline",)),
-    "store_errors": ("store_failures", ("error",)),
-    "store_cancelled": ("store_failures", ("cancelled",)),
-    "load_missing": ("load_failures", ("missing",)),
-    "load_blocks_failed_stalled": ("load_failures", ("stalled",)),
-    "load_deadline_failed": ("load_failures", ("deadline",)),
-    "load_errors": ("load_failures", ("error",)),
-    "load_cancelled": ("load_failures", ("cancelled",)),
-    "quarantined": ("quarantined_files", ()),
-    "blocks_deadline_expired": ("deadline_expiries", ()),
-    "lookup_hits": ("lookups", ("hit",)),
-    "lookup_misses": ("lookups", ("miss",)),
-    "lookup_retries": ("lookups", ("retry",)),
-    "lookups_deadline_missed": ("lookups", ("deadline_miss",)),
+# Engine counter key -> the series it feeds. Every key type is handled in
+# counter_series, and every member has a series (tests/test_metrics.py walks
+# all_counter_keys): a new enum member needs no edit here unless it is a Tally.
+_SUCCESSES = {Direction.STORE: "stored_blocks", Direction.LOAD: "loaded_blocks"}
+_FAILURES = {Direction.STORE: "store_failures", Direction.LOAD: "load_failures"}
+_TALLIES = {
+    Tally.BYTES_WRITTEN: "written_bytes",
+    Tally.BYTES_READ: "read_bytes",
+    Tally.QUARANTINED: "quarantined_files",
+    Tally.DEADLINE_EXPIRED: "deadline_expiries",
 }
+_JOB_SECONDS = {Direction.STORE: "store_job_seconds", Direction.LOAD: "load_job_seconds"}
 
-_GAUGES = {
+_GAUGES: dict[str, tuple[str, tuple[str, ...]]] = {
     "busy_threads": ("busy_threads", ()),
     "stuck_blocks": ("stuck_blocks", ()),
     "space_guard_tripped": ("space_guard_tripped", ()),
@@ -134,16 +131,18 @@ _GAUGES = {
 }
 
 
-def _counter_target(key: str) -> list[tuple[str, tuple[str, ...]]]:
-    """Engine counter name -> the metric series it feeds (a corrupt load
-    feeds two: the failure and what was corrupt)."""
-    if key in _DIRECT:
-        suffix, labels = _DIRECT[key]
-        return [(suffix, labels)]
-    if key.startswith("load_corrupt_"):
-        reason = key[len("load_corrupt_"):]
-        return [("load_failures", ("corrupt",)), ("corrupt_blocks", (reason,))]
-    return []
+def counter_series(key: CounterKey) -> tuple[str, tuple[str, ...]]:
+    """Engine counter key -> (metric name, label values besides the tier)."""
+    if isinstance(key, Outcome):
+        return PREFIX + _SUCCESSES[key.direction], (key.value,)
+    if isinstance(key, Corruption):
+        return PREFIX + "corrupt_blocks", (key.value,)
+    if isinstance(key, LookupAnswer):
+        return PREFIX + "lookups", (key.value,)
+    if isinstance(key, Tally):
+        return PREFIX + _TALLIES[key], ()
+    direction, reason = key
+    return PREFIX + _FAILURES[direction], (reason.value,)
 
 
 def metric_definitions() -> dict[str, OffloadingMetricMetadata]:
@@ -155,10 +154,10 @@ class TierMetrics:
     one OffloadingConnectorStats per ``take_stats`` call (deltas since the
     previous call), labelled with this tier's label."""
 
-    def __init__(self, engine, tier_label: str):
+    def __init__(self, engine: FsEngine, tier_label: str):
         self._engine = engine
         self._label = tier_label
-        self._reported: collections.Counter[str] = collections.Counter()
+        self._reported: collections.Counter[CounterKey] = collections.Counter()
 
     def take_stats(self) -> OffloadingConnectorStats:
         stats = OffloadingConnectorStats()
@@ -168,13 +167,13 @@ class TierMetrics:
             if not delta:
                 continue
             self._reported[key] = total
-            for suffix, labels in _counter_target(key):
-                stats.increase_counter(PREFIX + suffix, delta, (self._label, *labels))
+            name, labels = counter_series(key)
+            stats.increase_counter(name, delta, (self._label, *labels))
         for direction in list(engine.job_latencies):
             taken, engine.job_latencies[direction] = engine.job_latencies[direction], []
             for seconds in taken:
-                stats.observe_histogram(PREFIX + f"{direction}_job_seconds", seconds, (self._label,))
-        for key, value in engine.gauges().items():
-            suffix, labels = _GAUGES[key]
-            stats.set_gauge(PREFIX + suffix, value, (self._label, *labels))
+                stats.observe_histogram(PREFIX + _JOB_SECONDS[direction], seconds, (self._label,))
+        for gauge, value in engine.gauges().items():
+            suffix, gauge_labels = _GAUGES[gauge]
+            stats.set_gauge(PREFIX + suffix, value, (self._label, *gauge_labels))
         return stats

@@ -1,0 +1,163 @@
+"""What happened to each block, and the keys the engine counts it under.
+
+This is the engine's contract with whoever publishes its counters
+(tier/metrics.py maps every key below onto a Prometheus series). Adding a
+failure reason is one edit: a ``Failure`` member, whose value is its metric
+label; tests/test_metrics.py then asks for its line in docs/metrics.md.
+
+Threading: plain immutable values. An I/O thread creates a block's result
+(``Outcome`` or ``Failed``); only the owner counts it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import itertools
+from collections.abc import Iterator
+from typing import ClassVar, TypeAlias
+
+from llmkv_fs.layout.blockfile import BlockFileError, Corruption
+
+__all__ = [
+    "CANCELLED",
+    "DEADLINE",
+    "Abandoned",
+    "BlockMissing",
+    "BlockNotMoved",
+    "BlockResult",
+    "CounterKey",
+    "Direction",
+    "Failed",
+    "Failure",
+    "LookupAnswer",
+    "Outcome",
+    "StoreRefused",
+    "Tally",
+    "all_counter_keys",
+    "failed",
+]
+
+
+class _CounterKeyEnum(enum.Enum):
+    """Hashed by identity (members are singletons). Enum's own ``__hash__`` is
+    Python code hashing the member's name, and every counted block and every
+    lookup pays it twice: more than the string keys these enums replaced."""
+
+    __hash__ = object.__hash__
+
+
+class Direction(_CounterKeyEnum):
+    LOAD = "load"  # volume -> primary buffer
+    STORE = "store"  # primary buffer -> volume
+
+
+class Outcome(_CounterKeyEnum):
+    """A block that succeeded, and how. Anything else is a ``Failed``."""
+
+    WRITTEN = "written"          # store: published a new file
+    PRESENT = "present"          # store: a valid-sized file was already there
+    VERIFIED = "verified"        # load: trailer, length, key and checksum checked
+    UNVERIFIED = "unverified"    # load: trailer-less file (vLLM's built-in wrote it)
+
+    @property
+    def direction(self) -> Direction:
+        return Direction.STORE if self in (Outcome.WRITTEN, Outcome.PRESENT) else Direction.LOAD
+
+
+class Failure(_CounterKeyEnum):
+    """Why a block was not moved. The value is the ``reason`` label of the
+    ``store_failures`` / ``load_failures`` metrics."""
+
+    MISSING = "missing"        # load: no file (never stored, or removed since the lookup)
+    CORRUPT = "corrupt"        # load: the file failed verification (see Corruption)
+    QUEUE_FULL = "queue_full"  # store: max_pending_store_blocks were already waiting
+    SPACE = "space"            # store: the space guard is tripped
+    STALLED = "stalled"        # refused at submit: the volume is not answering
+    DEADLINE = "deadline"      # the job passed job_timeout_s
+    ERROR = "error"            # any other exception (logged, throttled)
+    CANCELLED = "cancelled"    # never started: the engine shut down
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Failed:
+    """A block that was not moved: why, and the exception behind it (for the
+    log; a BlockFileError for CORRUPT)."""
+
+    reason: Failure
+    error: Exception | None = None
+
+
+BlockResult: TypeAlias = Outcome | Failed
+
+# Shared results of blocks failed without running (no allocation per block).
+CANCELLED = Failed(Failure.CANCELLED)
+DEADLINE = Failed(Failure.DEADLINE)
+
+
+class BlockNotMoved(Exception):
+    """An expected per-block failure raised on an I/O thread; ``failure``
+    says which."""
+
+    failure: ClassVar[Failure] = Failure.ERROR
+
+
+class BlockMissing(BlockNotMoved):
+    """The block file does not exist (never stored, or removed)."""
+
+    failure = Failure.MISSING
+
+
+class Abandoned(BlockNotMoved):
+    """The store's job passed its deadline while the block was being written;
+    the temp file was removed instead of published."""
+
+    failure = Failure.DEADLINE
+
+
+class StoreRefused(BlockNotMoved):
+    """A store block was not attempted (the space guard is tripped)."""
+
+    failure = Failure.SPACE
+
+
+def failed(exc: Exception) -> Failed:
+    """The result of a block whose transfer raised ``exc``."""
+    if isinstance(exc, BlockNotMoved):
+        return Failed(exc.failure, exc)
+    if isinstance(exc, BlockFileError):
+        return Failed(Failure.CORRUPT, exc)
+    return Failed(Failure.ERROR, exc)
+
+
+class LookupAnswer(_CounterKeyEnum):
+    """A lookup's answer, as counted. The value is the ``lookups`` metric's
+    ``result`` label."""
+
+    HIT = "hit"
+    MISS = "miss"
+    RETRY = "retry"  # the existence check is still running
+    DEADLINE_MISS = "deadline_miss"  # a pending check answered miss after its deadline
+
+
+class Tally(_CounterKeyEnum):
+    """Counters with no label."""
+
+    BYTES_WRITTEN = enum.auto()
+    BYTES_READ = enum.auto()
+    QUARANTINED = enum.auto()  # bad block files moved aside
+    DEADLINE_EXPIRED = enum.auto()  # blocks failed when their job's deadline passed
+
+
+# What FsEngine.counters is keyed by: successes by Outcome, failures by
+# (direction, reason), bad files by what was wrong with them, lookups by answer.
+CounterKey: TypeAlias = Outcome | tuple[Direction, Failure] | Corruption | LookupAnswer | Tally
+
+
+def all_counter_keys() -> Iterator[CounterKey]:
+    """Every key FsEngine.counters can hold (for the metric table's tests)."""
+    yield from Outcome
+    yield from itertools.product(Direction, Failure)
+    yield from Corruption
+    yield from LookupAnswer
+    yield from Tally
