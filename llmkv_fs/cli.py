@@ -38,8 +38,10 @@ def _config_doc(args: argparse.Namespace) -> int:
         else:
             default = f"`{json.dumps(s.default)}`"
         print(f"| `{s.key}` | {default} | {'yes' if s.vllm_builtin else 'no'} | {s.doc} |")
-    print("| `backpressure` | (none) | yes | Consumed by vLLM's tier factory, which hands "
-          "the tier a detector; same meaning as for the built-in. |")
+    print(
+        "| `backpressure` | (none) | yes | Consumed by vLLM's tier factory, which hands "
+        "the tier a detector; same meaning as for the built-in. |"
+    )
     return 0
 
 
@@ -54,30 +56,39 @@ _VOLUME_TOOLS = (
 
 def _add_volume_tools(sub: argparse._SubParsersAction) -> None:
     for name, module, help_text in _VOLUME_TOOLS:
-        parser = sub.add_parser(name, help=help_text, description=module.__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+        parser = sub.add_parser(
+            name,
+            help=help_text,
+            description=module.__doc__,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
         module.add_arguments(parser)
         parser.set_defaults(func=module.run)
 
 
 def build_parser(prog: str = "llmkv-fs") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog=prog, description="llmkv_fs, a shared-filesystem KV-cache tier for vLLM: look "
-        "after a cache volume (gc, stats, verify), see the tier at work (demo, bench).")
+        prog=prog,
+        description="llmkv_fs, a shared-filesystem KV-cache tier for vLLM: look "
+        "after a cache volume (gc, stats, verify), see the tier at work (demo, bench).",
+    )
     parser.add_argument("--version", action="version", version=f"llmkv-fs {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     demo_parser = sub.add_parser(
-        "demo", help="vLLM replicas in separate processes share KV chunks through llmkv_fs",
+        "demo",
+        help="vLLM replicas in separate processes share KV chunks through llmkv_fs",
         description="Two replicas (separate processes, vLLM's real scheduler-side offloading "
         "stack on CPU) serve requests with shared prefixes and find each other's chunks on the "
         "volume; then a restarted replica finds them too. Exit status 0 only if every loaded "
-        "byte matched and the restarted replica hit.")
+        "byte matched and the restarted replica hit.",
+    )
     demo.add_arguments(demo_parser)
     demo_parser.set_defaults(func=_demo)
 
     bench_parser = sub.add_parser(
-        "bench", help="llmkv_fs vs vLLM's built-in fs tier vs fio: GB/s, latency, plots")
+        "bench", help="llmkv_fs vs vLLM's built-in fs tier vs fio: GB/s, latency, plots"
+    )
     bench.add_arguments(bench_parser)
     bench_parser.set_defaults(func=_bench)
 

@@ -50,8 +50,7 @@ class _Declared:
 
 def _fail(key: str, value: Any, expected: str) -> TierConfigError:
     return TierConfigError(
-        f"llmkv_fs: bad value for secondary tier key {key!r}: {value!r} "
-        f"(expected {expected})"
+        f"llmkv_fs: bad value for secondary tier key {key!r}: {value!r} (expected {expected})"
     )
 
 
@@ -123,8 +122,12 @@ def _byte_size(key: str, value: Any) -> int:
             return parse_size(value)
         except UnitError:
             pass
-    raise _fail(key, value, 'a whole number of bytes from 0 to 2^63 - 1: an integer, or a string '
-                'with a decimal or binary suffix such as "20GB" (20 * 10^9) or "20GiB" (20 * 2^30)')
+    raise _fail(
+        key,
+        value,
+        "a whole number of bytes from 0 to 2^63 - 1: an integer, or a string "
+        'with a decimal or binary suffix such as "20GB" (20 * 10^9) or "20GiB" (20 * 2^30)',
+    )
 
 
 def _positive_seconds(high: float) -> Callable[[str, Any], float]:
@@ -154,8 +157,9 @@ def _numa_node(key: str, value: Any) -> str | int:
     raise _fail(key, value, '"auto", "off" or a NUMA node id (integer >= 0)')
 
 
-def _declare(doc: str, check: Callable[[str, Any], Any], *,
-             vllm_builtin: bool = False) -> dict[str, _Declared]:
+def _declare(
+    doc: str, check: Callable[[str, Any], Any], *, vllm_builtin: bool = False
+) -> dict[str, _Declared]:
     return {_DECLARED: _Declared(doc, check, vllm_builtin)}
 
 
@@ -168,94 +172,168 @@ class TierSettings:
     doc, check and vLLM flag in the field's metadata (``SETTINGS`` is the
     table view of these fields)."""
 
-    root_dir: str = dataclasses.field(metadata=_declare(
-        "Root directory of the shared cache volume.",
-        _root_dir, vllm_builtin=True))
-    n_read_threads: int = dataclasses.field(default=16, metadata=_declare(
-        "Load-priority I/O threads (they also drain stores when idle).",
-        _int_between(1, 512), vllm_builtin=True))
-    n_write_threads: int = dataclasses.field(default=16, metadata=_declare(
-        "Store-priority I/O threads (they also drain loads when idle).",
-        _int_between(1, 512), vllm_builtin=True))
-    enable_kv_events: bool = dataclasses.field(default=False, metadata=_declare(
-        "Emit BlockStored KV events for blocks that landed in this tier, and "
-        "BlockRemoved for files it quarantined (needs KV cache events enabled "
-        "globally).",
-        _boolean, vllm_builtin=True))
-    locality: str | None = dataclasses.field(default=None, metadata=_declare(
-        "Whether the volume is LOCAL or REMOTE to this instance (KV events).",
-        _locality, vllm_builtin=True))
-    durability: str = dataclasses.field(default="none", metadata=_declare(
-        "none: publish by rename only (a torn file after power loss is caught "
-        "by the checksum and quarantined); file: fsync each block before the "
-        "rename; full: also fsync the directory after the rename.",
-        _one_of("none", "file", "full")))
-    checksum: bool = dataclasses.field(default=True, metadata=_declare(
-        "Write an xxh3-64 checksum of every block and verify it on load. "
-        "Off: the trailer still carries length and key, which are verified.",
-        _boolean))
-    accept_trailerless: bool = dataclasses.field(default=False, metadata=_declare(
-        "Also load trailer-less files of exactly one chunk (what vLLM's built-in "
-        "fs tier writes), as unverified. Off by default: such a file carries no "
-        "key or checksum, so a torn or damaged one would reach the CPU tier "
-        "unchecked. Turn it on only for a volume shared with replicas running "
-        "vLLM's built-in tier.",
-        _boolean))
-    io_mode: str = dataclasses.field(default="auto", metadata=_declare(
-        "auto: O_DIRECT where the volume accepts it (probed once), else "
-        "buffered; direct: require O_DIRECT; buffered: never use it.",
-        _one_of("auto", "direct", "buffered")))
-    numa_node: str | int = dataclasses.field(default="auto", metadata=_declare(
-        'auto: pin I/O threads to the CPUs of the NUMA node holding the '
-        'primary buffer (multi-node machines only); an integer: that node; '
-        '"off": never pin.',
-        _numa_node))
-    max_pending_store_blocks: int = dataclasses.field(default=1024, metadata=_declare(
-        "Store blocks allowed to wait for an I/O thread. A store job that "
-        "would exceed it fails at once (the block stays in the CPU tier); a "
-        "single job larger than the bound is accepted only into an empty queue.",
-        _int_between(1, 1 << 24)))
-    lookup_threads: int = dataclasses.field(default=4, metadata=_declare(
-        "Threads that run one step's batched existence checks in parallel "
-        "(each check is one metadata round trip on a network filesystem).",
-        _int_between(1, 256)))
-    job_timeout_s: float = dataclasses.field(default=30.0, metadata=_declare(
-        "Deadline of one transfer job. A store past it fails (blocks in flight "
-        "are abandoned and never published). A load past it fails its queued "
-        "blocks at once; a load whose read is still inside the kernel is "
-        "reported only when that read returns, because the kernel may still "
-        "write into the CPU-tier chunk, which vLLM would reuse. While a job is "
-        "overdue the volume counts as stalled: new jobs fail at once and "
-        "lookups miss, until the stuck calls return. A lookup check waits at "
-        "most min(job_timeout_s, 5 s) before answering miss.",
-        _positive_seconds(86400)))
-    max_usage_percent: float = dataclasses.field(default=95.0, metadata=_declare(
-        "Space guard: when the volume (statvfs, sampled about once a second "
-        "off the scheduler thread) is fuller than this, new stores are dropped "
-        "(reported failed, counted) and loads continue.",
-        _percent))
-    min_free_bytes: int = dataclasses.field(default=0, metadata=_declare(
-        'Space guard: drop new stores while fewer bytes than this are free: an '
-        'integer, or a size with a decimal or binary suffix (see Sizes below): '
-        '"20GB" or "20G" is 20 * 10^9 bytes, "20GiB" or "20Gi" 20 * 2^30. '
-        "ENOSPC also trips the guard, "
-        "until free space has grown by one block per I/O thread (someone, e.g. "
-        "gc, made room).",
-        _byte_size))
-    file_mode: int = dataclasses.field(default=0o640, metadata=_declare(
-        'Mode of block and config files ("0640"). KV bytes reveal prompt '
-        "content, so others get nothing; the group may read, which is how "
-        "replicas running as different users in one fsGroup share.",
-        _mode(0o600, "owner read and write")))
-    dir_mode: int = dataclasses.field(default=0o770, metadata=_declare(
-        'Mode of directories this tier creates ("0770"). Group write lets '
-        "replicas and gc running as other users of the group add, "
-        "quarantine and remove files.",
-        _mode(0o700, "owner read, write and search")))
-    lease_interval_s: float = dataclasses.field(default=30.0, metadata=_declare(
-        "How often the tier refreshes its lease file under the digest "
-        "directory; gc treats a lease older than 4 intervals as dead.",
-        _positive_seconds(3600)))
+    root_dir: str = dataclasses.field(
+        metadata=_declare(
+            "Root directory of the shared cache volume.", _root_dir, vllm_builtin=True
+        )
+    )
+    n_read_threads: int = dataclasses.field(
+        default=16,
+        metadata=_declare(
+            "Load-priority I/O threads (they also drain stores when idle).",
+            _int_between(1, 512),
+            vllm_builtin=True,
+        ),
+    )
+    n_write_threads: int = dataclasses.field(
+        default=16,
+        metadata=_declare(
+            "Store-priority I/O threads (they also drain loads when idle).",
+            _int_between(1, 512),
+            vllm_builtin=True,
+        ),
+    )
+    enable_kv_events: bool = dataclasses.field(
+        default=False,
+        metadata=_declare(
+            "Emit BlockStored KV events for blocks that landed in this tier, and "
+            "BlockRemoved for files it quarantined (needs KV cache events enabled "
+            "globally).",
+            _boolean,
+            vllm_builtin=True,
+        ),
+    )
+    locality: str | None = dataclasses.field(
+        default=None,
+        metadata=_declare(
+            "Whether the volume is LOCAL or REMOTE to this instance (KV events).",
+            _locality,
+            vllm_builtin=True,
+        ),
+    )
+    durability: str = dataclasses.field(
+        default="none",
+        metadata=_declare(
+            "none: publish by rename only (a torn file after power loss is caught "
+            "by the checksum and quarantined); file: fsync each block before the "
+            "rename; full: also fsync the directory after the rename.",
+            _one_of("none", "file", "full"),
+        ),
+    )
+    checksum: bool = dataclasses.field(
+        default=True,
+        metadata=_declare(
+            "Write an xxh3-64 checksum of every block and verify it on load. "
+            "Off: the trailer still carries length and key, which are verified.",
+            _boolean,
+        ),
+    )
+    accept_trailerless: bool = dataclasses.field(
+        default=False,
+        metadata=_declare(
+            "Also load trailer-less files of exactly one chunk (what vLLM's built-in "
+            "fs tier writes), as unverified. Off by default: such a file carries no "
+            "key or checksum, so a torn or damaged one would reach the CPU tier "
+            "unchecked. Turn it on only for a volume shared with replicas running "
+            "vLLM's built-in tier.",
+            _boolean,
+        ),
+    )
+    io_mode: str = dataclasses.field(
+        default="auto",
+        metadata=_declare(
+            "auto: O_DIRECT where the volume accepts it (probed once), else "
+            "buffered; direct: require O_DIRECT; buffered: never use it.",
+            _one_of("auto", "direct", "buffered"),
+        ),
+    )
+    numa_node: str | int = dataclasses.field(
+        default="auto",
+        metadata=_declare(
+            "auto: pin I/O threads to the CPUs of the NUMA node holding the "
+            "primary buffer (multi-node machines only); an integer: that node; "
+            '"off": never pin.',
+            _numa_node,
+        ),
+    )
+    max_pending_store_blocks: int = dataclasses.field(
+        default=1024,
+        metadata=_declare(
+            "Store blocks allowed to wait for an I/O thread. A store job that "
+            "would exceed it fails at once (the block stays in the CPU tier); a "
+            "single job larger than the bound is accepted only into an empty queue.",
+            _int_between(1, 1 << 24),
+        ),
+    )
+    lookup_threads: int = dataclasses.field(
+        default=4,
+        metadata=_declare(
+            "Threads that run one step's batched existence checks in parallel "
+            "(each check is one metadata round trip on a network filesystem).",
+            _int_between(1, 256),
+        ),
+    )
+    job_timeout_s: float = dataclasses.field(
+        default=30.0,
+        metadata=_declare(
+            "Deadline of one transfer job. A store past it fails (blocks in flight "
+            "are abandoned and never published). A load past it fails its queued "
+            "blocks at once; a load whose read is still inside the kernel is "
+            "reported only when that read returns, because the kernel may still "
+            "write into the CPU-tier chunk, which vLLM would reuse. While a job is "
+            "overdue the volume counts as stalled: new jobs fail at once and "
+            "lookups miss, until the stuck calls return. A lookup check waits at "
+            "most min(job_timeout_s, 5 s) before answering miss.",
+            _positive_seconds(86400),
+        ),
+    )
+    max_usage_percent: float = dataclasses.field(
+        default=95.0,
+        metadata=_declare(
+            "Space guard: when the volume (statvfs, sampled about once a second "
+            "off the scheduler thread) is fuller than this, new stores are dropped "
+            "(reported failed, counted) and loads continue.",
+            _percent,
+        ),
+    )
+    min_free_bytes: int = dataclasses.field(
+        default=0,
+        metadata=_declare(
+            "Space guard: drop new stores while fewer bytes than this are free: an "
+            "integer, or a size with a decimal or binary suffix (see Sizes below): "
+            '"20GB" or "20G" is 20 * 10^9 bytes, "20GiB" or "20Gi" 20 * 2^30. '
+            "ENOSPC also trips the guard, "
+            "until free space has grown by one block per I/O thread (someone, e.g. "
+            "gc, made room).",
+            _byte_size,
+        ),
+    )
+    file_mode: int = dataclasses.field(
+        default=0o640,
+        metadata=_declare(
+            'Mode of block and config files ("0640"). KV bytes reveal prompt '
+            "content, so others get nothing; the group may read, which is how "
+            "replicas running as different users in one fsGroup share.",
+            _mode(0o600, "owner read and write"),
+        ),
+    )
+    dir_mode: int = dataclasses.field(
+        default=0o770,
+        metadata=_declare(
+            'Mode of directories this tier creates ("0770"). Group write lets '
+            "replicas and gc running as other users of the group add, "
+            "quarantine and remove files.",
+            _mode(0o700, "owner read, write and search"),
+        ),
+    )
+    lease_interval_s: float = dataclasses.field(
+        default=30.0,
+        metadata=_declare(
+            "How often the tier refreshes its lease file under the digest "
+            "directory; gc treats a lease older than 4 intervals as dead.",
+            _positive_seconds(3600),
+        ),
+    )
 
     @classmethod
     def from_mapping(cls, config: Mapping[str, Any]) -> TierSettings:
@@ -270,8 +348,7 @@ class TierSettings:
             if setting.key not in config:
                 if setting.required:
                     raise TierConfigError(
-                        f"llmkv_fs: secondary tier key {setting.key!r} is required "
-                        f"({setting.doc})"
+                        f"llmkv_fs: secondary tier key {setting.key!r} is required ({setting.doc})"
                     )
                 continue
             values[setting.key] = setting.check(setting.key, config[setting.key])
@@ -286,9 +363,16 @@ def _table() -> tuple[Setting, ...]:
     for f in dataclasses.fields(TierSettings):
         declared: _Declared = f.metadata[_DECLARED]  # KeyError: a field without _declare()
         required = f.default is dataclasses.MISSING
-        table.append(Setting(f.name, None if required else f.default, declared.doc,
-                             declared.check, required=required,
-                             vllm_builtin=declared.vllm_builtin))
+        table.append(
+            Setting(
+                f.name,
+                None if required else f.default,
+                declared.doc,
+                declared.check,
+                required=required,
+                vllm_builtin=declared.vllm_builtin,
+            )
+        )
     return tuple(table)
 
 

@@ -31,13 +31,19 @@ import re
 from fractions import Fraction
 
 __all__ = [
-    "MAX_DURATION_S", "MAX_SIZE", "UnitError", "format_bytes", "format_duration",
-    "parse_duration", "parse_percent_or_off", "parse_size",
+    "MAX_DURATION_S",
+    "MAX_SIZE",
+    "UnitError",
+    "format_bytes",
+    "format_duration",
+    "parse_duration",
+    "parse_percent_or_off",
+    "parse_size",
 ]
 
-MAX_SIZE = (1 << 63) - 1           # the largest file offset (off_t) there is
+MAX_SIZE = (1 << 63) - 1  # the largest file offset (off_t) there is
 MAX_DURATION_S = 100 * 365 * 86400  # below threading.TIMEOUT_MAX, far above any sane age
-_MAX_TEXT = 40                     # longer is a typo or an attack, not a size
+_MAX_TEXT = 40  # longer is a typo or an attack, not a size
 
 _NUMBER = r"(?P<n>\d+(?:\.\d*)?|\.\d+)\s*"  # no sign, exponent, nan or inf
 _SIZE_RE = re.compile(_NUMBER + r"(?P<unit>(?:[kmgtp]i?)?)b?", re.IGNORECASE)
@@ -89,8 +95,7 @@ def parse_duration(text: str) -> float:
     """Seconds from ``"90"``, ``"30s"``, ``"10m"``, ``"1.5h"`` or ``"7d"``."""
     match = _DURATION_RE.fullmatch(text.strip()) if len(text) <= _MAX_TEXT else None
     if match is None:
-        raise UnitError(f"{text[:_MAX_TEXT]!r} is not a duration "
-                        "(examples: 90, 30s, 10m, 2h, 7d)")
+        raise UnitError(f"{text[:_MAX_TEXT]!r} is not a duration (examples: 90, 30s, 10m, 2h, 7d)")
     seconds = float(match["n"]) * _DURATION_UNITS[match["unit"].lower()]
     if seconds > MAX_DURATION_S:
         raise UnitError(f"{text!r} is longer than 100 years")

@@ -9,8 +9,8 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))  # tests/harness.py, tests/engine_kit.py
 
-from engine_kit import engines, gate_for  # noqa: E402,F401  (engine fixtures)
-from gluster_kit import gluster  # noqa: E402,F401  (session fixture: GlusterFS mounted twice)
+from engine_kit import engines, gate_for  # noqa: F401  (engine fixtures)
+from gluster_kit import gluster  # noqa: F401  (session fixture: GlusterFS mounted twice)
 
 SHM = "/dev/shm"
 
@@ -110,8 +110,11 @@ def mount_tmpfs(tmp_path):
         mountpoint = tmp_path / f"tmpfs-{uuid.uuid4().hex[:6]}"
         mountpoint.mkdir()
         opts = ",".join(filter(None, [f"size={size}", options]))
-        done = subprocess.run(["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(mountpoint)],
-                              capture_output=True, text=True)
+        done = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(mountpoint)],
+            capture_output=True,
+            text=True,
+        )
         if done.returncode:
             pytest.skip(f"cannot mount a tmpfs here (needs root): {done.stderr.strip()}")
         mounted.append(str(mountpoint))

@@ -23,7 +23,10 @@ BS = 64 * 1024
 DEADLINE_S = 20.0
 GATE_TIMEOUT_S = 15.0
 IDENTITY = RunIdentity(
-    model_name="m/x", dtype="bfloat16", tokens_per_hash=16, blocks_per_file=1,
+    model_name="m/x",
+    dtype="bfloat16",
+    tokens_per_hash=16,
+    blocks_per_file=1,
     kv_cache_groups=((16, ("l0",)),),
 )
 
@@ -38,11 +41,11 @@ def pattern(i, size: int = BS) -> bytes:
 
 
 def fill(primary, chunk: int, data: bytes, block_size: int = BS) -> None:
-    primary[chunk * block_size:(chunk + 1) * block_size] = data
+    primary[chunk * block_size : (chunk + 1) * block_size] = data
 
 
 def row(primary, chunk: int, block_size: int = BS) -> bytes:
-    return primary[chunk * block_size:(chunk + 1) * block_size]
+    return primary[chunk * block_size : (chunk + 1) * block_size]
 
 
 def wait_jobs(engine: FsEngine, job_ids, deadline_s: float = DEADLINE_S) -> dict[int, FinishedJob]:
@@ -114,6 +117,7 @@ class Gate:
                 if extra is not None:
                     extra.wait(GATE_TIMEOUT_S)
                 return real(key, row_view, *rest)
+
             return wrapper
 
         monkeypatch.setattr(engine.blockio, "load", wrap("load", real_load))
@@ -159,6 +163,7 @@ def gate_for(engines, monkeypatch):
         gate = Gate(engine, monkeypatch)
         engines.gates.append(gate)
         return gate
+
     return install
 
 
@@ -176,8 +181,12 @@ def write_blocks(root: str, ids, rank: int = 0) -> tuple[CacheLayout, BlockIO]:
     (temp file, trailer, rename), without an engine: for tools that read a volume."""
     layout = CacheLayout(root, CacheLayout.for_identity(root, IDENTITY).run_config, rank)
     prepare_volume(layout)
-    blockio = BlockIO(layout, IoOptions(block_size=BS, use_o_direct=False, fsync_file=False,
-                                        fsync_dir=False, checksum=True))
+    blockio = BlockIO(
+        layout,
+        IoOptions(
+            block_size=BS, use_o_direct=False, fsync_file=False, fsync_dir=False, checksum=True
+        ),
+    )
     buf = mmap.mmap(-1, BS)
     for i in ids:
         buf[:] = pattern(i)

@@ -27,17 +27,29 @@ DEADLINE_S = 30.0
 SRC = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def identity(model: str = "acme/llama", rank: int = 0, tp: int = 1, dtype: str = "bfloat16"
-             ) -> RunIdentity:
-    return RunIdentity(model_name=model, dtype=dtype, tokens_per_hash=16, blocks_per_file=1,
-                       kv_cache_groups=((16, ("layer.0",)),), tp_size=tp, rank=rank)
+def identity(
+    model: str = "acme/llama", rank: int = 0, tp: int = 1, dtype: str = "bfloat16"
+) -> RunIdentity:
+    return RunIdentity(
+        model_name=model,
+        dtype=dtype,
+        tokens_per_hash=16,
+        blocks_per_file=1,
+        kv_cache_groups=((16, ("layer.0",)),),
+        tp_size=tp,
+        rank=rank,
+    )
 
 
-def make_digest(root: str, model: str = "acme/llama", ranks=(0,), dtype: str = "bfloat16",
-                config_age: float = 0.0) -> list[CacheLayout]:
+def make_digest(
+    root: str,
+    model: str = "acme/llama",
+    ranks=(0,),
+    dtype: str = "bfloat16",
+    config_age: float = 0.0,
+) -> list[CacheLayout]:
     """config.json (as the tier writes it) and one layout per rank."""
-    layouts = [CacheLayout.for_identity(root, identity(model, r, len(ranks), dtype))
-               for r in ranks]
+    layouts = [CacheLayout.for_identity(root, identity(model, r, len(ranks), dtype)) for r in ranks]
     ensure_run_config(layouts[0])
     if config_age:
         age(layouts[0].config_path, config_age)
@@ -65,8 +77,13 @@ def block_bytes(k: bytes, payload: int = PAYLOAD) -> bytes:
     return data + bytes(page)
 
 
-def put_block(layout: CacheLayout, k: bytes, seconds_old: float = 0.0,
-              used_ago: float | None = None, payload: int = PAYLOAD) -> str:
+def put_block(
+    layout: CacheLayout,
+    k: bytes,
+    seconds_old: float = 0.0,
+    used_ago: float | None = None,
+    payload: int = PAYLOAD,
+) -> str:
     """A block file as the tier publishes it, stored ``seconds_old`` ago and
     last loaded ``used_ago`` ago (its atime stamp)."""
     path = layout.block_path(k)
@@ -77,8 +94,14 @@ def put_block(layout: CacheLayout, k: bytes, seconds_old: float = 0.0,
     return path
 
 
-def put_temp(layout: CacheLayout, k: bytes, pid: int, host: str = HOST,
-             seconds_old: float = 0.0, nonce: str = "1a2b") -> str:
+def put_temp(
+    layout: CacheLayout,
+    k: bytes,
+    pid: int,
+    host: str = HOST,
+    seconds_old: float = 0.0,
+    nonce: str = "1a2b",
+) -> str:
     path = temp_path(layout.block_path(k), host, pid, nonce)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "wb") as f:
@@ -87,10 +110,21 @@ def put_temp(layout: CacheLayout, k: bytes, pid: int, host: str = HOST,
     return path
 
 
-def put_lease(layout: CacheLayout, pid: int, host: str = HOST, seconds_old: float = 0.0,
-              interval: float = 30.0) -> str:
-    lease = Lease(host=host, pid=pid, started_ns=time.time_ns(), hash_algo="sha256",
-                  seed_fingerprint="f" * 16, interval_s=interval)
+def put_lease(
+    layout: CacheLayout,
+    pid: int,
+    host: str = HOST,
+    seconds_old: float = 0.0,
+    interval: float = 30.0,
+) -> str:
+    lease = Lease(
+        host=host,
+        pid=pid,
+        started_ns=time.time_ns(),
+        hash_algo="sha256",
+        seed_fingerprint="f" * 16,
+        interval_s=interval,
+    )
     path = write_lease(layout.base_path, lease)
     age(path, seconds_old)
     return path
@@ -125,8 +159,13 @@ def snapshot(root: str) -> dict[str, tuple]:
                 continue
             st = os.lstat(path)
             read_by_gc = os.path.isdir(path) or "/leases/" in f"/{rel}"
-            out[rel] = (st.st_mode, st.st_size, st.st_ino, st.st_mtime_ns,
-                        None if read_by_gc else st.st_atime_ns)
+            out[rel] = (
+                st.st_mode,
+                st.st_size,
+                st.st_ino,
+                st.st_mtime_ns,
+                None if read_by_gc else st.st_atime_ns,
+            )
     return out
 
 
@@ -153,14 +192,24 @@ def gc_env() -> dict[str, str]:
 
 def gc_process(root: str, *args: str, **popen) -> subprocess.Popen:
     """gc as a real process (``python -m llmkv_fs gc``)."""
-    return subprocess.Popen([sys.executable, "-m", "llmkv_fs", "gc", root, *args],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=gc_env(), **popen)
+    return subprocess.Popen(
+        [sys.executable, "-m", "llmkv_fs", "gc", root, *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=gc_env(),
+        **popen,
+    )
 
 
 def gc_run(root: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "llmkv_fs", "gc", root, *args],
-                          capture_output=True, text=True, env=gc_env(), timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "llmkv_fs", "gc", root, *args],
+        capture_output=True,
+        text=True,
+        env=gc_env(),
+        timeout=timeout,
+    )
 
 
 def wait_until(predicate, what: str, deadline_s: float = DEADLINE_S) -> None:

@@ -67,11 +67,13 @@ class GlusterVolume:
 # -- small helpers ----------------------------------------------------------------------
 
 
-def _run(argv: list[str], timeout: float = CLI_TIMEOUT_S, env: dict | None = None
-         ) -> subprocess.CompletedProcess:
+def _run(
+    argv: list[str], timeout: float = CLI_TIMEOUT_S, env: dict | None = None
+) -> subprocess.CompletedProcess:
     try:
-        return subprocess.run(argv, capture_output=True, text=True, timeout=timeout,
-                              env=env, stdin=subprocess.DEVNULL)
+        return subprocess.run(
+            argv, capture_output=True, text=True, timeout=timeout, env=env, stdin=subprocess.DEVNULL
+        )
     except FileNotFoundError as exc:
         raise GlusterUnavailable(f"{argv[0]} not found: {exc}") from exc
     except subprocess.TimeoutExpired as exc:
@@ -83,7 +85,8 @@ def _check(argv: list[str], what: str, timeout: float = CLI_TIMEOUT_S) -> str:
     if done.returncode != 0:
         raise GlusterUnavailable(
             f"{what} failed ({' '.join(argv)}, rc={done.returncode}): "
-            f"{(done.stderr or done.stdout).strip()[-2000:]}")
+            f"{(done.stderr or done.stdout).strip()[-2000:]}"
+        )
     return done.stdout
 
 
@@ -99,8 +102,11 @@ def _gluster(*args: str, deadline_s: float = CLI_TIMEOUT_S) -> subprocess.Comple
     while True:
         done = _run(["gluster", "--mode=script", *args])
         text = (done.stderr + done.stdout).lower()
-        if (done.returncode == 0 or not any(b in text for b in _BUSY)
-                or time.monotonic() - start > deadline_s):
+        if (
+            done.returncode == 0
+            or not any(b in text for b in _BUSY)
+            or time.monotonic() - start > deadline_s
+        ):
             return done
         time.sleep(POLL_S)
 
@@ -110,7 +116,8 @@ def _gluster_check(*args: str) -> str:
     if done.returncode != 0:
         raise GlusterUnavailable(
             f"gluster {' '.join(args)} failed (rc={done.returncode}): "
-            f"{(done.stderr or done.stdout).strip()[-2000:]}")
+            f"{(done.stderr or done.stdout).strip()[-2000:]}"
+        )
     return done.stdout
 
 
@@ -176,8 +183,11 @@ def _unmount(path: str) -> None:
     if not os.path.ismount(path):
         return
     try:
-        _poll(lambda: _run(["umount", path], 30).returncode == 0 or not os.path.ismount(path),
-              UNMOUNT_DEADLINE_S, f"umount {path}")
+        _poll(
+            lambda: _run(["umount", path], 30).returncode == 0 or not os.path.ismount(path),
+            UNMOUNT_DEADLINE_S,
+            f"umount {path}",
+        )
     except GlusterUnavailable:
         _run(["umount", "-l", path], 30)
 
@@ -227,13 +237,16 @@ def _install() -> None:
     if not shutil.which("apt-get"):
         raise GlusterUnavailable("glusterd is not installed and there is no apt-get to install it")
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    for argv in (["apt-get", "update", "-qq"],
-                 ["apt-get", "install", "-y", "-qq", "glusterfs-server", "glusterfs-client"]):
+    for argv in (
+        ["apt-get", "update", "-qq"],
+        ["apt-get", "install", "-y", "-qq", "glusterfs-server", "glusterfs-client"],
+    ):
         done = _run(argv, INSTALL_TIMEOUT_S, env)
         if done.returncode != 0:
             raise GlusterUnavailable(
                 f"installing GlusterFS failed ({' '.join(argv)}, rc={done.returncode}): "
-                f"{(done.stderr or done.stdout).strip()[-2000:]}")
+                f"{(done.stderr or done.stdout).strip()[-2000:]}"
+            )
     if not shutil.which("glusterd"):
         raise GlusterUnavailable("glusterfs-server installed but glusterd is not on PATH")
 
@@ -242,8 +255,11 @@ def _start_glusterd() -> None:
     if not _daemon_running("glusterd"):
         # glusterd daemonizes itself; its exit status says whether it started.
         _check(["glusterd", f"--log-file={GLUSTERD_LOG}"], "starting glusterd", 60)
-    _poll(lambda: _gluster("pool", "list", deadline_s=0).returncode == 0, DAEMON_DEADLINE_S,
-          f"glusterd to answer `gluster pool list` (log: {GLUSTERD_LOG})")
+    _poll(
+        lambda: _gluster("pool", "list", deadline_s=0).returncode == 0,
+        DAEMON_DEADLINE_S,
+        f"glusterd to answer `gluster pool list` (log: {GLUSTERD_LOG})",
+    )
 
 
 def _up(vol: GlusterVolume) -> None:
@@ -256,10 +272,15 @@ def _up(vol: GlusterVolume) -> None:
     _gluster_check("volume", "create", vol.volume, f"{vol.host}:{vol.brick}", "force")
     _gluster_check("volume", "start", vol.volume)
     for mountpoint in (vol.mount_a, vol.mount_b):
-        _check(["mount", "-t", "glusterfs", f"{vol.host}:/{vol.volume}", mountpoint],
-               f"mounting {vol.volume} on {mountpoint}")
-    _poll(lambda: os.path.ismount(vol.mount_a) and os.path.ismount(vol.mount_b),
-          MOUNT_DEADLINE_S, f"{vol.mount_a} and {vol.mount_b} to be mount points")
+        _check(
+            ["mount", "-t", "glusterfs", f"{vol.host}:/{vol.volume}", mountpoint],
+            f"mounting {vol.volume} on {mountpoint}",
+        )
+    _poll(
+        lambda: os.path.ismount(vol.mount_a) and os.path.ismount(vol.mount_b),
+        MOUNT_DEADLINE_S,
+        f"{vol.mount_a} and {vol.mount_b} to be mount points",
+    )
 
 
 def _down(vol: GlusterVolume) -> None:
@@ -272,16 +293,22 @@ def _down(vol: GlusterVolume) -> None:
 
 def _unavailable(reason: str):
     if os.environ.get(REQUIRE_ENV) == "1":
-        pytest.fail(f"GlusterFS required ({REQUIRE_ENV}=1) but unavailable: {reason}",
-                    pytrace=False)
+        pytest.fail(
+            f"GlusterFS required ({REQUIRE_ENV}=1) but unavailable: {reason}", pytrace=False
+        )
     pytest.skip(f"GlusterFS unavailable: {reason}")
 
 
 def new_volume() -> GlusterVolume:
     name = f"{PREFIX}_{os.getpid()}_{uuid.uuid4().hex[:8]}"
     session = f"{BASE_DIR}/{name}"
-    return GlusterVolume(volume=name, host=socket.gethostname(), brick=f"{session}/brick",
-                         mount_a=f"{session}/a", mount_b=f"{session}/b")
+    return GlusterVolume(
+        volume=name,
+        host=socket.gethostname(),
+        brick=f"{session}/brick",
+        mount_a=f"{session}/a",
+        mount_b=f"{session}/b",
+    )
 
 
 @pytest.fixture(scope="session")

@@ -48,7 +48,7 @@ def store_burst_while_stalled(replica, keys, per_job: int = 3) -> None:
     replica.tier.engine.blockio.store = slow_store
     try:
         for i in range(0, len(keys), per_job):
-            replica.store(keys[i:i + per_job], settle=False)
+            replica.store(keys[i : i + per_job], settle=False)
     finally:
         volume_stalled.set()
     replica.settle()

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import hashlib
 
-from harness import offloading_config
 from vllm.v1.kv_offload.base import make_offload_key
 from vllm.v1.kv_offload.file_mapper import FileMapper
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
@@ -15,6 +14,8 @@ from llmkv_fs.layout.paths import (
 )
 from llmkv_fs.layout.run_config import render_run_config
 from llmkv_fs.tier.fs_tier import identity_from_spec
+
+from harness import offloading_config
 
 ROOT = "/mnt/kvcache"
 ONE_GROUP = ((16, ("model.layers.0.self_attn", "model.layers.1.self_attn")),)
@@ -62,5 +63,3 @@ def assert_same_layout(spec: TieringOffloadingSpec, root: str = ROOT) -> CacheLa
     for key in KEYS:
         assert mine.block_path(key) == theirs.get_file_name(key), key.hex()
     return mine
-
-

@@ -31,14 +31,19 @@ from pathlib import Path
 
 import pytest
 import xxhash
-from harness import MiB, payload_for, wait_until
 from vllm.v1.kv_offload.base import LookupResult
 
 from llmkv_fs.layout.blockfile import FORMAT_VERSION, TRAILER_SIZE, BlockFileError, verify_block
 from llmkv_fs.layout.names import parse_temp_name
 
-HIT, MISS, RETRY, HIT_PENDING = (LookupResult.HIT, LookupResult.MISS, LookupResult.RETRY,
-                                 LookupResult.HIT_PENDING)
+from harness import MiB, payload_for, wait_until
+
+HIT, MISS, RETRY, HIT_PENDING = (
+    LookupResult.HIT,
+    LookupResult.MISS,
+    LookupResult.RETRY,
+    LookupResult.HIT_PENDING,
+)
 BLOCK = 2 * MiB  # offloading_config's default chunk size
 FIGURES_ENV = "LLMKV_FS_MATRIX_FIGURES"
 
@@ -54,8 +59,16 @@ def record(test: str, **figures) -> None:
 
 # -- the scheduler side ------------------------------------------------------------------
 
-TIER_CALLS = ("lookup", "submit_store", "submit_load", "get_finished_jobs", "on_schedule_end",
-              "has_pending_work", "on_new_request", "on_request_finished")
+TIER_CALLS = (
+    "lookup",
+    "submit_store",
+    "submit_load",
+    "get_finished_jobs",
+    "on_schedule_end",
+    "has_pending_work",
+    "on_new_request",
+    "on_request_finished",
+)
 
 
 class TierClock:
@@ -82,6 +95,7 @@ class TierClock:
                 took = time.perf_counter() - start
                 self.calls[name] += 1
                 self.slowest[name] = max(self.slowest[name], took)
+
         return timed
 
     @property
@@ -100,8 +114,9 @@ def served(replica, keys: Iterable[bytes], final: dict, ctx) -> tuple[int, int]:
     return hits, wrong
 
 
-def lookup_until(replica, keys: Sequence[bytes], ctx, accept=(HIT, MISS, HIT_PENDING),
-                 deadline_s: float = 30.0) -> dict:
+def lookup_until(
+    replica, keys: Sequence[bytes], ctx, accept=(HIT, MISS, HIT_PENDING), deadline_s: float = 30.0
+) -> dict:
     """Step until every key has a verdict in ``accept``, without stepping
     after the last lookup: HIT_PENDING keys are then promoted but their load
     is not submitted yet (that happens in the next on_schedule_end)."""
@@ -249,12 +264,12 @@ class Forked:
                     os.setuid(user[0])
                 outcome = {"ok": True, "value": fn(*args)}
                 code = 0
-            except BaseException as exc:  # noqa: BLE001 -- reported to the parent
+            except BaseException as exc:
                 outcome = {"ok": False, "error": repr(exc), "trace": traceback.format_exc()}
             try:
                 data = json.dumps(outcome).encode()
                 while data:
-                    data = data[os.write(write_end, data):]
+                    data = data[os.write(write_end, data) :]
             finally:
                 os._exit(code)
         os.close(write_end)
@@ -285,7 +300,9 @@ class Forked:
         self.wait()
         outcome = json.loads(b"".join(chunks) or b'{"ok": false, "error": "no result"}')
         if not outcome["ok"]:
-            raise AssertionError(f"child {self.pid} failed: {outcome.get('trace', outcome['error'])}")
+            raise AssertionError(
+                f"child {self.pid} failed: {outcome.get('trace', outcome['error'])}"
+            )
         return outcome["value"]
 
     def wait(self) -> int:
@@ -327,8 +344,9 @@ class LogTap(logging.Handler):
 
 
 def _run(argv: list[str]) -> subprocess.CompletedProcess:
-    return subprocess.run(argv, capture_output=True, text=True, timeout=60,
-                          stdin=subprocess.DEVNULL)
+    return subprocess.run(
+        argv, capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL
+    )
 
 
 def unmount(path: str) -> None:
@@ -349,8 +367,9 @@ def loop_ext4(where: Path, size_mb: int = 64):
     image = where.parent / f"{where.name}.img"
     with open(image, "wb") as f:
         f.truncate(size_mb * MiB)
-    made = _run(["mkfs.ext4", "-q", "-F", "-E", "lazy_itable_init=0,lazy_journal_init=0",
-                 str(image)])
+    made = _run(
+        ["mkfs.ext4", "-q", "-F", "-E", "lazy_itable_init=0,lazy_journal_init=0", str(image)]
+    )
     if made.returncode:
         pytest.skip(f"mkfs.ext4 failed: {made.stderr.strip()}")
     done = _run(["mount", "-o", "loop", str(image), str(where)])
@@ -414,8 +433,11 @@ def brick_pid(vol) -> int:
                 argv = f.read().decode(errors="replace").split("\0")
         except OSError:
             continue
-        if (os.path.basename(argv[0]) == "glusterfsd" and "--brick-name" in argv
-                and argv[argv.index("--brick-name") + 1] == vol.brick):
+        if (
+            os.path.basename(argv[0]) == "glusterfsd"
+            and "--brick-name" in argv
+            and argv[argv.index("--brick-name") + 1] == vol.brick
+        ):
             found.append(int(entry))
     assert len(found) == 1, f"glusterfsd for {vol.brick}: {found}"
     return found[0]

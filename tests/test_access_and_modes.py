@@ -56,8 +56,11 @@ def load(engine, job_id: int, key: bytes, chunk: int):
 def wait_stamped(path: str, not_before_ns: int) -> None:
     """The stamp may be applied off the load path (by the housekeeping
     thread, about once a second): poll for it."""
-    wait_until(lambda: os.stat(path).st_atime_ns >= not_before_ns,
-               f"the access stamp on {os.path.basename(path)}", deadline_s=10.0)
+    wait_until(
+        lambda: os.stat(path).st_atime_ns >= not_before_ns,
+        f"the access stamp on {os.path.basename(path)}",
+        deadline_s=10.0,
+    )
 
 
 # -- access stamps --------------------------------------------------------------------------
@@ -116,6 +119,7 @@ def test_stamp_is_renewed_after_the_interval(noatime_tmpfs, engines, monkeypatch
     def restamped():
         load(engine, next(jobs), make_key("r"), 1)
         return os.stat(path).st_atime_ns != OLD_NS
+
     wait_until(restamped, "a load after the interval to stamp again", deadline_s=15.0)
     assert time.monotonic() - before_first >= 1.0
 
@@ -144,7 +148,7 @@ def test_failed_load_does_not_stamp(noatime_tmpfs, engines):
     path = layout.block_path(key)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "wb") as f:
-        f.write(pattern("bad")[:BS // 2])  # truncated
+        f.write(pattern("bad")[: BS // 2])  # truncated
     make_old(path)
     make_old(good)
     inode = os.stat(path).st_ino
@@ -211,21 +215,30 @@ _MODES_SCRIPT = textwrap.dedent("""
 
 def run_modes_script(root: str, umask: int, modes: dict) -> dict:
     done = subprocess.run(
-        [sys.executable, "-c", _MODES_SCRIPT,
-         json.dumps({"root": root, "umask": umask, "modes": modes})],
-        capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            "-c",
+            _MODES_SCRIPT,
+            json.dumps({"root": root, "umask": umask, "modes": modes}),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize(("umask", "modes", "file_mode", "dir_mode"), [
-    (0o077, {}, 0o640, 0o770),
-    (0o022, {}, 0o640, 0o770),
-    (0o000, {}, 0o640, 0o770),
-    (0o022, {"file_mode": "0600", "dir_mode": "0700"}, 0o600, 0o700),
-    (0o077, {"file_mode": "0660", "dir_mode": "2770"}, 0o660, 0o2770),
-])
+@pytest.mark.parametrize(
+    ("umask", "modes", "file_mode", "dir_mode"),
+    [
+        (0o077, {}, 0o640, 0o770),
+        (0o022, {}, 0o640, 0o770),
+        (0o000, {}, 0o640, 0o770),
+        (0o022, {"file_mode": "0600", "dir_mode": "0700"}, 0o600, 0o700),
+        (0o077, {"file_mode": "0660", "dir_mode": "2770"}, 0o660, 0o2770),
+    ],
+)
 def test_modes_are_exact_whatever_the_umask(tmp_path, umask, modes, file_mode, dir_mode):
     root = tmp_path / "kv"
     root.mkdir()
@@ -261,16 +274,19 @@ def test_modes_are_exact_whatever_the_umask(tmp_path, umask, modes, file_mode, d
 # -- config errors --------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("key", "value"), [
-    ("file_mode", "0644x"),
-    ("file_mode", "0999"),
-    ("file_mode", "0400"),      # the owner could not write its own blocks
-    ("file_mode", True),
-    ("file_mode", 0o10000),
-    ("dir_mode", "0600"),       # no search bit: nothing below could be opened
-    ("dir_mode", "rwxrwx---"),
-    ("dir_mode", -1),
-])
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        ("file_mode", "0644x"),
+        ("file_mode", "0999"),
+        ("file_mode", "0400"),  # the owner could not write its own blocks
+        ("file_mode", True),
+        ("file_mode", 0o10000),
+        ("dir_mode", "0600"),  # no search bit: nothing below could be opened
+        ("dir_mode", "rwxrwx---"),
+        ("dir_mode", -1),
+    ],
+)
 def test_bad_modes_are_config_errors_naming_the_key(key, value):
     with pytest.raises(TierConfigError) as info:
         TierSettings.from_mapping({"root_dir": "/kv", key: value})
@@ -278,13 +294,16 @@ def test_bad_modes_are_config_errors_naming_the_key(key, value):
     assert repr(value) in str(info.value)
 
 
-@pytest.mark.parametrize(("key", "value", "mode"), [
-    ("file_mode", "0640", 0o640),
-    ("file_mode", "640", 0o640),
-    ("file_mode", " 0660 ", 0o660),
-    ("file_mode", 0o600, 0o600),
-    ("dir_mode", "0700", 0o700),
-    ("dir_mode", "2770", 0o2770),
-])
+@pytest.mark.parametrize(
+    ("key", "value", "mode"),
+    [
+        ("file_mode", "0640", 0o640),
+        ("file_mode", "640", 0o640),
+        ("file_mode", " 0660 ", 0o660),
+        ("file_mode", 0o600, 0o600),
+        ("dir_mode", "0700", 0o700),
+        ("dir_mode", "2770", 0o2770),
+    ],
+)
 def test_mode_spellings(key, value, mode):
     assert getattr(TierSettings.from_mapping({"root_dir": "/kv", key: value}), key) == mode

@@ -32,7 +32,8 @@ def test_one_plot_per_medium_block_size_and_direction(tmp_path):
     written = bench_report.plot_all(saved_result(), str(tmp_path))
     # The same files as the figures docs/benchmarks.md shows.
     assert sorted(map(os.path.basename, written)) == sorted(
-        p.name for p in SAVED.parent.glob("bench_*.png"))
+        p.name for p in SAVED.parent.glob("bench_*.png")
+    )
     assert {png_size(p) for p in written} == {(1100, 600)}
 
 

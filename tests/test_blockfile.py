@@ -31,7 +31,10 @@ from llmkv_fs.layout.paths import CacheLayout, RunIdentity
 BS = 64 * 1024
 HEAD = 42  # magic..key length, see the format table in blockfile.py
 IDENTITY = RunIdentity(
-    model_name="m/x", dtype="bfloat16", tokens_per_hash=16, blocks_per_file=1,
+    model_name="m/x",
+    dtype="bfloat16",
+    tokens_per_hash=16,
+    blocks_per_file=1,
     kv_cache_groups=((16, ("l0",)),),
 )
 
@@ -79,10 +82,10 @@ def test_pack_unpack_round_trip_fields():
     # Layout of the fields as documented (little-endian).
     assert struct.unpack_from("<Q", trailer, 16)[0] == BS
     assert struct.unpack_from("<H", trailer, 40)[0] == len(KEY36)
-    assert bytes(trailer[HEAD:HEAD + len(KEY36)]) == KEY36
+    assert bytes(trailer[HEAD : HEAD + len(KEY36)]) == KEY36
     tail = struct.unpack_from("<Q", trailer, HEAD + len(KEY36))[0]
-    assert tail == xxhash.xxh3_64_intdigest(bytes(trailer[:HEAD + len(KEY36)]))
-    assert not any(trailer[HEAD + len(KEY36) + 8:])
+    assert tail == xxhash.xxh3_64_intdigest(bytes(trailer[: HEAD + len(KEY36)]))
+    assert not any(trailer[HEAD + len(KEY36) + 8 :])
 
 
 def test_reused_buffer_long_then_short_key_leaves_zeros():
@@ -95,7 +98,7 @@ def test_reused_buffer_long_then_short_key_leaves_zeros():
     parsed = unpack_trailer(out)
     assert parsed.key == KEY20 and parsed.created_ns == 2
     tail_end = HEAD + len(KEY20) + 8
-    assert any(out[tail_end - 8:tail_end])  # the tail checksum itself is there
+    assert any(out[tail_end - 8 : tail_end])  # the tail checksum itself is there
     assert not any(out[tail_end:]), "bytes of the earlier, longer key survived"
     verify_block(data, out, KEY20, True)
 
@@ -124,7 +127,9 @@ def test_verify_accepts_good_block():
     assert trailer.key == KEY36 and trailer.payload_len == BS
 
 
-@pytest.mark.parametrize("byte, bit", [(0, 0), (1, 7), (4095, 3), (BS // 2, 5), (BS - 1, 7), (BS - 1, 0)])
+@pytest.mark.parametrize(
+    "byte, bit", [(0, 0), (1, 7), (4095, 3), (BS // 2, 5), (BS - 1, 7), (BS - 1, 0)]
+)
 def test_single_bit_flip_in_payload_is_bad_checksum(byte, bit):
     data = payload()
     trailer = packed(KEY36, data)
@@ -212,10 +217,16 @@ def test_no_checksum_recorded():
 def _blockio(root: str, use_o_direct: bool, checksum: bool = True) -> BlockIO:
     layout = CacheLayout.for_identity(root, IDENTITY)
     os.makedirs(layout.rank_dir)
-    return BlockIO(layout, IoOptions(
-        block_size=BS, use_o_direct=use_o_direct, fsync_file=False, fsync_dir=False,
-        checksum=checksum,
-    ))
+    return BlockIO(
+        layout,
+        IoOptions(
+            block_size=BS,
+            use_o_direct=use_o_direct,
+            fsync_file=False,
+            fsync_dir=False,
+            checksum=checksum,
+        ),
+    )
 
 
 @pytest.mark.parametrize("direct", [False, True], ids=["buffered", "o_direct"])
@@ -240,7 +251,7 @@ def test_store_writes_payload_then_trailer(volume, direct):
     assert trailer.has_checksum
     assert trailer.payload_xxh3 == xxhash.xxh3_64_intdigest(data[:BS])
     assert before <= trailer.created_ns <= after
-    assert not any(data[BS + HEAD + len(KEY36) + 8:])
+    assert not any(data[BS + HEAD + len(KEY36) + 8 :])
     # No temp file left next to it; a second store finds it present.
     assert os.listdir(os.path.dirname(path)) == [os.path.basename(path)]
     assert bio.store(KEY36, row) is Outcome.PRESENT
@@ -279,4 +290,4 @@ def test_trailer_page_is_zero_after_reading_a_bad_file(disk_root):
     with open(bio.layout.block_path(key), "rb") as f:
         page = f.read()[BS:]
     assert unpack_trailer(page).key == key
-    assert not any(page[HEAD + len(key) + 8:])
+    assert not any(page[HEAD + len(key) + 8 :])

@@ -9,12 +9,13 @@ import os
 import uuid
 
 import pytest
-from harness import Replica, offloading_config, ours
 from vllm.v1.kv_offload.tiering.fs.manager import FileSystemTierManager
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
 from llmkv_fs.config import SETTINGS, TierConfigError, TierSettings
 from llmkv_fs.engine import EngineError
+
+from harness import Replica, offloading_config, ours
 
 VALID_KEYS = sorted(s.key for s in SETTINGS)
 DEFAULTS = {s.key: s.default for s in SETTINGS if not s.required}
@@ -46,19 +47,21 @@ def test_defaults_when_only_root_dir_given():
 
 
 def test_settings_table_documents_every_key():
-    assert VALID_KEYS == sorted(f.name for f in dataclasses.fields(TierSettings))
+    assert sorted(f.name for f in dataclasses.fields(TierSettings)) == VALID_KEYS
     assert [s.key for s in SETTINGS if s.required] == ["root_dir"]
     assert all(s.doc.strip() for s in SETTINGS)
 
 
 def test_every_vllm_builtin_key_is_accepted():
-    settings = TierSettings.from_mapping({
-        "root_dir": "/mnt/kv",
-        "n_read_threads": 8,
-        "n_write_threads": 3,
-        "enable_kv_events": True,
-        "locality": "REMOTE",
-    })
+    settings = TierSettings.from_mapping(
+        {
+            "root_dir": "/mnt/kv",
+            "n_read_threads": 8,
+            "n_write_threads": 3,
+            "enable_kv_events": True,
+            "locality": "REMOTE",
+        }
+    )
     assert (settings.n_read_threads, settings.n_write_threads) == (8, 3)
     assert settings.enable_kv_events is True
     assert settings.locality == "REMOTE"
@@ -68,8 +71,7 @@ def test_builtin_flags_match_vllms_fs_tier_signature():
     """The keys marked vllm_builtin are exactly the tier kwargs vLLM's own fs
     tier accepts, with the same defaults: a built-in config works unchanged."""
     params = inspect.signature(FileSystemTierManager.__init__).parameters
-    framework = {"self", "offloading_spec", "primary_kv_view", "tier_type",
-                 "backpressure_detector"}
+    framework = {"self", "offloading_spec", "primary_kv_view", "tier_type", "backpressure_detector"}
     theirs = {name: p.default for name, p in params.items() if name not in framework}
     ours_builtin = {s.key: s.default for s in SETTINGS if s.vllm_builtin}
     assert set(ours_builtin) == set(theirs)
@@ -111,34 +113,37 @@ def test_tier_config_error_is_a_value_error():
     assert issubclass(TierConfigError, ValueError)
 
 
-@pytest.mark.parametrize("key,value,expected", [
-    ("n_read_threads", 0, "[1, 512]"),
-    ("n_read_threads", True, "[1, 512]"),
-    ("n_read_threads", "4", "[1, 512]"),
-    ("n_read_threads", 4.0, "[1, 512]"),
-    ("n_read_threads", 513, "[1, 512]"),
-    ("n_write_threads", -1, "[1, 512]"),
-    ("n_write_threads", False, "[1, 512]"),
-    ("lookup_threads", 0, "integer"),
-    ("max_pending_store_blocks", 0, "integer"),
-    ("durability", "fast", "none, file, full"),
-    ("durability", None, "none, file, full"),
-    ("io_mode", "DIRECT", "auto, direct, buffered"),
-    ("io_mode", "mmap", "auto, direct, buffered"),
-    ("numa_node", -1, "auto"),
-    ("numa_node", "x", "auto"),
-    ("numa_node", True, "auto"),
-    ("numa_node", 1.0, "auto"),
-    ("locality", "moon", "LOCAL, REMOTE"),
-    ("locality", 1, "LOCAL, REMOTE"),
-    ("checksum", "yes", "true or false"),
-    ("checksum", 1, "true or false"),
-    ("enable_kv_events", "true", "true or false"),
-    ("root_dir", "", "non-empty"),
-    ("root_dir", "   ", "non-empty"),
-    ("root_dir", 42, "non-empty"),
-    ("root_dir", "/mnt/k\0v", "NUL"),
-])
+@pytest.mark.parametrize(
+    "key,value,expected",
+    [
+        ("n_read_threads", 0, "[1, 512]"),
+        ("n_read_threads", True, "[1, 512]"),
+        ("n_read_threads", "4", "[1, 512]"),
+        ("n_read_threads", 4.0, "[1, 512]"),
+        ("n_read_threads", 513, "[1, 512]"),
+        ("n_write_threads", -1, "[1, 512]"),
+        ("n_write_threads", False, "[1, 512]"),
+        ("lookup_threads", 0, "integer"),
+        ("max_pending_store_blocks", 0, "integer"),
+        ("durability", "fast", "none, file, full"),
+        ("durability", None, "none, file, full"),
+        ("io_mode", "DIRECT", "auto, direct, buffered"),
+        ("io_mode", "mmap", "auto, direct, buffered"),
+        ("numa_node", -1, "auto"),
+        ("numa_node", "x", "auto"),
+        ("numa_node", True, "auto"),
+        ("numa_node", 1.0, "auto"),
+        ("locality", "moon", "LOCAL, REMOTE"),
+        ("locality", 1, "LOCAL, REMOTE"),
+        ("checksum", "yes", "true or false"),
+        ("checksum", 1, "true or false"),
+        ("enable_kv_events", "true", "true or false"),
+        ("root_dir", "", "non-empty"),
+        ("root_dir", "   ", "non-empty"),
+        ("root_dir", 42, "non-empty"),
+        ("root_dir", "/mnt/k\0v", "NUL"),
+    ],
+)
 def test_bad_values_are_rejected_naming_key_value_and_expectation(key, value, expected):
     config = {"root_dir": "/mnt/kv", key: value}
     with pytest.raises(TierConfigError) as info:
@@ -149,26 +154,49 @@ def test_bad_values_are_rejected_naming_key_value_and_expectation(key, value, ex
     assert expected in message
 
 
-@pytest.mark.parametrize("given,stored", [
-    ("local", "LOCAL"), ("LOCAL", "LOCAL"), ("Remote", "REMOTE"), (None, None),
-])
+@pytest.mark.parametrize(
+    "given,stored",
+    [
+        ("local", "LOCAL"),
+        ("LOCAL", "LOCAL"),
+        ("Remote", "REMOTE"),
+        (None, None),
+    ],
+)
 def test_locality_is_normalised(given, stored):
     assert TierSettings.from_mapping({"root_dir": "/r", "locality": given}).locality == stored
 
 
-@pytest.mark.parametrize("given,stored", [
-    ("auto", "auto"), ("off", "off"), (None, "off"), (0, 0), (3, 3),
-])
+@pytest.mark.parametrize(
+    "given,stored",
+    [
+        ("auto", "auto"),
+        ("off", "off"),
+        (None, "off"),
+        (0, 0),
+        (3, 3),
+    ],
+)
 def test_numa_node_accepted_values(given, stored):
     assert TierSettings.from_mapping({"root_dir": "/r", "numa_node": given}).numa_node == stored
 
 
-@pytest.mark.parametrize("key,value", [
-    ("durability", "none"), ("durability", "file"), ("durability", "full"),
-    ("io_mode", "auto"), ("io_mode", "direct"), ("io_mode", "buffered"),
-    ("checksum", False), ("n_read_threads", 1), ("n_read_threads", 512),
-    ("max_pending_store_blocks", 1 << 24), ("lookup_threads", 256),
-])
+@pytest.mark.parametrize(
+    "key,value",
+    [
+        ("durability", "none"),
+        ("durability", "file"),
+        ("durability", "full"),
+        ("io_mode", "auto"),
+        ("io_mode", "direct"),
+        ("io_mode", "buffered"),
+        ("checksum", False),
+        ("n_read_threads", 1),
+        ("n_read_threads", 512),
+        ("max_pending_store_blocks", 1 << 24),
+        ("lookup_threads", 256),
+    ],
+)
 def test_boundary_values_are_accepted(key, value):
     assert getattr(TierSettings.from_mapping({"root_dir": "/r", key: value}), key) == value
 
@@ -185,9 +213,12 @@ def test_settings_are_immutable():
 def test_valid_config_maps_the_shm_region_and_applies_settings(disk_root):
     """Control for the leak checks below: the region path is the one vLLM uses."""
     eid = engine_id()
-    replica = Replica(offloading_config(
-        tiers=[ours(disk_root, durability="full", locality="remote", n_read_threads=3)],
-        engine_id=eid))
+    replica = Replica(
+        offloading_config(
+            tiers=[ours(disk_root, durability="full", locality="remote", n_read_threads=3)],
+            engine_id=eid,
+        )
+    )
     try:
         assert os.path.exists(shm_region(eid))
         assert replica.tier.settings.durability == "full"
@@ -202,7 +233,8 @@ def test_valid_config_maps_the_shm_region_and_applies_settings(disk_root):
 def test_typo_key_fails_get_manager_with_valid_keys_and_no_shm_leak(disk_root):
     eid = engine_id()
     spec = TieringOffloadingSpec(
-        offloading_config(tiers=[ours(disk_root, n_read_thread=4)], engine_id=eid))
+        offloading_config(tiers=[ours(disk_root, n_read_thread=4)], engine_id=eid)
+    )
     with pytest.raises(Exception) as info:
         spec.get_manager()
     assert isinstance(info.value, TierConfigError)
@@ -219,7 +251,8 @@ def test_typo_key_fails_get_manager_with_valid_keys_and_no_shm_leak(disk_root):
 def test_bad_value_fails_get_manager_before_touching_the_volume(disk_root):
     eid = engine_id()
     spec = TieringOffloadingSpec(
-        offloading_config(tiers=[ours(disk_root, durability="fast")], engine_id=eid))
+        offloading_config(tiers=[ours(disk_root, durability="fast")], engine_id=eid)
+    )
     with pytest.raises(TierConfigError, match="none, file, full"):
         spec.get_manager()
     assert not os.path.exists(shm_region(eid))

@@ -34,13 +34,27 @@ import pytest
 pytest.importorskip("vllm")
 
 DOCS, DOC_CHUNKS, SUFFIX, REQUESTS = 2, 4, 1, 2
-SMALL = ["--docs", str(DOCS), "--doc-chunks", str(DOC_CHUNKS), "--suffix-chunks", str(SUFFIX),
-         "--requests", str(REQUESTS), "--block-mib", "1", "--threads", "2"]
+SMALL = [
+    "--docs",
+    str(DOCS),
+    "--doc-chunks",
+    str(DOC_CHUNKS),
+    "--suffix-chunks",
+    str(SUFFIX),
+    "--requests",
+    str(REQUESTS),
+    "--block-mib",
+    "1",
+    "--threads",
+    "2",
+]
 RESTART_HITS = DOCS * DOC_CHUNKS  # the restarted replica serves every document once
 TALLY = re.compile(
     r"^replica (r\d)\b.*: (\d+) requests, (\d+) chunks looked up, (\d+) hits \((\d+) from its "
     r"CPU tier, (\d+) from the volume, (\d+) of them stored by another replica\) "
-    r"= ([\d.]+)% hit rate$", re.M)
+    r"= ([\d.]+)% hit rate$",
+    re.M,
+)
 
 
 @pytest.fixture
@@ -52,9 +66,12 @@ def tmpfs_root():
 
 def run_demo(root: str, *extra: str) -> subprocess.CompletedProcess:
     # The ``llmkv-fs`` script's main (llmkv_fs.cli:main), from the tree on the path.
-    proc = subprocess.run([sys.executable, "-m", "llmkv_fs", "demo", "--root", root, *SMALL,
-                           *extra],
-                          capture_output=True, text=True, timeout=1500)
+    proc = subprocess.run(
+        [sys.executable, "-m", "llmkv_fs", "demo", "--root", root, *SMALL, *extra],
+        capture_output=True,
+        text=True,
+        timeout=1500,
+    )
     print(proc.stdout, proc.stderr)  # shown by pytest when a test fails
     return proc
 
@@ -107,8 +124,11 @@ def test_a_damaged_file_is_quarantined_and_recomputed_never_served(tmpfs_root):
     assert proc.returncode == 0  # no wrong byte was served: that is the point
     r3 = tallies(proc.stdout)["r3"]
     assert r3["hits"] == RESTART_HITS - 1 and r3["rate"] > 0
-    assert re.search(r"tier: \d+ verified, 0 unverified .* 1 quarantined "
-                     r"\{'load_corrupt_bad-checksum': 1\}", proc.stdout)
+    assert re.search(
+        r"tier: \d+ verified, 0 unverified .* 1 quarantined "
+        r"\{'load_corrupt_bad-checksum': 1\}",
+        proc.stdout,
+    )
     assert "1 quarantined (bad-checksum 1)" in proc.stdout  # the volume summary
     assert "WRONG" not in proc.stdout and "1 damaged file(s) quarantined" in proc.stdout
     (moved,) = quarantined(tmpfs_root)

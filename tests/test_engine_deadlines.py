@@ -71,15 +71,20 @@ def record_temp_names(engine, monkeypatch) -> list[str]:
 # -- stores ---------------------------------------------------------------------------------
 
 
-def test_stuck_store_fails_at_deadline_and_is_never_published(volume, engines, gate_for,
-                                                               monkeypatch):
+def test_stuck_store_fails_at_deadline_and_is_never_published(
+    volume, engines, gate_for, monkeypatch
+):
     disk_root = volume  # tmpfs, ext4 and GlusterFS
     # A block already on the volume (stored with the default 30 s deadline).
     seeder, _, seed_primary = engines(disk_root, n_blocks=2)
     store_blocks(seeder, seed_primary, 1, ["old"], [0])
 
     engine, layout, primary = engines(
-        disk_root, n_blocks=16, n_read_threads=1, n_write_threads=1, job_timeout_s=TIMEOUT_S,
+        disk_root,
+        n_blocks=16,
+        n_read_threads=1,
+        n_write_threads=1,
+        job_timeout_s=TIMEOUT_S,
     )
     temps = record_temp_names(engine, monkeypatch)
     gate = gate_for(engine)
@@ -94,8 +99,12 @@ def test_stuck_store_fails_at_deadline_and_is_never_published(volume, engines, g
     assert engine.queued_store_blocks() == 3
     assert not engine.stalled()  # nobody is overdue yet
 
-    got = {j.job_id: j for j in take_until(
-        engine, lambda rs: {r.job_id for r in rs} >= {1, 2}, "the deadline to fail both stores")}
+    got = {
+        j.job_id: j
+        for j in take_until(
+            engine, lambda rs: {r.job_id for r in rs} >= {1, 2}, "the deadline to fail both stores"
+        )
+    }
     assert time.monotonic() - submitted >= TIMEOUT_S
     assert not gate.opened.is_set()  # reported while its blocks are still held
     assert not got[1].success and sorted(got[1].failed) == sorted(first) and got[1].succeeded == []
@@ -148,8 +157,12 @@ def test_stuck_store_fails_at_deadline_and_is_never_published(volume, engines, g
 
 
 def test_store_failed_by_deadline_reports_a_sane_io_time(disk_root, engines, gate_for):
-    engine, _, primary = engines(
-        disk_root, n_blocks=2, n_read_threads=1, n_write_threads=1, job_timeout_s=TIMEOUT_S,
+    engine, _, _primary = engines(
+        disk_root,
+        n_blocks=2,
+        n_read_threads=1,
+        n_write_threads=1,
+        job_timeout_s=TIMEOUT_S,
     )
     gate = gate_for(engine)
     assert engine.submit_store(1, [make_key("t0"), make_key("t1")], [0, 1])
@@ -161,7 +174,7 @@ def test_store_failed_by_deadline_reports_a_sane_io_time(disk_root, engines, gat
 
 
 def test_store_that_finishes_in_time_is_unaffected(disk_root, engines):
-    engine, layout, primary = engines(disk_root, n_blocks=4, job_timeout_s=5.0)
+    engine, _layout, primary = engines(disk_root, n_blocks=4, job_timeout_s=5.0)
     store_blocks(engine, primary, 1, [0, 1, 2], [0, 1, 2])
     assert engine.counters[Outcome.WRITTEN] == 3
     assert engine.counters[Tally.DEADLINE_EXPIRED] == 0
@@ -176,7 +189,11 @@ def test_stuck_load_is_reported_only_when_its_reads_return(disk_root, engines, g
     store_blocks(seeder, seed_primary, 1, range(4), range(4))
 
     engine, _, primary = engines(
-        disk_root, n_blocks=8, n_read_threads=1, n_write_threads=1, job_timeout_s=TIMEOUT_S,
+        disk_root,
+        n_blocks=8,
+        n_read_threads=1,
+        n_write_threads=1,
+        job_timeout_s=TIMEOUT_S,
     )
     gate = gate_for(engine)
     keys = [make_key(i) for i in range(4)]
@@ -195,6 +212,7 @@ def test_stuck_load_is_reported_only_when_its_reads_return(disk_root, engines, g
         def overdue():
             early.extend(engine.take_finished())
             return engine.stalled()
+
         wait_until(overdue, "the load to pass its deadline")
         assert early == []  # not reported while a read is in flight
         assert time.monotonic() - submitted >= TIMEOUT_S
@@ -234,7 +252,8 @@ def test_stuck_load_is_reported_only_when_its_reads_return(disk_root, engines, g
 
 
 def test_overdue_lookups_miss_and_a_late_answer_keeps_the_failed_load_verdict(
-        disk_root, engines, monkeypatch):
+    disk_root, engines, monkeypatch
+):
     release, entered = threading.Event(), threading.Event()
     probed: list[bytes] = []
 
@@ -263,6 +282,7 @@ def test_overdue_lookups_miss_and_a_late_answer_keeps_the_failed_load_verdict(
         def decided():
             engine.end_step()
             return engine.counters[LookupAnswer.DEADLINE_MISS] == 2
+
         wait_until(decided, "the lookup deadline")
         assert time.monotonic() - posted >= TIMEOUT_S
         assert engine.stalled()
@@ -277,6 +297,7 @@ def test_overdue_lookups_miss_and_a_late_answer_keeps_the_failed_load_verdict(
     def answered():
         engine.end_step()
         return not engine.stalled()
+
     wait_until(answered, "the late answer")
     # The late "found" must not turn the failed load's MISS into a HIT.
     assert engine.lookup(doomed, "r1") is False
@@ -291,8 +312,9 @@ def test_overdue_lookups_miss_and_a_late_answer_keeps_the_failed_load_verdict(
 
 
 @pytest.mark.parametrize(("job_timeout_s", "lookup_timeout_s"), [(2.0, 2.0), (60.0, 5.0)])
-def test_lookup_deadline_is_job_timeout_capped_at_5s(disk_root, engines, monkeypatch,
-                                                     job_timeout_s, lookup_timeout_s):
+def test_lookup_deadline_is_job_timeout_capped_at_5s(
+    disk_root, engines, monkeypatch, job_timeout_s, lookup_timeout_s
+):
     release = threading.Event()
     monkeypatch.setattr(BlockIO, "exists", lambda self, key: release.wait(GATE_TIMEOUT_S))
     engine, _, _ = engines(disk_root, n_blocks=4, job_timeout_s=job_timeout_s)
@@ -314,10 +336,12 @@ def test_lookup_deadline_is_job_timeout_capped_at_5s(disk_root, engines, monkeyp
 # -- through vLLM's manager -----------------------------------------------------------------
 
 
-def test_stuck_store_through_vllm_fails_cleanly_and_reset_completes(disk_root, replicas,
-                                                                    monkeypatch):
-    from harness import Replica, make_keys, offloading_config, ours, payload_for
+def test_stuck_store_through_vllm_fails_cleanly_and_reset_completes(
+    disk_root, replicas, monkeypatch
+):
     from vllm.v1.kv_offload.base import LookupResult
+
+    from harness import Replica, make_keys, offloading_config, ours, payload_for
 
     replica = Replica(offloading_config(tiers=[ours(disk_root, job_timeout_s=TIMEOUT_S)]))
     replicas.append(replica)
@@ -365,6 +389,7 @@ def test_stuck_store_through_vllm_fails_cleanly_and_reset_completes(disk_root, r
     def recovered():
         replica.step()
         return not engine.stalled()
+
     wait_until(recovered, "the stuck writes to return")
     assert all(not os.path.lexists(replica.tier.layout.block_path(k)) for k in keys)
     assert temp_files(disk_root) == []

@@ -27,7 +27,6 @@ from llmkv_fs.layout.paths import CacheLayout
 
 from engine_kit import BS, IDENTITY, fill, make_key, pattern, row, settle, store_blocks, wait_jobs
 
-
 # -- round trip ---------------------------------------------------------------------------
 
 
@@ -89,8 +88,9 @@ def test_direct_mode_with_unaligned_block_size_raises(disk_root):
     block_size = 4096 + 512
     layout = CacheLayout.for_identity(disk_root, IDENTITY)
     primary = mmap.mmap(-1, 4 * block_size)
-    settings = TierSettings(root_dir=disk_root, io_mode="direct", n_read_threads=1,
-                            n_write_threads=1, lookup_threads=1)
+    settings = TierSettings(
+        root_dir=disk_root, io_mode="direct", n_read_threads=1, n_write_threads=1, lookup_threads=1
+    )
     with pytest.raises(EngineError) as info:
         FsEngine(settings, layout, primary, block_size)
     message = str(info.value)
@@ -104,13 +104,13 @@ def test_auto_mode_with_unaligned_block_size_falls_back(disk_root, engines):
     engine, _, primary = engines(disk_root, n_blocks=4, block_size=block_size)
     assert engine.use_o_direct is False
     data = pattern("odd", block_size)
-    primary[block_size:2 * block_size] = data
+    primary[block_size : 2 * block_size] = data
     assert engine.submit_store(1, [make_key("odd")], [1])
     assert wait_jobs(engine, [1])[1].success
     primary[:] = bytes(len(primary))
     engine.submit_load(2, [make_key("odd")], [3])
     assert wait_jobs(engine, [2])[2].success
-    assert primary[3 * block_size:4 * block_size] == data
+    assert primary[3 * block_size : 4 * block_size] == data
 
 
 def test_buffer_not_whole_blocks_raises(disk_root):
@@ -130,15 +130,20 @@ def test_engine_prepares_its_volume(tmp_path):
     """Constructing the engine is the one way in: it checks the root and
     writes config.json before any thread starts."""
     missing = CacheLayout.for_identity(str(tmp_path / "not-mounted"), IDENTITY)
-    settings = TierSettings(root_dir=missing.root_dir, n_read_threads=1, n_write_threads=1,
-                            lookup_threads=1)
+    settings = TierSettings(
+        root_dir=missing.root_dir, n_read_threads=1, n_write_threads=1, lookup_threads=1
+    )
     with pytest.raises(EngineError, match="does not exist"):
         FsEngine(settings, missing, mmap.mmap(-1, BS), BS)
     root = str(tmp_path)
     layout = CacheLayout.for_identity(root, IDENTITY)
     for expected in ("created", "matched"):
-        engine = FsEngine(TierSettings(root_dir=root, n_read_threads=1, n_write_threads=1,
-                                       lookup_threads=1), layout, mmap.mmap(-1, BS), BS)
+        engine = FsEngine(
+            TierSettings(root_dir=root, n_read_threads=1, n_write_threads=1, lookup_threads=1),
+            layout,
+            mmap.mmap(-1, BS),
+            BS,
+        )
         try:
             assert engine.run_config_state == expected
             assert os.path.isfile(layout.config_path) and os.path.isdir(layout.rank_dir)
@@ -162,11 +167,14 @@ def test_missing_file_load_fails(disk_root, engines):
     assert row(primary, 1) == pattern(0)
 
 
-@pytest.mark.parametrize("offset, reason", [
-    (12345, "bad-checksum"),           # payload bit flip
-    (BS + 50, "bad-trailer"),          # inside the trailer's key
-    (BS + 0, "bad-magic"),
-])
+@pytest.mark.parametrize(
+    "offset, reason",
+    [
+        (12345, "bad-checksum"),  # payload bit flip
+        (BS + 50, "bad-trailer"),  # inside the trailer's key
+        (BS + 0, "bad-magic"),
+    ],
+)
 def test_corrupt_file_is_quarantined(disk_root, engines, offset, reason):
     engine, layout, primary = engines(disk_root, n_blocks=4)
     store_blocks(engine, primary, 1, [0], [0])
@@ -350,8 +358,9 @@ def test_engine_and_layout_import_without_vllm_or_torch():
         "assert 'vllm' not in sys.modules and 'torch' not in sys.modules, "
         "sorted(m for m in sys.modules if m.split('.')[0] in ('vllm','torch'))"
     )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                            timeout=60)
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60
+    )
     assert result.returncode == 0, result.stderr
 
 
@@ -385,7 +394,6 @@ def test_chunk_outside_buffer_fails_that_block_only(disk_root, engines, caplog, 
         assert os.path.exists(layout.block_path(keys[3]))
 
 
-
 def test_a_crashing_existence_check_answers_miss_not_retry_forever(disk_root, engines):
     engine, _, primary = engines(disk_root, n_blocks=2)
     store_blocks(engine, primary, 1, [0], [0])
@@ -399,7 +407,7 @@ def test_a_crashing_existence_check_answers_miss_not_retry_forever(disk_root, en
 
 
 def test_repeated_block_errors_are_logged_once_per_interval(disk_root, engines, caplog):
-    engine, _, primary = engines(disk_root, n_blocks=4)
+    engine, _, _primary = engines(disk_root, n_blocks=4)
 
     def failing_store(key, row_view, still_wanted=None):
         raise OSError(5, "Input/output error")  # not ENOSPC: that trips the space guard
@@ -410,11 +418,15 @@ def test_repeated_block_errors_are_logged_once_per_interval(disk_root, engines, 
             assert engine.submit_store(job_id, [make_key(job_id)], [job_id])
             assert not wait_jobs(engine, [job_id])[job_id].success
     assert engine.counters[Direction.STORE, Failure.ERROR] == 3
-    messages = [r.getMessage() for r in caplog.records if "store of a block failed" in r.getMessage()]
+    messages = [
+        r.getMessage() for r in caplog.records if "store of a block failed" in r.getMessage()
+    ]
     assert len(messages) == 1 and "Input/output error" in messages[0]
 
 
-def test_rename_refused_because_another_writer_won_counts_as_present(disk_root, engines, monkeypatch):
+def test_rename_refused_because_another_writer_won_counts_as_present(
+    disk_root, engines, monkeypatch
+):
     engine, layout, primary = engines(disk_root, n_blocks=2)
     real_rename = os.rename
 
@@ -442,8 +454,9 @@ def test_rename_refused_because_another_writer_won_counts_as_present(disk_root, 
     assert engine.submit_store(2, [make_key(0)], [0])
     assert wait_jobs(engine, [2])[2].success
     assert engine.counters[Outcome.PRESENT] == 1
-    leftovers = [n for n in os.listdir(os.path.dirname(layout.block_path(make_key(0))))
-                 if n.endswith(".tmp")]
+    leftovers = [
+        n for n in os.listdir(os.path.dirname(layout.block_path(make_key(0)))) if n.endswith(".tmp")
+    ]
     assert leftovers == []
 
 

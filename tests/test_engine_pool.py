@@ -11,8 +11,18 @@ import pytest
 from llmkv_fs.engine import Direction, Failure, Outcome
 from llmkv_fs.layout.blockfile import TRAILER_SIZE
 
-from engine_kit import BS, DEADLINE_S, files_under, fill, make_key, pattern, row, store_blocks, wait_jobs, wait_until
-
+from engine_kit import (
+    BS,
+    DEADLINE_S,
+    files_under,
+    fill,
+    make_key,
+    pattern,
+    row,
+    store_blocks,
+    wait_jobs,
+    wait_until,
+)
 
 # -- thread pool ----------------------------------------------------------------------------
 
@@ -71,7 +81,11 @@ def test_read_priority_thread_takes_loads_first(disk_root, engines, gate_for):
 
 def test_bounded_store_queue_rejects_without_io(disk_root, engines, gate_for):
     engine, layout, primary = engines(
-        disk_root, n_blocks=16, n_read_threads=1, n_write_threads=1, max_pending_store_blocks=4,
+        disk_root,
+        n_blocks=16,
+        n_read_threads=1,
+        n_write_threads=1,
+        max_pending_store_blocks=4,
     )
     for c in range(16):
         fill(primary, c, pattern(c))
@@ -104,17 +118,22 @@ def test_bounded_store_queue_rejects_without_io(disk_root, engines, gate_for):
     assert done[1].success and done[2].success and done[4].success
     assert not done[5].success and done[5].failed == [make_key(9)]
     assert engine.counters[Outcome.WRITTEN] == 6
-    for key in rejected_keys + [make_key(9)]:
+    for key in [*rejected_keys, make_key(9)]:
         assert not os.path.lexists(layout.block_path(key)), "a rejected store reached the disk"
     for c in (0, 1, 2, 3, 4, 8):
         assert os.path.exists(layout.block_path(make_key(c)))
-    assert all(gate_kind != "store" or key not in rejected_keys
-               for _n, gate_kind, key in gate.entries)
+    assert all(
+        gate_kind != "store" or key not in rejected_keys for _n, gate_kind, key in gate.entries
+    )
 
 
 def test_a_job_larger_than_the_bound_fits_an_empty_queue_only(disk_root, engines, gate_for):
-    engine, layout, primary = engines(
-        disk_root, n_blocks=16, n_read_threads=1, n_write_threads=1, max_pending_store_blocks=4,
+    engine, layout, _primary = engines(
+        disk_root,
+        n_blocks=16,
+        n_read_threads=1,
+        n_write_threads=1,
+        max_pending_store_blocks=4,
     )
     gate = gate_for(engine)
     big = [make_key(c) for c in range(6)]
@@ -135,8 +154,9 @@ def test_drain_waits_for_every_job(disk_root, engines, gate_for):
         fill(primary, c, pattern(c))
     ids = []
     for n in range(4):
-        assert engine.submit_store(10 + n, [make_key(4 + 2 * n), make_key(5 + 2 * n)],
-                                   [4 + 2 * n, 5 + 2 * n])
+        assert engine.submit_store(
+            10 + n, [make_key(4 + 2 * n), make_key(5 + 2 * n)], [4 + 2 * n, 5 + 2 * n]
+        )
         ids.append(10 + n)
     engine.submit_load(20, [make_key(i) for i in range(4)], [12, 13, 14, 15])
     ids.append(20)
@@ -169,8 +189,9 @@ def test_shutdown_cancels_queued_blocks_and_leaves_no_partial_files(disk_root, e
     gate.wait_entered(2)
     queued_store_ids = []
     for n in range(3):
-        assert engine.submit_store(10 + n, [make_key(2 + 2 * n), make_key(3 + 2 * n)],
-                                   [2 + 2 * n, 3 + 2 * n])
+        assert engine.submit_store(
+            10 + n, [make_key(2 + 2 * n), make_key(3 + 2 * n)], [2 + 2 * n, 3 + 2 * n]
+        )
         queued_store_ids.append(10 + n)
     engine.submit_load(20, [make_key("absent-1"), make_key("absent-2")], [14, 15])
 
@@ -206,7 +227,6 @@ def test_shutdown_cancels_queued_blocks_and_leaves_no_partial_files(disk_root, e
         assert os.path.getsize(path) == BS + TRAILER_SIZE
     with pytest.raises(RuntimeError):
         engine.submit_load(99, [make_key(0)], [0])
-
 
 
 @pytest.mark.parametrize("is_load", [False, True])

@@ -6,8 +6,9 @@ import glob
 import os
 
 import pytest
-from harness import Replica, make_keys, offloading_config, ours, payload_for
 from vllm.v1.kv_offload.base import LookupResult
+
+from harness import Replica, make_keys, offloading_config, ours, payload_for
 
 
 @pytest.fixture

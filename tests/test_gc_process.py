@@ -14,6 +14,9 @@ import sys
 import termios
 
 import pytest
+
+from llmkv_fs.ops.gc import EXIT_BUSY
+
 from gc_kit import (
     DAY,
     dead_pid,
@@ -29,8 +32,6 @@ from gc_kit import (
     put_temp,
     wait_until,
 )
-
-from llmkv_fs.ops.gc import EXIT_BUSY
 
 OLD = 8 * DAY
 
@@ -74,19 +75,31 @@ except SystemExit as exc:
 
 
 def test_python_m_runs_without_vllm_or_torch(volume):
-    orphan, live, paths, temps = build_tree(volume, blocks=5)
-    done = subprocess.run([sys.executable, "-c", BLOCKER, volume, "--json", "--high", "off"],
-                          capture_output=True, text=True, env=gc_env(), timeout=120)
+    orphan, _live, _paths, _temps = build_tree(volume, blocks=5)
+    done = subprocess.run(
+        [sys.executable, "-c", BLOCKER, volume, "--json", "--high", "off"],
+        capture_output=True,
+        text=True,
+        env=gc_env(),
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout)
     assert report["digests_removed"] == 1 and report["temps"]["removed"] == 10
     assert not os.path.exists(orphan[0].base_path)
     # And the console script's subcommand, checked the same way.
-    check = ("import sys; from llmkv_fs.cli import main; rc = main(sys.argv[1:]); "
-             "heavy = [m for m in sys.modules if m.split('.')[0] in ('vllm', 'torch')]; "
-             "assert not heavy, heavy; sys.exit(rc)")
-    done = subprocess.run([sys.executable, "-c", check, "gc", volume, "--dry-run"],
-                          capture_output=True, text=True, env=gc_env(), timeout=120)
+    check = (
+        "import sys; from llmkv_fs.cli import main; rc = main(sys.argv[1:]); "
+        "heavy = [m for m in sys.modules if m.split('.')[0] in ('vllm', 'torch')]; "
+        "assert not heavy, heavy; sys.exit(rc)"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", check, "gc", volume, "--dry-run"],
+        capture_output=True,
+        text=True,
+        env=gc_env(),
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     assert "dry run: nothing changed" in done.stdout
 
@@ -104,9 +117,14 @@ sys.stdin.read()
 
 
 def test_second_gc_is_refused_or_waits(disk_root):
-    orphan, live, paths, temps = build_tree(disk_root, blocks=5)
-    holder = subprocess.Popen([sys.executable, "-c", HOLDER, disk_root], stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, text=True, env=gc_env())
+    orphan, _live, _paths, _temps = build_tree(disk_root, blocks=5)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, disk_root],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=gc_env(),
+    )
     try:
         assert read_line(holder.stdout) == "locked\n"
         busy = gc_run(disk_root, "--high", "off")
@@ -130,9 +148,11 @@ def test_second_gc_is_refused_or_waits(disk_root):
 
 
 def test_concurrent_gc_runs_do_not_fight(volume):
-    orphan, live, paths, temps = build_tree(volume)
-    runs = [gc_process(volume, "--json", "--max-bytes", "0", "--protect", "0", "--high", "off")
-            for _ in range(3)]
+    orphan, live, _paths, _temps = build_tree(volume)
+    runs = [
+        gc_process(volume, "--json", "--max-bytes", "0", "--protect", "0", "--high", "off")
+        for _ in range(3)
+    ]
     results = [(p.wait(timeout=120), *p.communicate()) for p in runs]
     statuses = sorted(r[0] for r in results)
     assert set(statuses) <= {0, EXIT_BUSY} and statuses[0] == 0, results
@@ -147,8 +167,12 @@ def test_concurrent_gc_runs_do_not_fight(volume):
 
     # With --wait they queue up: all succeed, exactly one found the work.
     build_tree(volume)
-    runs = [gc_process(volume, "--json", "--wait", "--max-bytes", "0", "--protect", "0",
-                       "--high", "off") for _ in range(3)]
+    runs = [
+        gc_process(
+            volume, "--json", "--wait", "--max-bytes", "0", "--protect", "0", "--high", "off"
+        )
+        for _ in range(3)
+    ]
     reports = []
     for p in runs:
         out, err = p.communicate(timeout=120)
@@ -164,7 +188,7 @@ def test_concurrent_gc_runs_do_not_fight(volume):
 
 
 def test_watch_loops_until_sigterm_and_exits_zero(disk_root):
-    orphan, live, paths, temps = build_tree(disk_root, blocks=5)
+    _orphan, live, _paths, _temps = build_tree(disk_root, blocks=5)
     watcher = gc_process(disk_root, "--watch", "0.05", "--json", "--high", "off")
     try:
         first = json.loads(read_line(watcher.stdout))
@@ -181,8 +205,13 @@ def test_watch_loops_until_sigterm_and_exits_zero(disk_root):
 
 
 def test_sigterm_while_waiting_for_the_lock_exits_zero(disk_root):
-    holder = subprocess.Popen([sys.executable, "-c", HOLDER, disk_root], stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, text=True, env=gc_env())
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, disk_root],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=gc_env(),
+    )
     try:
         assert read_line(holder.stdout) == "locked\n"
         watcher = gc_process(disk_root, "--watch", "1h", "--wait")
@@ -203,8 +232,12 @@ def test_progress_line_only_on_a_terminal(disk_root):
     master, slave = pty.openpty()
     # A terminal has a size (a bare pty has 0 columns, and tqdm fits its line to that).
     fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 120, 0, 0))
-    proc = subprocess.Popen([sys.executable, "-m", "llmkv_fs", "gc", disk_root, "--dry-run"],
-                            stdout=subprocess.PIPE, stderr=slave, env=gc_env())
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "llmkv_fs", "gc", disk_root, "--dry-run"],
+        stdout=subprocess.PIPE,
+        stderr=slave,
+        env=gc_env(),
+    )
     os.close(slave)
     chunks = []
     while True:
@@ -250,14 +283,14 @@ def test_watermarks_evict_lru_until_below_low(tmpfs16, capsys):
     mib = 1 << 20
     # 12 x 1 MiB blocks: block i last used (12 - i) hours ago; the two
     # newest were loaded within --protect.
-    paths = [put_block(layouts[0], key(i), DAY, used_ago=(12 - i) * 3600, payload=mib - 4096)
-             for i in range(10)]
-    paths += [put_block(layouts[0], key(i), DAY, used_ago=60, payload=mib - 4096)
-              for i in (10, 11)]
+    paths = [
+        put_block(layouts[0], key(i), DAY, used_ago=(12 - i) * 3600, payload=mib - 4096)
+        for i in range(10)
+    ]
+    paths += [put_block(layouts[0], key(i), DAY, used_ago=60, payload=mib - 4096) for i in (10, 11)]
     assert used_percent(tmpfs16) > 70
 
-    status, report = gc(tmpfs16, "--high", "60", "--low", "30", "--protect", "10m",
-                        capsys=capsys)
+    status, report = gc(tmpfs16, "--high", "60", "--low", "30", "--protect", "10m", capsys=capsys)
     assert status == 0, report
     assert used_percent(tmpfs16) <= 30
     kept = [i for i, p in enumerate(paths) if os.path.exists(p)]
@@ -274,14 +307,18 @@ def test_watermarks_evict_lru_until_below_low(tmpfs16, capsys):
 
 def test_watermark_cannot_touch_protected_blocks(tmpfs16, capsys):
     layouts = make_digest(tmpfs16, "acme/hot")
-    paths = [put_block(layouts[0], key(i), DAY, used_ago=30, payload=(1 << 20) - 4096)
-             for i in range(12)]
-    status, report = gc(tmpfs16, "--high", "50", "--low", "20", "--protect", "10m",
-                        capsys=capsys)
+    paths = [
+        put_block(layouts[0], key(i), DAY, used_ago=30, payload=(1 << 20) - 4096) for i in range(12)
+    ]
+    status, report = gc(tmpfs16, "--high", "50", "--low", "20", "--protect", "10m", capsys=capsys)
     assert status == 0
     assert all(os.path.exists(p) for p in paths)
     assert report["capacity"]["evicted_blocks"] == 0
     assert report["capacity"]["short_bytes"] > 0
-    human = subprocess.run([sys.executable, "-m", "llmkv_fs", "gc", tmpfs16, "--high", "50",
-                            "--dry-run"], capture_output=True, text=True, env=gc_env())
+    human = subprocess.run(
+        [sys.executable, "-m", "llmkv_fs", "gc", tmpfs16, "--high", "50", "--dry-run"],
+        capture_output=True,
+        text=True,
+        env=gc_env(),
+    )
     assert "short by" in human.stdout and "--protect 10m" in human.stdout

@@ -92,21 +92,32 @@ def hkey(hex_prefix: str, i, seed: str) -> bytes:
     """A key whose block hash starts with ``hex_prefix`` (so it lands in a
     chosen ``<hhh>/<hh>_g0`` directory)."""
     rest = hashlib.sha256(f"{seed}-{i}".encode()).hexdigest()
-    return bytes.fromhex(hex_prefix + rest[len(hex_prefix):]) + (0).to_bytes(4, "big")
+    return bytes.fromhex(hex_prefix + rest[len(hex_prefix) :]) + (0).to_bytes(4, "big")
 
 
 def payload(k: bytes) -> bytes:
     return block_bytes(k)[:PAYLOAD]
 
 
-def start_writer(root: str, hook: str, layout, keys, race_dir: str | None = None,
-                 trigger: str | None = None):
-    proc = subprocess.Popen([sys.executable, "-c", WRITER, root, hook], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=gc_env())
-    spec = {"run_config": layout.run_config, "payload": PAYLOAD, "race_dir": race_dir,
-            "trigger": trigger,
-            "keys": [k.hex() for k in keys], "data": {k.hex(): payload(k).hex() for k in keys}}
+def start_writer(
+    root: str, hook: str, layout, keys, race_dir: str | None = None, trigger: str | None = None
+):
+    proc = subprocess.Popen(
+        [sys.executable, "-c", WRITER, root, hook],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=gc_env(),
+    )
+    spec = {
+        "run_config": layout.run_config,
+        "payload": PAYLOAD,
+        "race_dir": race_dir,
+        "trigger": trigger,
+        "keys": [k.hex() for k in keys],
+        "data": {k.hex(): payload(k).hex() for k in keys},
+    }
     proc.stdin.write(json.dumps(spec) + "\n")
     proc.stdin.flush()
     return proc
@@ -175,8 +186,9 @@ def test_gc_removes_the_parent_before_the_writers_mkdir(shared_volume):
     hhh_b = f"{writer_layout.rank_dir}/{hhh}"
     leaf_b = os.path.dirname(writer_layout.block_path(x))
 
-    writer = start_writer(shared_volume.b, "parent", writer_layout, [x], race_dir=hhh_b,
-                          trigger=leaf_b)
+    writer = start_writer(
+        shared_volume.b, "parent", writer_layout, [x], race_dir=hhh_b, trigger=leaf_b
+    )
     assert next_line(writer) == "ready"
     assert next_line(writer) == "at-mkdir"
     done = gc_run(shared_volume.a, *GC_EVICT, "--json")
@@ -204,8 +216,11 @@ def test_writer_never_fails_while_gc_keeps_emptying_its_directories(shared_volum
         result = writer_result(writer)
         assert result["failed"] == []
         assert sorted(set(result["outcomes"])) == ["written"]
-        wait_until(lambda: not any(os.path.exists(p) for p in olds),
-                   "gc to evict every old block", deadline_s=120)
+        wait_until(
+            lambda: not any(os.path.exists(p) for p in olds),
+            "gc to evict every old block",
+            deadline_s=120,
+        )
         watcher.send_signal(signal.SIGTERM)
         out, err = watcher.communicate(timeout=60)
         assert watcher.returncode == 0, err
@@ -217,5 +232,3 @@ def test_writer_never_fails_while_gc_keeps_emptying_its_directories(shared_volum
     assert passes and all(p["error_count"] == 0 for p in passes)
     for k in new:  # every new block is there (protected), byte exact
         assert_block(layout.block_path(k), k)
-
-

@@ -5,6 +5,9 @@ orphaned digests, leases, --keep/--model, temp files, LRU eviction with
 import os
 
 import pytest
+
+from llmkv_fs.layout.names import TRASH_PREFIX
+
 from gc_kit import (
     DAY,
     HOST,
@@ -20,14 +23,12 @@ from gc_kit import (
     snapshot,
 )
 
-from llmkv_fs.layout.names import TRASH_PREFIX
-
 OLD = 8 * DAY
 QUIET = ("--high", "off")  # capacity rules off unless a test asks for them
 
 
 def digest_dirs(layouts):
-    return [layouts[0].base_path] + [l.rank_dir for l in layouts]
+    return [layouts[0].base_path] + [layout.rank_dir for layout in layouts]
 
 
 def present(paths):
@@ -57,7 +58,8 @@ def test_old_unleased_digest_is_removed_with_every_rank(volume, capsys):
     assert "used 3600s ago" in by_name[fresh[0].digest_dir_name]["why"]
     # Nothing of gc's own is left in the root but its lock file.
     assert sorted(os.listdir(volume)) == sorted(
-        [".llmkv-gc.lock", fresh[0].digest_dir_name, os.path.basename(fresh[0].rank_dir)])
+        [".llmkv-gc.lock", fresh[0].digest_dir_name, os.path.basename(fresh[0].rank_dir)]
+    )
 
 
 def test_builtin_digest_without_leases_is_judged_by_age(volume, capsys):
@@ -81,12 +83,15 @@ def test_builtin_digest_without_leases_is_judged_by_age(volume, capsys):
     assert present(digest_dirs(starting)) == [True, True]
 
 
-@pytest.mark.parametrize("lease_kind, removed", [
-    ("live-this-host", False),
-    ("live-other-host", False),
-    ("stale-heartbeat", True),
-    ("dead-pid-this-host", True),
-])
+@pytest.mark.parametrize(
+    "lease_kind, removed",
+    [
+        ("live-this-host", False),
+        ("live-other-host", False),
+        ("stale-heartbeat", True),
+        ("dead-pid-this-host", True),
+    ],
+)
 def test_leases_live_stale_and_dead_pid(volume, capsys, lease_kind, removed):
     layouts = make_digest(volume, "acme/leased", config_age=OLD)
     put_block(layouts[0], key(0), OLD, OLD)
@@ -126,8 +131,7 @@ def test_keep_pins_and_model_filters(volume, capsys):
     for layouts in (a, b, c, d):
         put_block(layouts[0], key(0), OLD, OLD)
 
-    gc(volume, *QUIET, "--model", "org/a", "--model", "org_b", "--keep", b[0].digest,
-       capsys=capsys)
+    gc(volume, *QUIET, "--model", "org/a", "--model", "org_b", "--keep", b[0].digest, capsys=capsys)
     assert present(digest_dirs(a)) == [False, False]
     assert present(digest_dirs(b)) == [True, True]  # pinned by digest
     assert present(digest_dirs(c)) == [True, True]  # not selected
@@ -144,8 +148,9 @@ def test_pinned_digest_is_never_evicted(volume, capsys):
     other = make_digest(volume, "org/other")
     p = [put_block(pinned[0], key(i, "p"), 3 * DAY) for i in range(4)]
     o = [put_block(other[0], key(i, "o"), DAY) for i in range(4)]
-    status, report = gc(volume, "--high", "off", "--max-bytes", "0", "--keep", "org/pinned",
-                        capsys=capsys)
+    _status, report = gc(
+        volume, "--high", "off", "--max-bytes", "0", "--keep", "org/pinned", capsys=capsys
+    )
     assert present(p) == [True] * 4
     assert present(o) == [False] * 4
     assert report["capacity"]["short_bytes"] > 0
@@ -159,7 +164,7 @@ def test_temp_files_of_dead_writers_go_live_ones_stay(volume, capsys):
     layout = layouts[0]
     put_block(layout, key(0), 60)
     gone = dead_pid()
-    dead_here = put_temp(layout, key(1), gone)                       # fresh, provably dead
+    dead_here = put_temp(layout, key(1), gone)  # fresh, provably dead
     live_here_old = put_temp(layout, key(2), os.getpid(), seconds_old=DAY)  # never removed
     other_fresh = put_temp(layout, key(3), 777, host="other-node", seconds_old=60)
     other_old = put_temp(layout, key(4), 777, host="other-node", seconds_old=2 * 3600)
@@ -184,7 +189,13 @@ def test_temp_files_of_dead_writers_go_live_ones_stay(volume, capsys):
     status, report = gc(volume, *QUIET, capsys=capsys)
     assert status == 0
     assert present([dead_here, live_here_old, other_fresh, other_old, cfg_tmp, lease_tmp]) == [
-        False, True, True, False, False, False]
+        False,
+        True,
+        True,
+        False,
+        False,
+        False,
+    ]
     assert present([vllm_old, vllm_fresh, probe]) == [False, True, False]
     assert report["temps"]["removed"] == 6 and report["temps"]["kept"] == 3
     # A shorter --tmp-age takes the other host's fresh one too, never the live writer's.
@@ -200,15 +211,17 @@ def test_max_bytes_evicts_least_recently_used_first(volume, capsys):
     layout = layouts[0]
     lease = put_lease(layout, os.getpid())
     # Stored long ago; last used i hours ago (atime stamps), block 9 only stored.
-    paths = [put_block(layout, key(i), seconds_old=10 * DAY, used_ago=(i + 1) * 3600)
-             for i in range(9)]
+    paths = [
+        put_block(layout, key(i), seconds_old=10 * DAY, used_ago=(i + 1) * 3600) for i in range(9)
+    ]
     paths.append(put_block(layout, key(9), seconds_old=11 * 3600))
     size = os.lstat(paths[0]).st_blocks * 512
     cache = sum(os.lstat(f"{volume}/{p}").st_blocks * 512 for p in files_under(volume))
     # --max-bytes counts everything under the digest (config.json, leases
     # too): ask for 3.5 blocks' worth to go, so 4 go.
-    status, report = gc(volume, *QUIET, "--max-bytes", str(cache - 3 * size - size // 2),
-                        capsys=capsys)
+    status, report = gc(
+        volume, *QUIET, "--max-bytes", str(cache - 3 * size - size // 2), capsys=capsys
+    )
     assert status == 0, report
     gone = {i for i, p in enumerate(paths) if not os.path.exists(p)}
     # Last use, oldest first: 9 (stored 11h ago), 8 (loaded 9h ago), 7 (8h), 6 (7h).
@@ -248,8 +261,7 @@ def test_empty_directories_are_pruned_bottom_up(volume, capsys):
     os.makedirs(old_empty)
     for path in (old_empty, os.path.dirname(old_empty)):
         age(path, 3600)
-    status, report = gc(volume, *QUIET, "--max-bytes", "8192", "--protect", "10m",
-                        capsys=capsys)
+    status, report = gc(volume, *QUIET, "--max-bytes", "8192", "--protect", "10m", capsys=capsys)
     assert status == 0, report
     assert not os.path.exists(evicted)
     assert not os.path.exists(os.path.dirname(evicted))
@@ -275,17 +287,27 @@ def test_symlinks_are_never_followed_or_deleted_through(volume, tmp_path, capsys
     real = put_block(live[0], key(0), DAY)
     link_block = live[0].block_path(key(1))
     os.makedirs(os.path.dirname(link_block), exist_ok=True)
-    os.symlink(target_file, link_block)                      # a block path that is a link
-    os.symlink(outside / "sub", f"{live[0].rank_dir}/abc")   # an <hhh> dir that is a link
-    os.symlink(outside, f"{volume}/evil_0123456789ab_r0")    # a "rank dir" that is a link
+    os.symlink(target_file, link_block)  # a block path that is a link
+    os.symlink(outside / "sub", f"{live[0].rank_dir}/abc")  # an <hhh> dir that is a link
+    os.symlink(outside, f"{volume}/evil_0123456789ab_r0")  # a "rank dir" that is a link
     orphan = make_digest(volume, "acme/orphan", config_age=OLD)
     put_block(orphan[0], key(0), OLD, OLD)
     os.symlink(outside / "sub", f"{orphan[0].rank_dir}/def")
     os.makedirs(os.path.dirname(orphan[0].block_path(key(5))))
     os.symlink(target_file, orphan[0].block_path(key(5)))
 
-    status, report = gc(volume, "--high", "off", "--max-bytes", "0", "--protect", "0",
-                        "--min-age", "1d", capsys=capsys)
+    status, report = gc(
+        volume,
+        "--high",
+        "off",
+        "--max-bytes",
+        "0",
+        "--protect",
+        "0",
+        "--min-age",
+        "1d",
+        capsys=capsys,
+    )
     assert status == 0, report
     assert target_file.read_bytes() == b"x" * 8192
     assert (outside / "sub" / "a.bin").read_bytes() == b"y" * 8192
@@ -312,8 +334,7 @@ def test_dry_run_changes_nothing(volume, capsys):
     os.makedirs(f"{volume}/{TRASH_PREFIX}0123456789ab~1~2/x")
     before = snapshot(volume)
 
-    status, report = gc(volume, "--dry-run", "--max-bytes", "0", "--protect", "0",
-                        capsys=capsys)
+    status, report = gc(volume, "--dry-run", "--max-bytes", "0", "--protect", "0", capsys=capsys)
     assert status == 0
     assert snapshot(volume) == before
     assert report["dry_run"] and report["digests_removed"] == 1
@@ -375,12 +396,15 @@ def test_pid_check_auto_in_a_kubernetes_pod(volume, capsys, monkeypatch):
     assert pids_are_ours()
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--min-age", "7 weeks"], "is not a duration"),
-    (["--max-bytes", "lots"], "is not a size"),
-    (["--high", "120"], "between 0 and 100"),
-    (["--high", "50", "--low", "60"], "is above --high"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--min-age", "7 weeks"], "is not a duration"),
+        (["--max-bytes", "lots"], "is not a size"),
+        (["--high", "120"], "between 0 and 100"),
+        (["--high", "50", "--low", "60"], "is above --high"),
+    ],
+)
 def test_bad_arguments_are_clear_errors(disk_root, capsys, args, message):
     with pytest.raises(SystemExit) as info:
         gc(disk_root, *args)

@@ -7,12 +7,17 @@ import json
 import os
 import signal
 
-from gc_kit import age, files_under, gc_process, gc_run
-from harness import Replica, make_keys, offloading_config, ours, payload_for, wait_until
 from vllm.v1.kv_offload.base import LookupResult
 
-HIT, MISS, RETRY, HIT_PENDING = (LookupResult.HIT, LookupResult.MISS, LookupResult.RETRY,
-                                 LookupResult.HIT_PENDING)
+from gc_kit import age, files_under, gc_process, gc_run
+from harness import Replica, make_keys, offloading_config, ours, payload_for, wait_until
+
+HIT, MISS, RETRY, HIT_PENDING = (
+    LookupResult.HIT,
+    LookupResult.MISS,
+    LookupResult.RETRY,
+    LookupResult.HIT_PENDING,
+)
 EVICT_ALL = ("--max-bytes", "0", "--protect", "0", "--high", "off")
 
 
@@ -65,8 +70,9 @@ def test_evicted_between_lookup_and_load_is_a_clean_miss(volume, replicas):
 
     reader = start(replicas, volume)
     ctx = promotions_started(reader, keys)
-    done = gc_run(volume, "--json", "--max-bytes", str(cache - 3 * size), "--protect", "1h",
-                  "--high", "off")
+    done = gc_run(
+        volume, "--json", "--max-bytes", str(cache - 3 * size), "--protect", "1h", "--high", "off"
+    )
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["capacity"]["evicted_blocks"] == 3
     assert [os.path.exists(p) for p in paths] == [False] * 3 + [True] * 3

@@ -12,11 +12,19 @@ from __future__ import annotations
 
 import os
 
-from harness import (Replica, make_keys, offloading_config, ours, resolve,
-                     store_burst_while_stalled, wait_until)
 from vllm.v1.kv_offload.base import Locality, LookupResult, Medium
 
 from llmkv_fs.engine import Direction, Failure, Tally
+
+from harness import (
+    Replica,
+    make_keys,
+    offloading_config,
+    ours,
+    resolve,
+    store_burst_while_stalled,
+    wait_until,
+)
 
 HIT, MISS = LookupResult.HIT, LookupResult.MISS
 
@@ -54,8 +62,6 @@ def flip_a_bit(path, offset=12345):
         f.write(bytes([byte ^ 0x10]))
 
 
-
-
 def test_block_stored_for_landed_keys(disk_root, replicas):
     a = start(replicas, ours(disk_root, enable_kv_events=True, locality="REMOTE"))
     keys = make_keys(5, seed="events-stored")
@@ -70,8 +76,16 @@ def test_block_stored_for_landed_keys(disk_root, replicas):
 
 
 def test_stores_dropped_by_the_queue_bound_yield_no_event(disk_root, replicas):
-    a = start(replicas, ours(disk_root, enable_kv_events=True, n_read_threads=1,
-                             n_write_threads=1, max_pending_store_blocks=4))
+    a = start(
+        replicas,
+        ours(
+            disk_root,
+            enable_kv_events=True,
+            n_read_threads=1,
+            n_write_threads=1,
+            max_pending_store_blocks=4,
+        ),
+    )
     # Hold the volume "slow" while the burst is submitted: the two I/O threads
     # take one block each, the queue holds at most 4 more, the rest is refused.
     keys = make_keys(30, seed="events-burst")
@@ -132,16 +146,14 @@ def _store_and_corrupt_load(root, replicas, tier_events_on, global_events_on):
 
 
 def test_no_events_when_the_tier_disables_them(disk_root, replicas):
-    a, b = _store_and_corrupt_load(disk_root, replicas, tier_events_on=False,
-                                   global_events_on=True)
+    a, b = _store_and_corrupt_load(disk_root, replicas, tier_events_on=False, global_events_on=True)
     for replica in (a, b):
         assert tier_events(replica) == []
         assert manager_storage_events(replica) == []
 
 
 def test_no_events_when_kv_cache_events_are_off_globally(disk_root, replicas):
-    a, b = _store_and_corrupt_load(disk_root, replicas, tier_events_on=True,
-                                   global_events_on=False)
+    a, b = _store_and_corrupt_load(disk_root, replicas, tier_events_on=True, global_events_on=False)
     for replica in (a, b):
         assert tier_events(replica) == []
         assert manager_storage_events(replica) == []

@@ -15,47 +15,74 @@ import os
 import socket
 
 import pytest
-from harness import offloading_config
 from vllm.v1.kv_offload.config import OffloadingCacheConfig
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
 from llmkv_fs.layout.names import parse_temp_name, safe_model_component, temp_path
 from llmkv_fs.layout.paths import CacheLayout, LayoutError, RunIdentity
 
-from layout_kit import ROOT, ONE_GROUP, TWO_GROUPS, KEYS, vllm_mapper, our_layout, spec_for, assert_same_layout
+from harness import offloading_config
+from layout_kit import (
+    KEYS,
+    ONE_GROUP,
+    ROOT,
+    TWO_GROUPS,
+    assert_same_layout,
+    our_layout,
+    spec_for,
+    vllm_mapper,
+)
 
 
 def _matrix():
     cases = []
     for tp, rank_kind, agnostic, replicated, groups, model, dtype in itertools.product(
-        (1, 2, 4), ("rank0", "rankN"), (False, True), (False, True),
-        ("one_group", "two_groups"), ("meta-llama/Llama-3.1-8B-Instruct", "plainmodel"),
+        (1, 2, 4),
+        ("rank0", "rankN"),
+        (False, True),
+        (False, True),
+        ("one_group", "two_groups"),
+        ("meta-llama/Llama-3.1-8B-Instruct", "plainmodel"),
         ("bfloat16", "float16"),
     ):
         if tp == 1 and rank_kind == "rankN":
             continue
         rank = 0 if rank_kind == "rank0" else tp - 1
-        cases.append(pytest.param(
-            tp, rank, agnostic, replicated, groups, model, dtype,
-            id=f"tp{tp}-r{rank}-{'ag' if agnostic else 'noag'}-"
-               f"{'repl' if replicated else 'norepl'}-{groups}-{model.replace('/', '_')}-{dtype}",
-        ))
+        cases.append(
+            pytest.param(
+                tp,
+                rank,
+                agnostic,
+                replicated,
+                groups,
+                model,
+                dtype,
+                id=f"tp{tp}-r{rank}-{'ag' if agnostic else 'noag'}-"
+                f"{'repl' if replicated else 'norepl'}-{groups}-{model.replace('/', '_')}-{dtype}",
+            )
+        )
     return cases
 
 
 @pytest.mark.parametrize("tp,rank,agnostic,replicated,groups,model,dtype", _matrix())
 def test_layout_equals_vllm_file_mapper(tp, rank, agnostic, replicated, groups, model, dtype):
     spec = spec_for(
-        tp_size=tp, rank=rank, agnostic=agnostic, replicated_layout=replicated,
-        groups=ONE_GROUP if groups == "one_group" else TWO_GROUPS, model=model, dtype=dtype,
+        tp_size=tp,
+        rank=rank,
+        agnostic=agnostic,
+        replicated_layout=replicated,
+        groups=ONE_GROUP if groups == "one_group" else TWO_GROUPS,
+        model=model,
+        dtype=dtype,
     )
     layout = assert_same_layout(spec)
 
     collapsed = agnostic or replicated
     expected_rank = 0 if collapsed else rank
     assert layout.rank_dir == f"{layout.base_path}_r{expected_rank}"
-    assert all(layout.block_path(k).startswith(f"{layout.base_path}_r{expected_rank}/")
-               for k in KEYS)
+    assert all(
+        layout.block_path(k).startswith(f"{layout.base_path}_r{expected_rank}/") for k in KEYS
+    )
     # The run config records the real parallelism only when not collapsed.
     assert layout.run_config["tp_size"] == (1 if collapsed else tp)
     assert ("parallel_agnostic" in layout.run_config) is (not collapsed)
@@ -69,11 +96,13 @@ def test_layout_equals_vllm_file_mapper(tp, rank, agnostic, replicated, groups, 
 def test_layout_equals_vllm_for_non_default_cache_and_canonical(variant):
     cfg = offloading_config(tiers=[], groups=TWO_GROUPS, tp_size=2, rank=1, agnostic=True)
     if variant == "blocks_per_chunk_4":
-        cfg = dataclasses.replace(cfg, cache=OffloadingCacheConfig(tokens_per_hash=16,
-                                                                   blocks_per_chunk=4))
+        cfg = dataclasses.replace(
+            cfg, cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=4)
+        )
     elif variant == "tokens_per_hash_32":
-        cfg = dataclasses.replace(cfg, cache=OffloadingCacheConfig(tokens_per_hash=32,
-                                                                   blocks_per_chunk=1))
+        cfg = dataclasses.replace(
+            cfg, cache=OffloadingCacheConfig(tokens_per_hash=32, blocks_per_chunk=1)
+        )
     else:
         cfg = dataclasses.replace(cfg, canonical_layout=True, kv_cache_layout="LBNHC")
     spec = TieringOffloadingSpec(cfg)
@@ -93,18 +122,23 @@ def test_agnostic_and_non_agnostic_digests_differ(tp, rank):
     assert agnostic.rank_dir.endswith("_r0")
     assert strict.rank_dir.endswith(f"_r{rank}")
     # vLLM agrees on both.
-    assert vllm_mapper(spec_for(tp_size=tp, rank=rank, agnostic=True)).base_path == \
-        agnostic.base_path
-    assert vllm_mapper(spec_for(tp_size=tp, rank=rank, agnostic=False)).base_path == \
-        strict.base_path
+    assert (
+        vllm_mapper(spec_for(tp_size=tp, rank=rank, agnostic=True)).base_path == agnostic.base_path
+    )
+    assert (
+        vllm_mapper(spec_for(tp_size=tp, rank=rank, agnostic=False)).base_path == strict.base_path
+    )
 
 
 def test_agnostic_configs_of_different_tp_share_one_directory():
-    paths = {our_layout(spec_for(tp_size=tp, rank=r, agnostic=True)).block_path(KEYS[0])
-             for tp, r in [(1, 0), (2, 1), (4, 2)]}
+    paths = {
+        our_layout(spec_for(tp_size=tp, rank=r, agnostic=True)).block_path(KEYS[0])
+        for tp, r in [(1, 0), (2, 1), (4, 2)]
+    }
     assert len(paths) == 1
-    strict = {our_layout(spec_for(tp_size=tp, rank=r)).base_path
-              for tp, r in [(1, 0), (2, 1), (4, 2)]}
+    strict = {
+        our_layout(spec_for(tp_size=tp, rank=r)).base_path for tp, r in [(1, 0), (2, 1), (4, 2)]
+    }
     assert len(strict) == 3
 
 
@@ -210,8 +244,9 @@ HOSTS = [
 
 @pytest.mark.parametrize("host", HOSTS)
 @pytest.mark.parametrize("pid,nonce", [(1, "0"), (4194304, "1f3a"), (77, "k3x9z")])
-@pytest.mark.parametrize("final", ["/mnt/kv/m_abc_r0/abc/de_g0/abcdef0123.bin",
-                                   "/mnt/kv/m_abc/config.json"])
+@pytest.mark.parametrize(
+    "final", ["/mnt/kv/m_abc_r0/abc/de_g0/abcdef0123.bin", "/mnt/kv/m_abc/config.json"]
+)
 def test_temp_path_round_trips(host, pid, nonce, final):
     path = temp_path(final, host, pid, nonce)
     assert os.path.dirname(path) == os.path.dirname(final)
@@ -231,21 +266,23 @@ def test_real_hostname_round_trips():
         assert parsed.host == host
 
 
-@pytest.mark.parametrize("name", [
-    hashlib.sha256(b"x").hexdigest() + ".bin",
-    "config.json",
-    "random",
-    "",
-    ".hidden",
-    "x.tmp",
-    ".tmp",
-    ".a.host~notapid~ab.tmp",
-    ".a.host~12~AB.tmp",  # nonce is lower-case base36
-    ".a.host~12~ab.tmp.bin",
-    "a.host~12~ab.tmp",  # not hidden
-    ".a.ho/st~12~ab.tmp",
-    ".a.host~12.tmp",
-])
+@pytest.mark.parametrize(
+    "name",
+    [
+        hashlib.sha256(b"x").hexdigest() + ".bin",
+        "config.json",
+        "random",
+        "",
+        ".hidden",
+        "x.tmp",
+        ".tmp",
+        ".a.host~notapid~ab.tmp",
+        ".a.host~12~AB.tmp",  # nonce is lower-case base36
+        ".a.host~12~ab.tmp.bin",
+        "a.host~12~ab.tmp",  # not hidden
+        ".a.ho/st~12~ab.tmp",
+        ".a.host~12.tmp",
+    ],
+)
 def test_parse_temp_name_rejects_other_names(name):
     assert parse_temp_name(name) is None
-

@@ -18,11 +18,12 @@ import sys
 import time
 
 import pytest
-from harness import Replica, offloading_config, ours, payload_for, wait_until
 
 import llmkv_fs
 from llmkv_fs.engine import Outcome
 from llmkv_fs.layout.leases import STALE_AFTER_INTERVALS, lease_dir, read_leases
+
+from harness import Replica, offloading_config, ours, payload_for, wait_until
 
 WARNING = "will not share cache"
 TOKENS = list(range(1000, 1016))  # one full 16-token block
@@ -33,8 +34,7 @@ def leases_of(replica) -> list:
 
 
 def own_leases(replica) -> list:
-    return [x for x in leases_of(replica)
-            if (x.host, x.pid) == (socket.gethostname(), os.getpid())]
+    return [x for x in leases_of(replica) if (x.host, x.pid) == (socket.gethostname(), os.getpid())]
 
 
 def wait_for_lease(replica):
@@ -50,6 +50,7 @@ def wait_for_refresh(path: str, after_ns: int) -> int:
             return os.stat(path).st_mtime_ns > after_ns
         except FileNotFoundError:
             return False
+
     wait_until(refreshed, f"{path} to be refreshed", 20.0)
     return os.stat(path).st_mtime_ns
 
@@ -125,7 +126,8 @@ def test_short_lease_interval_is_refreshed_before_it_looks_dead(disk_root):
         gap_s = (second - first) / 1e9
         assert gap_s < STALE_AFTER_INTERVALS * interval, (
             f"refreshed every {gap_s:.2f}s; peers and gc call it dead after "
-            f"{STALE_AFTER_INTERVALS * interval:.2f}s")
+            f"{STALE_AFTER_INTERVALS * interval:.2f}s"
+        )
     finally:
         replica.close()
 
@@ -138,7 +140,10 @@ def _spawn(role: str, seed: str, root: str, control: str, log_path: str) -> subp
     with open(log_path, "wb") as log:
         return subprocess.Popen(
             [sys.executable, os.path.abspath(__file__), role, root, control],
-            stdout=log, stderr=subprocess.STDOUT, env=env, cwd=os.path.dirname(__file__),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=os.path.dirname(__file__),
         )
 
 
@@ -149,7 +154,7 @@ def _result(log_path: str, proc: subprocess.Popen, deadline_s: float = 900.0) ->
         with open(log_path, "rb") as f:
             for line in f.read().decode(errors="replace").splitlines():
                 if line.startswith("RESULT "):
-                    return json.loads(line[len("RESULT "):])
+                    return json.loads(line[len("RESULT ") :])
         if proc.poll() is not None and proc.returncode != 0:
             with open(log_path, "rb") as f:
                 pytest.fail(f"replica process failed:\n{f.read().decode(errors='replace')[-4000:]}")
@@ -248,8 +253,9 @@ def _replica_process(role: str, root: str, control: str) -> None:
     key = make_offload_key(bytes(block_hash), 0)
 
     _wait_file(f"{control}.go")
-    replica = Replica(offloading_config(tiers=[ours(root, lease_interval_s=1.0)],
-                                        cpu_bytes=16 << 20))
+    replica = Replica(
+        offloading_config(tiers=[ours(root, lease_interval_s=1.0)], cpu_bytes=16 << 20)
+    )
     housekeeping = replica.tier.engine.housekeeping
     replica.step()
     lease = wait_for_lease(replica)
@@ -257,13 +263,18 @@ def _replica_process(role: str, root: str, control: str) -> None:
     # once the lease was refreshed, the first check is complete.
     wait_for_refresh(lease.path, os.stat(lease.path).st_mtime_ns)
     out = {
-        "pid": os.getpid(), "fingerprint": lease.seed_fingerprint, "hash_algo": lease.hash_algo,
-        "key": key.hex(), "path": replica.tier.layout.block_path(key),
+        "pid": os.getpid(),
+        "fingerprint": lease.seed_fingerprint,
+        "hash_algo": lease.hash_algo,
+        "key": key.hex(),
+        "path": replica.tier.layout.block_path(key),
         "base": replica.tier.layout.base_path,
         "other_fingerprints": sorted(housekeeping.other_fingerprints),
-        "peers_seen": sum(x.is_live(this_host=socket.gethostname())
-                          for x in read_leases(replica.tier.layout.base_path)
-                          if x.path != lease.path),
+        "peers_seen": sum(
+            x.is_live(this_host=socket.gethostname())
+            for x in read_leases(replica.tier.layout.base_path)
+            if x.path != lease.path
+        ),
     }
     if role == "writer":
         replica.store([key])

@@ -17,6 +17,10 @@ import sys
 import time
 
 import pytest
+
+from llmkv_fs.config import TierSettings
+from llmkv_fs.engine import FsEngine, Outcome
+
 from harness import Replica, make_keys, offloading_config, ours, payload_for
 from matrix_kit import (
     BLOCK,
@@ -31,9 +35,6 @@ from matrix_kit import (
     temp_owner,
 )
 
-from llmkv_fs.config import TierSettings
-from llmkv_fs.engine import FsEngine, Outcome
-
 TRIALS = int(os.environ.get("LLMKV_FS_MATRIX_TRIALS", "10"))  # per filesystem
 SEED = int(os.environ.get("LLMKV_FS_MATRIX_SEED", "5"))
 KEYS_PER_TRIAL = 8
@@ -44,13 +45,16 @@ def _write(layout, keys_hex: list[str], ready_fd: int) -> dict:
     keys = [bytes.fromhex(k) for k in keys_hex]
     primary = mmap.mmap(-1, len(keys) * BLOCK)
     for i, key in enumerate(keys):
-        primary[i * BLOCK:(i + 1) * BLOCK] = payload_for(key, BLOCK)
-    settings = TierSettings(root_dir=layout.root_dir, n_read_threads=1, n_write_threads=2,
-                            lookup_threads=1)
+        primary[i * BLOCK : (i + 1) * BLOCK] = payload_for(key, BLOCK)
+    settings = TierSettings(
+        root_dir=layout.root_dir, n_read_threads=1, n_write_threads=2, lookup_threads=1
+    )
     engine = FsEngine(settings, layout, primary, BLOCK)
     os.write(ready_fd, b"!")
     for start in range(0, len(keys), 2):
-        engine.submit_store(start, keys[start:start + 2], list(range(start, min(start + 2, len(keys)))))
+        engine.submit_store(
+            start, keys[start : start + 2], list(range(start, min(start + 2, len(keys))))
+        )
     while engine.has_pending_work():
         engine.take_finished()
         time.sleep(0.0005)
@@ -98,8 +102,16 @@ def test_sigkill_mid_write_never_publishes_a_torn_file(shared_volume, replicas):
             os.unlink(path)
     span = min(spans)
 
-    figures = dict(trials=TRIALS, killed_alive=0, interrupted=0, temp_left=0, published=0,
-                   verified=0, served=0, wrong=0)
+    figures = {
+        "trials": TRIALS,
+        "killed_alive": 0,
+        "interrupted": 0,
+        "temp_left": 0,
+        "published": 0,
+        "verified": 0,
+        "served": 0,
+        "wrong": 0,
+    }
     for trial in range(TRIALS):
         keys = make_keys(KEYS_PER_TRIAL, seed=f"kill-{shared_volume.fs}-{trial}")
         paths = {reader.tier.layout.block_path(k): k for k in keys}
@@ -112,7 +124,9 @@ def test_sigkill_mid_write_never_publishes_a_torn_file(shared_volume, replicas):
         for path in published:
             assert path in paths, f"trial {trial}: unexpected file {path}"
             problem = block_problem(path, paths[path])
-            assert problem is None, f"trial {trial}: torn file under a final name: {path}: {problem}"
+            assert problem is None, (
+                f"trial {trial}: torn file under a final name: {path}: {problem}"
+            )
         figures["published"] += len(published)
         figures["interrupted"] += len(published) < KEYS_PER_TRIAL
         figures["verified"] += len(published)
@@ -137,8 +151,14 @@ def test_sigkill_mid_write_never_publishes_a_torn_file(shared_volume, replicas):
     assert clock.errors == []
     # Kills landed inside the store stream, not only after it.
     assert figures["interrupted"] >= TRIALS // 3, figures
-    record("sigkill_mid_write", fs=shared_volume.fs, calibration_s=round(span, 3), seed=SEED,
-           scheduler_exceptions=len(clock.errors), **figures)
+    record(
+        "sigkill_mid_write",
+        fs=shared_volume.fs,
+        calibration_s=round(span, 3),
+        seed=SEED,
+        scheduler_exceptions=len(clock.errors),
+        **figures,
+    )
 
 
 # -- durability: the syscalls each mode makes -------------------------------------------
@@ -169,7 +189,9 @@ print(engine.counters[Outcome.WRITTEN])
 N_STRACED = 6
 _TID = r"^(?P<tid>\d+)\s+"
 _FSYNC = re.compile(_TID + r"(?:fsync|fdatasync)\(\d+<(?P<path>[^>]*)>")
-_RENAME = re.compile(_TID + r"rename(?:at2?)?\((?:[^,]*, )?\"(?P<src>[^\"]+)\", (?:[^,]*, )?\"(?P<dst>[^\"]+)\"")
+_RENAME = re.compile(
+    _TID + r"rename(?:at2?)?\((?:[^,]*, )?\"(?P<src>[^\"]+)\", (?:[^,]*, )?\"(?P<dst>[^\"]+)\""
+)
 
 
 def _strace_store(root: str, durability: str, out: str) -> list[tuple[str, str, str, str]]:
@@ -179,9 +201,26 @@ def _strace_store(root: str, durability: str, out: str) -> list[tuple[str, str, 
     if shutil.which("strace") is None:
         pytest.skip("strace is not installed")
     done = subprocess.run(
-        ["strace", "-f", "-qq", "-y", "-o", out, "-e", "trace=fsync,fdatasync,rename,renameat,renameat2",
-         sys.executable, "-c", STORE_N_BLOCKS, root, str(N_STRACED), durability],
-        capture_output=True, text=True, timeout=300)
+        [
+            "strace",
+            "-f",
+            "-qq",
+            "-y",
+            "-o",
+            out,
+            "-e",
+            "trace=fsync,fdatasync,rename,renameat,renameat2",
+            sys.executable,
+            "-c",
+            STORE_N_BLOCKS,
+            root,
+            str(N_STRACED),
+            durability,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.split()[-1] == str(N_STRACED)
     events = []
@@ -206,7 +245,7 @@ def test_durability_mode_makes_exactly_its_fsyncs(durability, disk_root, tmp_pat
     else:
         # The temp file is fsynced by the thread that renames it, before the rename.
         for tid, _, tmp, final in renames:
-            before = events[:events.index((tid, "rename", tmp, final))]
+            before = events[: events.index((tid, "rename", tmp, final))]
             assert (tid, "fsync", tmp, "") in before, f"{final}: no fsync of {tmp} before rename"
         assert len(file_syncs) == N_STRACED
         if durability == "file":
@@ -214,8 +253,14 @@ def test_durability_mode_makes_exactly_its_fsyncs(durability, disk_root, tmp_pat
         else:
             # ...and its directory after the rename, so the name is durable too.
             for tid, _, tmp, final in renames:
-                after = events[events.index((tid, "rename", tmp, final)) + 1:]
+                after = events[events.index((tid, "rename", tmp, final)) + 1 :]
                 assert (tid, "fsync", os.path.dirname(final), "") in after, f"{final}: no dir fsync"
             assert len(dir_syncs) == N_STRACED
-    record("durability_strace", mode=durability, blocks=N_STRACED, renames=len(renames),
-           file_fsyncs=len(file_syncs), dir_fsyncs=len(dir_syncs))
+    record(
+        "durability_strace",
+        mode=durability,
+        blocks=N_STRACED,
+        renames=len(renames),
+        file_fsyncs=len(file_syncs),
+        dir_fsyncs=len(dir_syncs),
+    )

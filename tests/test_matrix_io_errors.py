@@ -14,6 +14,10 @@ import shutil
 import uuid
 
 import pytest
+
+from llmkv_fs.engine import Direction, EngineError, Failure, Outcome, Tally
+from llmkv_fs.layout.blockfile import Corruption
+
 from harness import Replica, make_keys, offloading_config, ours, wait_until
 from matrix_kit import (
     DAMAGES,
@@ -36,9 +40,6 @@ from matrix_kit import (
     temp_files,
     temp_owner,
 )
-
-from llmkv_fs.engine import Direction, EngineError, Failure, Outcome, Tally
-from llmkv_fs.layout.blockfile import Corruption
 
 # One lookup round trip on the lookup thread; the test polls every ~2 ms, so
 # this is a time bound of a second or two on a busy machine, not a tight one.
@@ -97,13 +98,15 @@ def test_damaged_files_are_never_served(shared_volume, replicas, when):
         assert all(reader.manager.primary_tier.lookup(k, ctx) is MISS for k in bad.values())
 
     counters = reader.tier.engine.counters
-    loaded_bad = [n for n, (_, _, size_fails) in DAMAGES.items()
-                  if when == "after-hit" or not size_fails]
+    loaded_bad = [
+        n for n, (_, _, size_fails) in DAMAGES.items() if when == "after-hit" or not size_fails
+    ]
     expected = {}
     for name in loaded_bad:
         expected[DAMAGES[name][1]] = expected.get(DAMAGES[name][1], 0) + 1
-    assert {f"load_corrupt_{k}": v for k, v in counters.items()
-            if isinstance(k, Corruption)} == expected
+    assert {
+        f"load_corrupt_{k}": v for k, v in counters.items() if isinstance(k, Corruption)
+    } == expected
     assert counters[Tally.QUARANTINED] == len(loaded_bad)
     quarantine = sorted(os.listdir(reader.tier.layout.quarantine_dir))
     assert len(quarantine) == len(loaded_bad)
@@ -123,9 +126,18 @@ def test_damaged_files_are_never_served(shared_volume, replicas, when):
     assert_no_livelock(history)
     assert clock.calls["submit_load"] == loads_before
     assert clock.errors == []
-    record("damaged_files", fs=shared_volume.fs, when=when, damaged=len(bad), good=len(good),
-           served=hits, wrong=wrong, quarantined=counters[Tally.QUARANTINED],
-           corrupt_counted=sum(expected.values()), scheduler_exceptions=len(clock.errors))
+    record(
+        "damaged_files",
+        fs=shared_volume.fs,
+        when=when,
+        damaged=len(bad),
+        good=len(good),
+        served=hits,
+        wrong=wrong,
+        quarantined=counters[Tally.QUARANTINED],
+        corrupt_counted=sum(expected.values()),
+        scheduler_exceptions=len(clock.errors),
+    )
 
 
 def test_file_deleted_between_hit_and_load_fails_only_that_key(shared_volume, replicas):
@@ -156,9 +168,16 @@ def test_file_deleted_between_hit_and_load_fails_only_that_key(shared_volume, re
         assert_no_livelock(history)
     assert clock.calls["submit_load"] == loads
     assert clock.errors == []
-    record("deleted_after_hit", fs=shared_volume.fs, keys=4, served=hits, wrong=wrong,
-           load_missing=missing, load_errors=errors,
-           scheduler_exceptions=len(clock.errors))
+    record(
+        "deleted_after_hit",
+        fs=shared_volume.fs,
+        keys=4,
+        served=hits,
+        wrong=wrong,
+        load_missing=missing,
+        load_errors=errors,
+        scheduler_exceptions=len(clock.errors),
+    )
 
 
 # -- EIO, EACCES, read-only ----------------------------------------------------------------
@@ -197,9 +216,14 @@ def test_eio_fails_loads_and_stores_cleanly(tmp_path, replicas):
             replica.tier.engine.housekeeping.lease_path = None
             replicas.remove(replica)
             replica.close()
-    record("eio_ext4_shutdown", loads_failed=counters[Direction.LOAD, Failure.ERROR],
-           stores_failed=counters[Direction.STORE, Failure.ERROR], served=hits, wrong=wrong,
-           scheduler_exceptions=len(clock.errors))
+    record(
+        "eio_ext4_shutdown",
+        loads_failed=counters[Direction.LOAD, Failure.ERROR],
+        stores_failed=counters[Direction.STORE, Failure.ERROR],
+        served=hits,
+        wrong=wrong,
+        scheduler_exceptions=len(clock.errors),
+    )
 
 
 def test_shutdown_on_a_failed_volume_does_not_raise(tmp_path):
@@ -211,7 +235,7 @@ def test_shutdown_on_a_failed_volume_does_not_raise(tmp_path):
         try:
             replica.close()
         except OSError:  # do what shutdown skipped, so nothing leaks past this test
-            replica.tier.engine._flat.release()  # noqa: SLF001
+            replica.tier.engine._flat.release()
             replica.manager.primary_tier.shutdown()
             raise
 
@@ -240,11 +264,18 @@ def _nobody_reads_and_writes(root: str, keys_hex: list[str], fresh_hex: list[str
         hits, wrong = served(replica, keys, final, ctx)
         replica.store(fresh)
         counters = replica.tier.engine.counters
-        return {"uid": os.getuid(), "verdicts": sorted({v.name for v in final.values()}),
-                "served": hits, "wrong": wrong, "errors": clock.errors,
-                "counters": {"load_errors": counters[Direction.LOAD, Failure.ERROR],
-                             "store_errors": counters[Direction.STORE, Failure.ERROR],
-                             "quarantined": counters[Tally.QUARANTINED]}}
+        return {
+            "uid": os.getuid(),
+            "verdicts": sorted({v.name for v in final.values()}),
+            "served": hits,
+            "wrong": wrong,
+            "errors": clock.errors,
+            "counters": {
+                "load_errors": counters[Direction.LOAD, Failure.ERROR],
+                "store_errors": counters[Direction.STORE, Failure.ERROR],
+                "quarantined": counters[Tally.QUARANTINED],
+            },
+        }
     finally:
         replica.close()
 
@@ -258,8 +289,13 @@ def test_eacces_as_nobody_fails_loads_and_stores_cleanly(open_root, replicas):
     os.chmod(owner.tier.layout.config_path, 0o644)  # ...and read the run config
     fresh = make_keys(3, seed="eacces-fresh")
 
-    got = Forked(_nobody_reads_and_writes, root, [k.hex() for k in keys],
-                 [k.hex() for k in fresh], user=nobody()).result()
+    got = Forked(
+        _nobody_reads_and_writes,
+        root,
+        [k.hex() for k in keys],
+        [k.hex() for k in fresh],
+        user=nobody(),
+    ).result()
     assert got["uid"] == nobody()[0]
     assert got["errors"] == [] and got["wrong"] == 0
     assert got["verdicts"] == ["MISS"]  # found (lstat), unreadable: recomputed
@@ -268,19 +304,29 @@ def test_eacces_as_nobody_fails_loads_and_stores_cleanly(open_root, replicas):
     assert counters["store_errors"] == len(fresh)
     assert counters["quarantined"] == 0
     assert sorted(block_files(owner.tier.layout.rank_dir)) == sorted(
-        owner.tier.layout.block_path(k) for k in keys)
+        owner.tier.layout.block_path(k) for k in keys
+    )
     assert temp_files(root) == []
-    record("eacces_nobody", fs=fs, loads_failed=counters["load_errors"],
-           stores_failed=counters["store_errors"], wrong=got["wrong"],
-           scheduler_exceptions=len(got["errors"]))
+    record(
+        "eacces_nobody",
+        fs=fs,
+        loads_failed=counters["load_errors"],
+        stores_failed=counters["store_errors"],
+        wrong=got["wrong"],
+        scheduler_exceptions=len(got["errors"]),
+    )
 
 
 @pytest.mark.parametrize("kind", ["tmpfs", "ext4"])
-def test_read_only_remount_mid_run_fails_stores_loads_continue(kind, tmp_path, replicas,
-                                                               mount_tmpfs):
+def test_read_only_remount_mid_run_fails_stores_loads_continue(
+    kind, tmp_path, replicas, mount_tmpfs
+):
     with contextlib.ExitStack() as stack:
-        root = (mount_tmpfs("64m") if kind == "tmpfs"
-                else stack.enter_context(loop_ext4(tmp_path / "ro-ext4")))
+        root = (
+            mount_tmpfs("64m")
+            if kind == "tmpfs"
+            else stack.enter_context(loop_ext4(tmp_path / "ro-ext4"))
+        )
         writer, wclock = start(replicas, root)
         reader, rclock = start(replicas, root)
         before = make_keys(4, seed="ro-before")
@@ -294,7 +340,8 @@ def test_read_only_remount_mid_run_fails_stores_loads_continue(kind, tmp_path, r
         counters = writer.tier.engine.counters
         assert counters[Direction.STORE, Failure.ERROR] >= len(after)
         assert counters[Outcome.WRITTEN] == len(before) + len(racing) - (
-            counters[Direction.STORE, Failure.ERROR] - len(after))
+            counters[Direction.STORE, Failure.ERROR] - len(after)
+        )
 
         ctx = reader.new_request()  # loads go on from the read-only volume
         final, _ = reader.find(before + after, ctx)
@@ -318,9 +365,16 @@ def test_read_only_remount_mid_run_fails_stores_loads_continue(kind, tmp_path, r
         for replica in (reader, writer):
             replicas.remove(replica)
             replica.close()
-    record("read_only_remount", fs=kind, stores_failed=counters[Direction.STORE, Failure.ERROR],
-           temp_left=len(leftovers),
-           loads_ok=len(before), served=hits, wrong=wrong, scheduler_exceptions=0)
+    record(
+        "read_only_remount",
+        fs=kind,
+        stores_failed=counters[Direction.STORE, Failure.ERROR],
+        temp_left=len(leftovers),
+        loads_ok=len(before),
+        served=hits,
+        wrong=wrong,
+        scheduler_exceptions=0,
+    )
 
 
 # -- start-up: a bad root_dir -------------------------------------------------------------

@@ -14,6 +14,10 @@ import select
 import shutil
 import time
 
+from llmkv_fs.engine import Direction, EngineError, Failure, Outcome, prepare_volume
+from llmkv_fs.engine.blockio import BlockIO, IoOptions
+from llmkv_fs.layout.paths import CacheLayout
+
 from engine_kit import IDENTITY
 from harness import Replica, make_keys, offloading_config, ours, payload_for
 from matrix_kit import (
@@ -27,10 +31,6 @@ from matrix_kit import (
     record,
     served,
 )
-
-from llmkv_fs.engine import Direction, EngineError, Failure, Outcome, prepare_volume
-from llmkv_fs.engine.blockio import BlockIO, IoOptions
-from llmkv_fs.layout.paths import CacheLayout
 
 SEED = int(os.environ.get("LLMKV_FS_MATRIX_SEED", "5"))
 
@@ -47,9 +47,11 @@ def _store_at_signal(root: str, keys_hex: list[str], ready_fd: int, go_fd: int) 
             raise RuntimeError("the parent gave up before the start")
         replica.store(keys)  # settles: every job reported
         engine_counters = replica.tier.engine.counters
-        counters = {"blocks_written": engine_counters[Outcome.WRITTEN],  # JSON-able names
-                    "blocks_present": engine_counters[Outcome.PRESENT],
-                    "store_errors": engine_counters[Direction.STORE, Failure.ERROR]}
+        counters = {
+            "blocks_written": engine_counters[Outcome.WRITTEN],  # JSON-able names
+            "blocks_present": engine_counters[Outcome.PRESENT],
+            "store_errors": engine_counters[Direction.STORE, Failure.ERROR],
+        }
     finally:
         replica.close()
     return {"counters": counters, "scheduler_exceptions": len(clock.errors), "log": tap.lines}
@@ -89,8 +91,11 @@ def _race(fn, roots: list[str], arg_lists: list, deadline_s: float = 120.0) -> l
 
 
 def _store_race(shared_volume, key_lists: list[list[bytes]]) -> list[dict]:
-    return _race(_store_at_signal, [shared_volume.a, shared_volume.b],
-                 [[k.hex() for k in keys] for keys in key_lists])
+    return _race(
+        _store_at_signal,
+        [shared_volume.a, shared_volume.b],
+        [[k.hex() for k in keys] for keys in key_lists],
+    )
 
 
 # A store that loses the race to create a fresh directory on GlusterFS fails
@@ -109,7 +114,8 @@ def _judge(fs: str, total: dict, results: list[dict], attempts: int) -> int:
     if errors:
         assert fs == "gluster", logged
         assert logged and all(any(k in line for k in KNOWN_GLUSTER_DIR_RACE) for line in logged), (
-            logged)
+            logged
+        )
     return errors
 
 
@@ -145,8 +151,9 @@ def _reader(shared_volume, replicas, n_keys: int):
     """The replica that checks the result, on mount B. Started before the
     writers, so the digest directory and config.json exist when they start
     (a concurrent first start is its own test, below)."""
-    reader = Replica(offloading_config(tiers=[ours(shared_volume.b)],
-                                       cpu_bytes=(n_keys + 4) * BLOCK))
+    reader = Replica(
+        offloading_config(tiers=[ours(shared_volume.b)], cpu_bytes=(n_keys + 4) * BLOCK)
+    )
     replicas.append(reader)
     return reader
 
@@ -159,10 +166,18 @@ def test_two_processes_store_the_same_keys_at_once(shared_volume, replicas):
     errors = _judge(shared_volume.fs, total, results, 2 * len(keys))
     seen = _check_volume(reader, set(keys), errors)
     assert seen["files"] == len(keys)  # each key had two writers: a failure is covered
-    record("race_two_writers", fs=shared_volume.fs, writers=2, keys=len(keys),
-           attempts=2 * len(keys), written=total.get("blocks_written", 0),
-           present=total.get("blocks_present", 0), store_errors=errors,
-           scheduler_exceptions=total["scheduler_exceptions"], **seen)
+    record(
+        "race_two_writers",
+        fs=shared_volume.fs,
+        writers=2,
+        keys=len(keys),
+        attempts=2 * len(keys),
+        written=total.get("blocks_written", 0),
+        present=total.get("blocks_present", 0),
+        store_errors=errors,
+        scheduler_exceptions=total["scheduler_exceptions"],
+        **seen,
+    )
 
 
 def test_eight_processes_with_random_overlap(shared_volume, replicas):
@@ -176,10 +191,18 @@ def test_eight_processes_with_random_overlap(shared_volume, replicas):
     attempts = sum(len(keys) for keys in key_lists)
     errors = _judge(shared_volume.fs, total, results, attempts)
     seen = _check_volume(reader, union, errors)
-    record("race_eight_writers", fs=shared_volume.fs, writers=8, keys=len(union),
-           attempts=attempts, written=total.get("blocks_written", 0),
-           present=total.get("blocks_present", 0), store_errors=errors,
-           scheduler_exceptions=total["scheduler_exceptions"], **seen)
+    record(
+        "race_eight_writers",
+        fs=shared_volume.fs,
+        writers=8,
+        keys=len(union),
+        attempts=attempts,
+        written=total.get("blocks_written", 0),
+        present=total.get("blocks_present", 0),
+        store_errors=errors,
+        scheduler_exceptions=total["scheduler_exceptions"],
+        **seen,
+    )
 
 
 # -- first use of fresh directories, many clients at once ---------------------------------
@@ -194,14 +217,17 @@ FIRST_USE_KEYS = 8
 SMALL = 64 * 1024
 
 
-def _first_use_at_signal(root: str, keys_hex: list[str], ready_fd: int, go_fd: int
-                         ) -> list[str]:
+def _first_use_at_signal(root: str, keys_hex: list[str], ready_fd: int, go_fd: int) -> list[str]:
     """Child: at the common start, do what a replica does first on a fresh
     directory -- FsEngine's prepare_volume, then stores (every child
     stores the same keys, into the same fresh directories)."""
     layout = CacheLayout.for_identity(root, IDENTITY)
-    blockio = BlockIO(layout, IoOptions(block_size=SMALL, use_o_direct=False, fsync_file=False,
-                                        fsync_dir=False, checksum=True))
+    blockio = BlockIO(
+        layout,
+        IoOptions(
+            block_size=SMALL, use_o_direct=False, fsync_file=False, fsync_dir=False, checksum=True
+        ),
+    )
     keys = [bytes.fromhex(k) for k in keys_hex]
     rows = [memoryview(bytearray(payload_for(key, SMALL))) for key in keys]
     os.write(ready_fd, b"!")
@@ -231,7 +257,11 @@ def test_first_use_of_fresh_directories_on_gluster(gluster):
         failures += [line for r in results for line in r]
         if failures:
             break
-    record("first_use_gluster", rounds=rounds, processes=STARTERS * rounds,
-           failed_starts=sum(f.startswith("start:") for f in failures),
-           failed_stores=sum(f.startswith("store:") for f in failures))
+    record(
+        "first_use_gluster",
+        rounds=rounds,
+        processes=STARTERS * rounds,
+        failed_starts=sum(f.startswith("start:") for f in failures),
+        failed_stores=sum(f.startswith("store:") for f in failures),
+    )
     assert failures == [], failures

@@ -10,6 +10,9 @@ import time
 
 import numpy as np
 import pytest
+
+from llmkv_fs.engine import Direction, Failure, Outcome
+
 from gluster_kit import _gluster
 from harness import MiB, Replica, make_keys, offloading_config, ours, payload_for
 from matrix_kit import (
@@ -26,8 +29,6 @@ from matrix_kit import (
     stopped,
     temp_files,
 )
-
-from llmkv_fs.engine import Direction, Failure, Outcome
 
 JOB_TIMEOUT_S = 2.0
 CALL_BOUND_S = 0.2  # the slowest single tier call allowed while the volume is stalled
@@ -117,7 +118,8 @@ def test_stalled_brick_never_blocks_the_scheduler(gluster, replicas):
     assert set(final.values()) <= {HIT, MISS}
     assert temp_files(reader.tier.layout.rank_dir) == []  # abandoned stores cleaned up
     assert block_files(reader.tier.layout.rank_dir) == sorted(
-        reader.tier.layout.block_path(k) for k in loads)  # nothing published past its deadline
+        reader.tier.layout.block_path(k) for k in loads
+    )  # nothing published past its deadline
 
     # A full round trip works again: B stores, A (the other client) loads.
     after = make_keys(3, seed="stall-after")
@@ -128,16 +130,23 @@ def test_stalled_brick_never_blocks_the_scheduler(gluster, replicas):
     assert wfinal == dict.fromkeys(after, HIT)
     assert served(writer, after, wfinal, wctx) == (len(after), 0)
     assert clock.errors == []
-    record("stalled_brick", stall_s=STALL_S, job_timeout_s=JOB_TIMEOUT_S,
-           tier_calls=sum(clock.calls.values()), slowest_tier_call_s=round(stall_tier_max, 4),
-           slowest_step_s=round(slowest_step, 4),
-           store_failed_at_s=round(seen["store_failed_at"], 3),
-           stalled_at_s=round(seen["stalled_at"], 3),
-           fresh_miss_at_s=round(seen["fresh_miss_at"], 3),
-           stores_failed=counters[Direction.STORE, Failure.DEADLINE],
-           stores_refused=counters[Direction.STORE, Failure.STALLED],
-           loads_served_after=hits, wrong=wrong, recovered_s=round(recovered_s, 3),
-           scheduler_exceptions=len(clock.errors))
+    record(
+        "stalled_brick",
+        stall_s=STALL_S,
+        job_timeout_s=JOB_TIMEOUT_S,
+        tier_calls=sum(clock.calls.values()),
+        slowest_tier_call_s=round(stall_tier_max, 4),
+        slowest_step_s=round(slowest_step, 4),
+        store_failed_at_s=round(seen["store_failed_at"], 3),
+        stalled_at_s=round(seen["stalled_at"], 3),
+        fresh_miss_at_s=round(seen["fresh_miss_at"], 3),
+        stores_failed=counters[Direction.STORE, Failure.DEADLINE],
+        stores_refused=counters[Direction.STORE, Failure.STALLED],
+        loads_served_after=hits,
+        wrong=wrong,
+        recovered_s=round(recovered_s, 3),
+        scheduler_exceptions=len(clock.errors),
+    )
 
 
 # -- a write burst larger than the queue ------------------------------------------------
@@ -173,8 +182,11 @@ def test_write_burst_drops_stores_and_loads_stay_fast(volume, replicas, request)
     replicas.append(seeder)
     load_keys = make_keys(24, seed="burst-load")
     seeder.store(load_keys)
-    replica = Replica(offloading_config(
-        tiers=[ours(volume, max_pending_store_blocks=QUEUE_BOUND)], cpu_bytes=160 * MiB))
+    replica = Replica(
+        offloading_config(
+            tiers=[ours(volume, max_pending_store_blocks=QUEUE_BOUND)], cpu_bytes=160 * MiB
+        )
+    )
     replicas.append(replica)
     clock = TierClock(replica.tier)
     engine, counters = replica.tier.engine, replica.tier.engine.counters
@@ -202,8 +214,8 @@ def test_write_burst_drops_stores_and_loads_stay_fast(volume, replicas, request)
 
     burst = make_keys(12 * 24, seed="burst-store")  # 12 rounds of 6 jobs x 4 blocks
     for i, key in enumerate(load_keys[12:]):
-        round_keys = burst[i * 24:(i + 1) * 24]
-        load_one(key, [round_keys[j:j + 4] for j in range(0, 24, 4)])
+        round_keys = burst[i * 24 : (i + 1) * 24]
+        load_one(key, [round_keys[j : j + 4] for j in range(0, 24, 4)])
     during = list(engine.job_latencies[Direction.LOAD])
     replica.settle()
 
@@ -211,16 +223,26 @@ def test_write_burst_drops_stores_and_loads_stay_fast(volume, replicas, request)
     assert dropped > 0
     assert counters[Outcome.WRITTEN] + dropped == len(burst)
     assert deepest <= QUEUE_BOUND
-    assert len(block_files(replica.tier.layout.rank_dir)) == len(load_keys) + counters[Outcome.WRITTEN]
+    assert (
+        len(block_files(replica.tier.layout.rank_dir)) == len(load_keys) + counters[Outcome.WRITTEN]
+    )
     assert clock.errors == []
     idle_p99, burst_p99 = _p99(idle), _p99(during)
     # Loads go first on the read-priority threads: during the burst a load
     # waits at most for the block a thread is copying. The bound is generous
     # on purpose: this runs on shared 2-core machines.
     assert burst_p99 < max(10 * idle_p99, 0.5), (idle, during)
-    record("write_burst", fs=request.node.callspec.params["volume"], queue_bound=QUEUE_BOUND,
-           burst_blocks=len(burst),
-           dropped=dropped, written=counters[Outcome.WRITTEN], deepest_queue=deepest,
-           idle_load_p99_ms=round(idle_p99 * 1e3, 1), burst_load_p99_ms=round(burst_p99 * 1e3, 1),
-           loads=len(idle) + len(during), wrong=0,
-           scheduler_exceptions=len(clock.errors))
+    record(
+        "write_burst",
+        fs=request.node.callspec.params["volume"],
+        queue_bound=QUEUE_BOUND,
+        burst_blocks=len(burst),
+        dropped=dropped,
+        written=counters[Outcome.WRITTEN],
+        deepest_queue=deepest,
+        idle_load_p99_ms=round(idle_p99 * 1e3, 1),
+        burst_load_p99_ms=round(burst_p99 * 1e3, 1),
+        loads=len(idle) + len(during),
+        wrong=0,
+        scheduler_exceptions=len(clock.errors),
+    )

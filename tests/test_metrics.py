@@ -3,9 +3,9 @@
 One scenario (module scope, it is the expensive part) drives three replicas
 of vLLM's real TieringOffloadingManager on one root: A stores; B stores blocks
 A already wrote, then looks up good, bit-flipped, vanishing and never-stored
-blocks; C's space guard refuses its stores. Each manager's ``get_stats()`` payload (which aggregates the tier's)
-is then checked against what ``TieringOffloadingSpec.build_metric_definitions``
-declares, and rendered by vLLM's real ``OffloadPromMetrics`` into a fresh
+blocks; C's space guard refuses its stores. Each manager's ``get_stats()``
+payload (which aggregates the tier's) is then checked against what
+``TieringOffloadingSpec.build_metric_definitions`` declares, and rendered by vLLM's real ``OffloadPromMetrics`` into a fresh
 prometheus_client registry, as the API server would.
 
 Also here: every counter key the engine can produce (the enums of
@@ -25,7 +25,6 @@ import types
 from pathlib import Path
 
 import pytest
-from harness import Replica, make_keys, offloading_config, ours, resolve, wait_until
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
     KV_OFFLOAD_CONFIG_INFO,
@@ -55,12 +54,17 @@ from llmkv_fs.engine import (
 from llmkv_fs.layout.blockfile import Corruption
 from llmkv_fs.tier.metrics import METRICS, PREFIX, counter_series
 
+from harness import Replica, make_keys, offloading_config, ours, resolve, wait_until
+
 HIT, MISS = LookupResult.HIT, LookupResult.MISS
 REPO = Path(__file__).resolve().parent.parent
 MODEL = "acme/llama-test"  # offloading_config's default
 ENGINE_LABELS = ["model_name", "engine"]  # what vLLM's PrometheusStatLogger passes
-KIND_OF = {OffloadingCounterMetadata: "counter", OffloadingGaugeMetadata: "gauge",
-           OffloadingHistogramMetadata: "histogram"}
+KIND_OF = {
+    OffloadingCounterMetadata: "counter",
+    OffloadingGaugeMetadata: "gauge",
+    OffloadingHistogramMetadata: "histogram",
+}
 
 
 def kind_of(metadata) -> str:
@@ -97,8 +101,6 @@ def flip_a_bit(path: str, offset: int = 12345) -> None:
         f.write(bytes([byte ^ 0x10]))
 
 
-
-
 def take_stats(replica: Replica, with_info: bool) -> OffloadingConnectorStats:
     """What vLLM's OffloadingConnectorScheduler.get_stats sends: the
     manager's payload, plus (first time only) the manager's config_info."""
@@ -117,15 +119,19 @@ def prom_metrics(extra_config: dict, registry: CollectorRegistry, engines: int):
     from vllm.config import DeviceConfig, KVTransferConfig, VllmConfig
 
     kv_transfer_config = KVTransferConfig(
-        kv_connector="OffloadingConnector", kv_role="kv_both",
+        kv_connector="OffloadingConnector",
+        kv_role="kv_both",
         kv_connector_extra_config={"spec_name": "TieringOffloadingSpec", **extra_config},
     )
     # device="cpu": this machine has no accelerator vLLM could detect.
-    vllm_config = VllmConfig(kv_transfer_config=kv_transfer_config,
-                             device_config=DeviceConfig(device="cpu"))
+    vllm_config = VllmConfig(
+        kv_transfer_config=kv_transfer_config, device_config=DeviceConfig(device="cpu")
+    )
     bound = {cls: functools.partial(cls, registry=registry) for cls in (Counter, Gauge, Histogram)}
     return OffloadPromMetrics(
-        vllm_config, bound, list(ENGINE_LABELS),
+        vllm_config,
+        bound,
+        list(ENGINE_LABELS),
         {e: [MODEL, str(e)] for e in range(engines)},
     )
 
@@ -166,8 +172,10 @@ def scenario(tmp_path_factory):
         for replica in replicas:
             replica.settle()
             # Gauges carry statvfs samples: wait for the first one.
-            wait_until(lambda r=replica: r.tier.engine.guard.usage is not None,
-                       "the space guard's first sample")
+            wait_until(
+                lambda r=replica: r.tier.engine.guard.usage is not None,
+                "the space guard's first sample",
+            )
 
         first = [take_stats(r, with_info=True) for r in replicas]
         counters = [collections.Counter(r.tier.engine.counters) for r in replicas]
@@ -183,9 +191,21 @@ def scenario(tmp_path_factory):
         scraped_second = _snapshot(registry)
 
         yield types.SimpleNamespace(
-            a=a, b=b, c=c, replicas=replicas, root=root, keys=keys, absent=absent,
-            final=final, chunk=chunk, jobs=(spy_a, spy_b, spy_c), first=first, second=second,
-            counters=counters, registry=registry, scraped=scraped_first,
+            a=a,
+            b=b,
+            c=c,
+            replicas=replicas,
+            root=root,
+            keys=keys,
+            absent=absent,
+            final=final,
+            chunk=chunk,
+            jobs=(spy_a, spy_b, spy_c),
+            first=first,
+            second=second,
+            counters=counters,
+            registry=registry,
+            scraped=scraped_first,
             scraped_after_idle=scraped_second,
         )
     finally:
@@ -196,7 +216,8 @@ def scenario(tmp_path_factory):
 def _snapshot(registry: CollectorRegistry) -> dict:
     return {
         (s.name, tuple(sorted(s.labels.items()))): s.value
-        for family in registry.collect() for s in family.samples
+        for family in registry.collect()
+        for s in family.samples
     }
 
 
@@ -225,8 +246,14 @@ def series(sc, name: str, engine: int, **labels) -> dict[tuple, float]:
 def test_scenario_outcomes(scenario):
     sc = scenario
     keys = sc.keys
-    assert sc.final == {keys[0]: HIT, keys[1]: MISS, keys[2]: MISS, keys[3]: HIT,
-                        sc.absent[0]: MISS, sc.absent[1]: MISS}
+    assert sc.final == {
+        keys[0]: HIT,
+        keys[1]: MISS,
+        keys[2]: MISS,
+        keys[3]: HIT,
+        sc.absent[0]: MISS,
+        sc.absent[1]: MISS,
+    }
     a, b, c = sc.counters
     assert c[Direction.STORE, Failure.SPACE] == 2
     assert a[Outcome.WRITTEN] == 6
@@ -253,7 +280,10 @@ def test_payload_names_types_and_labels_are_declared(scenario):
                 assert kind == kind_of(declared[name]), name
                 for labelvalues in values.get(name, {}):
                     assert len(labelvalues) == len(declared[name].labelnames), (
-                        name, labelvalues, declared[name].labelnames)
+                        name,
+                        labelvalues,
+                        declared[name].labelnames,
+                    )
                 if name.startswith(PREFIX):
                     ours_seen.add(name)
                     assert name in METRICS
@@ -306,7 +336,7 @@ def test_prometheus_series_values(scenario):
     assert sample(sc, P + "load_failures_total", 1, reason="missing") == 1
     corrupt = series(sc, P + "corrupt_blocks_total", 1)
     assert sum(corrupt.values()) == 1
-    ((reason,),) = [labels for labels in corrupt]
+    ((reason,),) = list(corrupt)
     assert reason[0] == "reason" and reason[1] in ("checksum", "bad-checksum")
     assert sample(sc, P + "quarantined_files_total", 1) == 1
     assert (sample(sc, P + "deadline_expiries_total", 1) or 0) == 0
@@ -364,12 +394,18 @@ def test_our_series_join_vllms_tier_label(scenario):
     for engine, replica in enumerate(sc.replicas):
         (_, tier_info) = replica.manager.config_info()
         label = tier_info[TIER_LABEL]
-        ours_labels = {v[0] for name, d in sc.first[engine].metric_sections()[1].items()
-                       if name.startswith(PREFIX) for v in d}
+        ours_labels = {
+            v[0]
+            for name, d in sc.first[engine].metric_sections()[1].items()
+            if name.startswith(PREFIX)
+            for v in d
+        }
         assert ours_labels == {label}
         # vLLM's own tiering series for the same tier carry the same value.
-        assert sample(sc, "vllm:kv_offload_tiering_active_cascade_jobs", engine,
-                      tier=label) is not None
+        assert (
+            sample(sc, "vllm:kv_offload_tiering_active_cascade_jobs", engine, tier=label)
+            is not None
+        )
 
 
 def test_config_info_series_carries_our_labels(scenario):
@@ -382,9 +418,13 @@ def test_config_info_series_carries_our_labels(scenario):
     for engine, replica in enumerate(sc.replicas):
         info = replica.tier.config_info()
         assert set(info) == set(our_keys)  # vLLM warns about (and drops) any mismatch
-        rows = [dict(labels) for (name, labels), value in sc.scraped.items()
-                if name == KV_OFFLOAD_CONFIG_INFO and value == 1
-                and dict(labels).get("engine") == str(engine)]
+        rows = [
+            dict(labels)
+            for (name, labels), value in sc.scraped.items()
+            if name == KV_OFFLOAD_CONFIG_INFO
+            and value == 1
+            and dict(labels).get("engine") == str(engine)
+        ]
         (ours_row,) = [r for r in rows if r[TIER_LABEL] == "1:FsTier"]
         for key in our_keys:
             assert ours_row[key] == str(info[key]), key
@@ -412,9 +452,11 @@ def test_idle_get_stats_reports_no_increments(scenario):
             if kind == "counter":
                 assert all(v == 0 for v in values[name].values()), name
     # ... and the scrape did not move.
-    counters = {k: v for k, v in sc.scraped.items()
-                if k[0].startswith(PREFIX)
-                and k[0].endswith(("_total", "_count", "_bucket", "_sum"))}
+    counters = {
+        k: v
+        for k, v in sc.scraped.items()
+        if k[0].startswith(PREFIX) and k[0].endswith(("_total", "_count", "_bucket", "_sum"))
+    }
     assert counters
     assert all(sc.scraped_after_idle[k] == v for k, v in counters.items())
 
@@ -479,14 +521,22 @@ def test_every_reason_has_a_documented_label():
     assert docs["corrupt_blocks reason"] == corrupt
     assert corrupt <= _help_words("corrupt_blocks")
     assert docs["result"] == {a.value for a in LookupAnswer} <= _help_words("lookups")
-    for label, direction, metric in (("outcome", Direction.STORE, "stored_blocks"),
-                                     ("verification", Direction.LOAD, "loaded_blocks")):
+    for label, direction, metric in (
+        ("outcome", Direction.STORE, "stored_blocks"),
+        ("verification", Direction.LOAD, "loaded_blocks"),
+    ):
         values = {o.value for o in Outcome if o.direction is direction}
         assert docs[label] == values <= _help_words(metric), label
     assert docs["direction"] == {d.value for d in Direction}
-    assert set(docs) == {"store_failures reason", "load_failures reason",
-                         "corrupt_blocks reason", "result", "outcome", "verification",
-                         "direction"}
+    assert set(docs) == {
+        "store_failures reason",
+        "load_failures reason",
+        "corrupt_blocks reason",
+        "result",
+        "outcome",
+        "verification",
+        "direction",
+    }
 
 
 def test_tallies_have_their_own_metric():
@@ -523,7 +573,8 @@ def test_metrics_doc_lists_every_metric_with_type_and_labels():
 
 def _load_checker():
     spec = importlib.util.spec_from_file_location(
-        "check_dashboard", REPO / "tools/check_dashboard.py")
+        "check_dashboard", REPO / "tools/check_dashboard.py"
+    )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -567,7 +618,7 @@ def test_metric_names_in_docs_are_declared():
         for token in set(re.findall(r"(?<![\w:])(vllm:[A-Za-z0-9_:]+)", text)):
             if token in kinds or token.endswith("_"):
                 continue  # a declared name as written in a table, or a family ("..._*")
-            name, problem = checker._resolve(token, kinds)
+            _name, problem = checker._resolve(token, kinds)
             assert problem is None, f"{doc}: {problem}"
 
 
@@ -577,21 +628,34 @@ def test_dashboard_checker_catches_mistakes():
     labels = {m.name: m.labelnames for m in METRICS.values()}
 
     def board(expr):
-        return {"schemaVersion": 39, "uid": "x", "title": "x",
-                "templating": {"list": [{"type": "datasource", "name": "datasource",
-                                         "query": "prometheus"}]},
-                "panels": [{"id": 1, "type": "timeseries", "title": "t",
-                            "gridPos": {"x": 0, "y": 0, "w": 1, "h": 1},
-                            "datasource": {"type": "prometheus", "uid": "${datasource}"},
-                            "targets": [{"refId": "A", "expr": expr}]}]}
+        return {
+            "schemaVersion": 39,
+            "uid": "x",
+            "title": "x",
+            "templating": {
+                "list": [{"type": "datasource", "name": "datasource", "query": "prometheus"}]
+            },
+            "panels": [
+                {
+                    "id": 1,
+                    "type": "timeseries",
+                    "title": "t",
+                    "gridPos": {"x": 0, "y": 0, "w": 1, "h": 1},
+                    "datasource": {"type": "prometheus", "uid": "${datasource}"},
+                    "targets": [{"refId": "A", "expr": expr}],
+                }
+            ],
+        }
 
     ok = f"sum(rate({PREFIX}written_bytes_total[5m]))"
     assert checker.check(board(ok), kinds, labels)[0] == []
-    for wrong in (f"rate({PREFIX}written_bytes[5m])",            # counter without _total
-                  f"rate({PREFIX}writen_bytes_total[5m])",        # not declared
-                  f"{PREFIX}busy_threads_total",                  # gauge with _total
-                  f"{PREFIX}store_job_seconds_total",             # histogram as counter
-                  f'rate({PREFIX}lookups_total{{reslt="hit"}}[5m])'):  # unknown label
+    for wrong in (
+        f"rate({PREFIX}written_bytes[5m])",  # counter without _total
+        f"rate({PREFIX}writen_bytes_total[5m])",  # not declared
+        f"{PREFIX}busy_threads_total",  # gauge with _total
+        f"{PREFIX}store_job_seconds_total",  # histogram as counter
+        f'rate({PREFIX}lookups_total{{reslt="hit"}}[5m])',
+    ):  # unknown label
         assert checker.check(board(wrong), kinds, labels)[0], wrong
 
 
@@ -612,9 +676,14 @@ def test_deployment_yaml_blocks_parse():
             kinds.append(doc["kind"])
     assert {"PersistentVolumeClaim", "Deployment", "CronJob"} <= set(kinds)
     # The kv-transfer-config in the Deployment is valid JSON naming our tier.
-    configs = [json.loads(arg.split("=", 1)[1]) if "=" in arg else None
-               for block in blocks for doc in yaml.safe_load_all(block) if doc
-               for arg in _container_args(doc) if arg.startswith("--kv-transfer-config")]
+    configs = [
+        json.loads(arg.split("=", 1)[1]) if "=" in arg else None
+        for block in blocks
+        for doc in yaml.safe_load_all(block)
+        if doc
+        for arg in _container_args(doc)
+        if arg.startswith("--kv-transfer-config")
+    ]
     configs = [c for c in configs if c]
     assert configs
     for config in configs:
@@ -624,9 +693,11 @@ def test_deployment_yaml_blocks_parse():
         (tier,) = extra["secondary_tiers"]
         assert tier["type"] == "llmkv_fs"
         from llmkv_fs.config import TierSettings
+
         # vLLM's factory consumes type, module_path and backpressure; the rest is ours.
-        TierSettings.from_mapping({k: v for k, v in tier.items()
-                                   if k not in ("type", "module_path", "backpressure")})
+        TierSettings.from_mapping(
+            {k: v for k, v in tier.items() if k not in ("type", "module_path", "backpressure")}
+        )
 
 
 def _container_args(doc) -> list[str]:

@@ -26,8 +26,13 @@ from llmkv_fs.layout.paths import CacheLayout, RunIdentity
 ROOT = "/mnt/kv cache"
 DIGEST = "0123456789ab"
 HOSTS = ["node-1", "node-1.cluster.local", "a_b", "x-7f3a9c"]
-IDENTITY = RunIdentity(model_name="org/model", dtype="bfloat16", tokens_per_hash=16,
-                       blocks_per_file=1, kv_cache_groups=((16, ("l0",)),))
+IDENTITY = RunIdentity(
+    model_name="org/model",
+    dtype="bfloat16",
+    tokens_per_hash=16,
+    blocks_per_file=1,
+    kv_cache_groups=((16, ("l0",)),),
+)
 
 
 def key(i: int, group: int = 0) -> bytes:
@@ -43,8 +48,9 @@ def every_name(root: str = ROOT) -> dict[str, str]:
         "rank": os.path.basename(names.rank_dir_name(f"{root}/org_model_{DIGEST}", 3)),
         "config": os.path.basename(names.config_path(layout.base_path)),
         "block": os.path.basename(block),
-        "quarantined": os.path.basename(names.quarantine_path(layout.rank_dir,
-                                                              os.path.basename(block), "x", 7)),
+        "quarantined": os.path.basename(
+            names.quarantine_path(layout.rank_dir, os.path.basename(block), "x", 7)
+        ),
         "temp": os.path.basename(names.temp_path(block, "node-1", 12, "ab")),
         "config-temp": os.path.basename(names.temp_path(layout.config_path, "node-1", 12, "ab")),
         "probe": os.path.basename(names.probe_path(layout.rank_dir, "node-1", 12)),
@@ -102,7 +108,8 @@ def test_each_name_is_taken_by_its_own_parser_only(kind):
 def test_digest_and_rank_directories_round_trip():
     layout = CacheLayout.for_identity(ROOT, IDENTITY)
     assert names.parse_digest_dir_name(layout.digest_dir_name) == DigestDirName(
-        "org_model", layout.digest)
+        "org_model", layout.digest
+    )
     rank_dir = os.path.basename(layout.rank_dir)
     assert names.parse_rank_dir_name(rank_dir) == RankDirName(layout.digest_dir_name, 0)
     assert names.rank_dir_name(f"{ROOT}/{layout.digest_dir_name}", 0) == layout.rank_dir
@@ -112,11 +119,22 @@ def test_digest_and_rank_directories_round_trip():
     assert names.parse_rank_dir_name(names.rank_dir_name(tricky, 12)) == RankDirName(tricky, 12)
 
 
-@pytest.mark.parametrize("name", [
-    "model", f"model{DIGEST}", f"model_{DIGEST[:-1]}", f"model_{DIGEST.upper()}",
-    f"_{DIGEST}", f"model_{DIGEST}\n", f"model_{DIGEST}_r", f"model_{DIGEST}_r1x",
-    f"model_{DIGEST}_r\N{ARABIC-INDIC DIGIT THREE}", f"model_{DIGEST}_R1", f"model_{DIGEST}_r-1",
-])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "model",
+        f"model{DIGEST}",
+        f"model_{DIGEST[:-1]}",
+        f"model_{DIGEST.upper()}",
+        f"_{DIGEST}",
+        f"model_{DIGEST}\n",
+        f"model_{DIGEST}_r",
+        f"model_{DIGEST}_r1x",
+        f"model_{DIGEST}_r\N{ARABIC-INDIC DIGIT THREE}",
+        f"model_{DIGEST}_R1",
+        f"model_{DIGEST}_r-1",
+    ],
+)
 def test_directory_parsers_reject_look_alikes(name):
     assert names.parse_digest_dir_name(name) is None
     assert names.parse_rank_dir_name(name) is None
@@ -124,8 +142,12 @@ def test_directory_parsers_reject_look_alikes(name):
 
 def test_block_paths_round_trip():
     layout = CacheLayout(ROOT, CacheLayout.for_identity(ROOT, IDENTITY).run_config, 3)
-    keys = [key(1), key(2, group=7), bytes.fromhex("0123456789abcdef") + b"\x80\0\0\1",
-            b"\0\0\1" + bytes(29) + b"\0\0\0\0"]
+    keys = [
+        key(1),
+        key(2, group=7),
+        bytes.fromhex("0123456789abcdef") + b"\x80\0\0\1",
+        b"\0\0\1" + bytes(29) + b"\0\0\0\0",
+    ]
     for k in keys:
         path = layout.block_path(k)
         assert names.parse_block_path(layout.rank_dir, path) == k
@@ -139,11 +161,19 @@ def test_block_path_parser_rejects_look_alikes():
     p = layout.block_path(key(1))
     head, name = os.path.split(p)
     short = names.block_rel_path(b"\xab\xcd" + bytes(4))  # too short for the fan-out
-    for bad in (p.replace("_g0", "_g00"), p.replace(".bin", "0.bin"), f"{head}/../{name}",
-                f"{layout.rank_dir}/{name}", p.replace(layout.rank_dir, "/v/other_r3"),
-                p + "\n", p.replace(name, name.upper()), p.replace("_g0", "_g4294967296"),
-                f"{layout.rank_dir}/{names.block_rel_path(key(2))[:-len(name)]}{name}",
-                f"{layout.rank_dir}/{short}", p.replace(".bin", ".bin.tmp")):
+    for bad in (
+        p.replace("_g0", "_g00"),
+        p.replace(".bin", "0.bin"),
+        f"{head}/../{name}",
+        f"{layout.rank_dir}/{name}",
+        p.replace(layout.rank_dir, "/v/other_r3"),
+        p + "\n",
+        p.replace(name, name.upper()),
+        p.replace("_g0", "_g4294967296"),
+        f"{layout.rank_dir}/{names.block_rel_path(key(2))[: -len(name)]}{name}",
+        f"{layout.rank_dir}/{short}",
+        p.replace(".bin", ".bin.tmp"),
+    ):
         assert names.parse_block_path(layout.rank_dir, bad) is None, bad
 
 
@@ -153,25 +183,39 @@ def test_quarantine_names_round_trip():
     path = names.quarantine_path(rank_dir, block, "bad-checksum", 1234567890123)
     assert os.path.dirname(path) == names.quarantine_dir(rank_dir)
     assert names.parse_quarantine_name(os.path.basename(path)) == QuarantineName(
-        block, "bad-checksum", 1234567890123)
+        block, "bad-checksum", 1234567890123
+    )
     assert names.in_quarantine(rank_dir, path)
     assert names.in_quarantine(rank_dir, names.quarantine_dir(rank_dir))
     assert not names.in_quarantine(rank_dir, f"{rank_dir}/.quarantine2/x")
     assert not names.in_quarantine(rank_dir, f"{rank_dir}/abc/de_g0/{block}")
 
 
-@pytest.mark.parametrize("name", [
-    "abc.bin", "abc.bin.bad", "abc.txt.bad.1", "abc.bin.bad.", "abc.bin.bad.12x",
-    "abc.bin.bad.\N{FULLWIDTH DIGIT ONE}", "abc.bin.bad.\N{SUPERSCRIPT TWO}",
-])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "abc.bin",
+        "abc.bin.bad",
+        "abc.txt.bad.1",
+        "abc.bin.bad.",
+        "abc.bin.bad.12x",
+        "abc.bin.bad.\N{FULLWIDTH DIGIT ONE}",
+        "abc.bin.bad.\N{SUPERSCRIPT TWO}",
+    ],
+)
 def test_quarantine_parser_rejects_look_alikes(name):
     assert names.parse_quarantine_name(name) is None
 
 
 @pytest.mark.parametrize("host", HOSTS)
-@pytest.mark.parametrize("final", ["/mnt/kv/m_abc_r0/abc/de_g0/abcdef0123.bin",
-                                   "/mnt/kv/m_abc/config.json",
-                                   "/mnt/kv/m_abc/leases/h.x~1~2.json"])
+@pytest.mark.parametrize(
+    "final",
+    [
+        "/mnt/kv/m_abc_r0/abc/de_g0/abcdef0123.bin",
+        "/mnt/kv/m_abc/config.json",
+        "/mnt/kv/m_abc/leases/h.x~1~2.json",
+    ],
+)
 def test_temp_names_round_trip(host, final):
     path = names.temp_path(final, host, 4194304, "1f3a")
     assert os.path.dirname(path) == os.path.dirname(final)
@@ -190,20 +234,33 @@ def test_probe_names_round_trip(host):
     assert names.is_temp_name(os.path.basename(path))
 
 
-@pytest.mark.parametrize("name", [
-    ".llmkv_fs_o_direct_probe.host~x", ".llmkv_fs_o_direct_probe.host~12\n",
-    "llmkv_fs_o_direct_probe.host~12", ".llmkv_fs_o_direct_probe.ho/st~12",
-    ".llmkv_fs_o_direct_probe.~12", ".llmkv_fs_o_direct_probe.host~12.tmp",
-])
+@pytest.mark.parametrize(
+    "name",
+    [
+        ".llmkv_fs_o_direct_probe.host~x",
+        ".llmkv_fs_o_direct_probe.host~12\n",
+        "llmkv_fs_o_direct_probe.host~12",
+        ".llmkv_fs_o_direct_probe.ho/st~12",
+        ".llmkv_fs_o_direct_probe.~12",
+        ".llmkv_fs_o_direct_probe.host~12.tmp",
+    ],
+)
 def test_probe_parser_rejects_look_alikes(name):
     assert names.parse_probe_name(name) is None
     assert names.temp_writer(name) is None
 
 
-@pytest.mark.parametrize("name", [
-    "abc.bin_12a.tmp", "ABC.bin_1.tmp", "abc.bin_1.tmp\n", ".o_direct_probe_.tmp",
-    "o_direct_probe_1.tmp", "abc.bin.tmp",
-])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "abc.bin_12a.tmp",
+        "ABC.bin_1.tmp",
+        "abc.bin_1.tmp\n",
+        ".o_direct_probe_.tmp",
+        "o_direct_probe_1.tmp",
+        "abc.bin.tmp",
+    ],
+)
 def test_vllm_temp_recogniser_rejects_look_alikes(name):
     assert not names.is_vllm_temp_name(name)
 
@@ -218,10 +275,19 @@ def test_lease_names_round_trip(host):
     assert names.lease_dir("/r/m_abc") == "/r/m_abc/leases"
 
 
-@pytest.mark.parametrize("name", [
-    "h~1~2.json.tmp", "h~x~2.json", "h~1.json", "a/b~1~2.json", "~1~2.json",
-    "h~1~2.json\n", "h~1~2.JSON", "h~1~2",
-])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "h~1~2.json.tmp",
+        "h~x~2.json",
+        "h~1.json",
+        "a/b~1~2.json",
+        "~1~2.json",
+        "h~1~2.json\n",
+        "h~1~2.JSON",
+        "h~1~2",
+    ],
+)
 def test_lease_parser_rejects_look_alikes(name):
     assert names.parse_lease_file_name(name) is None
 

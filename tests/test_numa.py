@@ -41,6 +41,7 @@ ALL16 = frozenset(range(16))
 
 # ---------------------------------------------------------------- cpulists
 
+
 @pytest.mark.parametrize(
     "text, expected",
     [
@@ -85,6 +86,7 @@ def test_format_cpulist_rejects_negative():
 
 # ---------------------------------------------------------------- topology
 
+
 def test_single_node(fs):
     make_sysfs(fs, {0: "0-3"}, online="0-3")
     topo = read_topology(allowed_cpus=range(4))
@@ -117,7 +119,9 @@ def test_four_nodes_offline_cpus_and_memory_only_node(fs):
 
 
 def test_memory_only_nodes_do_not_make_multi_node():
-    topo = NumaTopology(nodes={0: frozenset({0, 1}), 1: frozenset()}, allowed_cpus=frozenset({0, 1}))
+    topo = NumaTopology(
+        nodes={0: frozenset({0, 1}), 1: frozenset()}, allowed_cpus=frozenset({0, 1})
+    )
     assert not topo.is_multi_node
 
 
@@ -169,6 +173,7 @@ def test_missing_online_file_keeps_node_cpulists(fs):
 
 
 # ---------------------------------------------------------------- plan_pinning
+
 
 @pytest.fixture
 def two_nodes(fs):
@@ -257,6 +262,7 @@ def test_invalid_setting_raises(two_nodes, setting):
 
 
 # ---------------------------------------------------------------- real memory / threads
+
 
 def test_node_of_buffer_real_memory():
     if not os.path.isdir("/sys/devices/system/node/node0"):

@@ -12,23 +12,29 @@ import time
 
 import pytest
 
-from engine_kit import BS, make_key, write_blocks
+from llmkv_fs import cli
 from llmkv_fs.layout.blockfile import TRAILER_SIZE, BlockFileError
 from llmkv_fs.layout.leases import Lease, seed_fingerprint, write_lease
-from llmkv_fs import cli
 from llmkv_fs.layout.names import temp_path
 from llmkv_fs.layout.paths import CacheLayout
+
+from engine_kit import BS, make_key, write_blocks
 
 FILE = BS + TRAILER_SIZE
 DAY = 86400.0
 
 
-
-
 def lease(host: str, seed: str, pid: int = 4242, algo: str = "sha256") -> Lease:
-    return Lease(host=host, pid=pid, started_ns=time.time_ns(), hash_algo=algo,
-                 seed_fingerprint=seed_fingerprint(algo, seed), interval_s=10.0,
-                 vllm_version="0.33.1", llmkv_fs_version="0.1.0")
+    return Lease(
+        host=host,
+        pid=pid,
+        started_ns=time.time_ns(),
+        hash_algo=algo,
+        seed_fingerprint=seed_fingerprint(algo, seed),
+        interval_s=10.0,
+        vllm_version="0.33.1",
+        llmkv_fs_version="0.1.0",
+    )
 
 
 def stale(path: str) -> None:
@@ -82,15 +88,17 @@ def populate(root: str) -> tuple[CacheLayout, CacheLayout]:
 
 
 def test_stats_counts_leases_and_entries(volume, capsys):
-    r0, r1 = populate(volume)
+    r0, _r1 = populate(volume)
     report = stats_json(capsys, volume)
     (d,) = report["digests"]
     assert d["name"] == r0.digest_dir_name and d["digest"] == r0.digest
     assert d["model"] == "m/x" and d["config_digest_ok"] is True
     assert d["config"]["dtype"] == "bfloat16" and d["config"]["tp_size"] == 1
     assert d["config"]["kv_cache_groups"] == [{"tokens_per_block": 16, "layers": 1}]
-    assert d["ranks"] == {"0": {"blocks": 5, "bytes": 5 * FILE},
-                          "1": {"blocks": 4, "bytes": 4 * FILE}}
+    assert d["ranks"] == {
+        "0": {"blocks": 5, "bytes": 5 * FILE},
+        "1": {"blocks": 4, "bytes": 4 * FILE},
+    }
     assert (d["blocks"], d["bytes"]) == (9, 9 * FILE)
     assert (d["chunk_bytes"], d["chunk_source"]) == (BS, "trailer")
     assert d["file_sizes"] == {str(FILE): 9}
@@ -103,7 +111,8 @@ def test_stats_counts_leases_and_entries(volume, capsys):
     assert sorted(x["host"] for x in gone) == sorted(["node-c", socket.gethostname()])
     assert live[0]["vllm_version"] == "0.33.1" and live[0]["llmkv_fs_version"] == "0.1.0"
     assert d["seed_fingerprints"] == sorted(
-        {seed_fingerprint("sha256", "0"), seed_fingerprint("sha256", "1")})
+        {seed_fingerprint("sha256", "0"), seed_fingerprint("sha256", "1")}
+    )
     assert d["seed_mismatch"] is True
     assert any("replicas will not share cache" in w for w in d["warnings"])
 
@@ -112,12 +121,22 @@ def test_stats_counts_leases_and_entries(volume, capsys):
     assert d["quarantined"] == {"count": 1, "bytes": FILE, "reasons": {"bad-checksum": 1}}
     assert d["other"]["count"] == 2
     assert sorted(e["type"] for e in d["other"]["entries"]) == ["file", "symlink"]
-    assert report["unexpected"] == [{"path": f"{volume}/README", "type": "file"},
-                                    {"path": f"{volume}/elsewhere", "type": "symlink"}]
+    assert report["unexpected"] == [
+        {"path": f"{volume}/README", "type": "file"},
+        {"path": f"{volume}/elsewhere", "type": "symlink"},
+    ]
 
     t = report["totals"]
-    assert (t["digests"], t["blocks"], t["bytes"], t["temp_files"], t["quarantined_files"],
-            t["live_leases"], t["stale_leases"], t["other"]) == (1, 9, 9 * FILE, 2, 1, 2, 2, 2)
+    assert (
+        t["digests"],
+        t["blocks"],
+        t["bytes"],
+        t["temp_files"],
+        t["quarantined_files"],
+        t["live_leases"],
+        t["stale_leases"],
+        t["other"],
+    ) == (1, 9, 9 * FILE, 2, 1, 2, 2, 2)
     fs = report["filesystem"]
     assert fs["size_bytes"] > 0 and 0 <= fs["available_bytes"] <= fs["size_bytes"]
     assert fs["used_bytes"] + fs["free_bytes"] == fs["size_bytes"]
@@ -129,7 +148,17 @@ def test_human_output_warns_loudly_on_seed_mismatch(volume, capsys):
     assert cli.main(["stats", volume]) == 0
     out = capsys.readouterr().out
     assert out.splitlines()[1].split() == [
-        "DIGEST", "MODEL", "RANKS", "BLOCKS", "BYTES", "LIVE", "STALE", "TEMP", "QUAR", "OTHER"]
+        "DIGEST",
+        "MODEL",
+        "RANKS",
+        "BLOCKS",
+        "BYTES",
+        "LIVE",
+        "STALE",
+        "TEMP",
+        "QUAR",
+        "OTHER",
+    ]
     assert out.splitlines()[2].split()[4:] == ["9", "612.0", "KiB", "2", "2", "2", "1", "2"]
     loud = [line for line in out.splitlines() if "replicas will not share cache" in line]
     assert loud and all(line.lstrip().startswith("!!!") for line in loud)
@@ -156,8 +185,14 @@ def test_agreeing_replicas_and_a_random_seed(volume, capsys):
     (d,) = stats_json(capsys, volume)["digests"]
     assert len(d["seed_fingerprints"]) == 1 and d["seed_mismatch"] is False
     assert d["warnings"] == []
-    random_lease = Lease(host="node-c", pid=1, started_ns=1, hash_algo="sha256",
-                         seed_fingerprint=seed_fingerprint("sha256", None), interval_s=10.0)
+    random_lease = Lease(
+        host="node-c",
+        pid=1,
+        started_ns=1,
+        hash_algo="sha256",
+        seed_fingerprint=seed_fingerprint("sha256", None),
+        interval_s=10.0,
+    )
     write_lease(layout.base_path, random_lease)
     (d,) = stats_json(capsys, volume)["digests"]
     assert d["seed_mismatch"] is True and "replicas will not share cache" in d["warnings"][0]

@@ -17,17 +17,16 @@ import time
 import pytest
 import xxhash
 
-from engine_kit import BS, make_key, pattern, write_blocks
+from llmkv_fs import cli
 from llmkv_fs.engine import prepare_volume
 from llmkv_fs.layout import quarantine as quarantine_module
 from llmkv_fs.layout.blockfile import TRAILER_SIZE
 from llmkv_fs.layout.paths import CacheLayout
-from llmkv_fs import cli
 from llmkv_fs.ops import verify
 
+from engine_kit import BS, make_key, pattern, write_blocks
+
 HEAD = 42  # trailer bytes before the key (see layout/blockfile.py)
-
-
 
 
 def flip_byte(path: str, offset: int) -> None:
@@ -242,7 +241,7 @@ def test_repair_puts_back_a_file_republished_just_before_the_rename(volume, caps
         return real_mkdir(rank_dir, dir_mode)
 
     monkeypatch.setattr(quarantine_module, "make_quarantine_dir", republish_then_mkdir)
-    rc, report = run_cli(capsys, volume, "--repair")
+    _rc, report = run_cli(capsys, volume, "--repair")
     (b,) = report["bad"]
     assert (b["reason"], b["repair"], b["quarantined_to"]) == ("truncated", "replaced", None)
     assert quarantined(layout) == []
@@ -268,12 +267,17 @@ def test_symlink_and_fifo_are_never_followed_or_opened(volume, capsys, tmp_path)
     rc, report = run_cli(capsys, volume, "--repair")
     assert rc == 1
     assert {b["path"]: (b["reason"], b["repair"]) for b in report["bad"]} == {
-        link: ("symlink", "quarantined"), fifo: ("not-regular", "quarantined")}
+        link: ("symlink", "quarantined"),
+        fifo: ("not-regular", "quarantined"),
+    }
     assert report["totals"]["verified"] == 2
     assert report["totals"]["bytes_read"] == 2 * (BS + TRAILER_SIZE)
     after = os.stat(outside)  # the target is where it was, unread and unmoved
     assert (after.st_ino, after.st_size, after.st_atime_ns) == (
-        before.st_ino, before.st_size, before.st_atime_ns)
+        before.st_ino,
+        before.st_size,
+        before.st_atime_ns,
+    )
     moved = [os.path.join(layout.quarantine_dir, n) for n in quarantined(layout)]
     assert sorted(os.path.islink(m) for m in moved) == [False, True]
 
@@ -335,6 +339,7 @@ def test_ops_tools_import_without_vllm_or_torch(tmp_path):
         "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('vllm', 'torch'))\n"
         "assert not bad, bad\n"
     )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                            timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120
+    )
     assert result.returncode == 0, result.stderr

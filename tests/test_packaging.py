@@ -6,17 +6,20 @@ import os
 import shutil
 import subprocess
 import sys
-import tomllib
 import zipfile
 from pathlib import Path
+
+import tomllib
 
 REPO = Path(__file__).parent.parent
 PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())
 
 
 def _names(requirements):
-    return {r.split(";")[0].split("[")[0].split("<")[0].split(">")[0].split("=")[0].strip().lower()
-            for r in requirements}
+    return {
+        r.split(";")[0].split("[")[0].split("<")[0].split(">")[0].split("=")[0].strip().lower()
+        for r in requirements
+    }
 
 
 def test_core_dependencies_are_small_and_never_vllm_or_torch():
@@ -37,7 +40,8 @@ def test_plots_are_an_extra():
 def test_plugin_and_cli_entry_points_are_declared():
     project = PYPROJECT["project"]
     assert project["entry-points"]["vllm.general_plugins"] == {
-        "llmkv_fs": "llmkv_fs.tier.plugin:register"}
+        "llmkv_fs": "llmkv_fs.tier.plugin:register"
+    }
     assert project["scripts"]["llmkv-fs"] == "llmkv_fs.cli:main"
 
 
@@ -57,8 +61,9 @@ def _build(src: Path, hook: str, out: Path) -> Path:
     --no-build-isolation`` runs it (offline)."""
     out.mkdir()
     code = f"from setuptools import build_meta; print(build_meta.{hook}({str(out)!r}))"
-    done = subprocess.run([sys.executable, "-c", code], cwd=src, capture_output=True, text=True,
-                          timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=src, capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 0, done.stderr
     return out / done.stdout.strip().splitlines()[-1]
 
@@ -68,12 +73,17 @@ def test_wheel_holds_every_module_and_no_tests(tmp_path):
     wheel = _build(src, "build_wheel", tmp_path / "dist")
     with zipfile.ZipFile(wheel) as z:
         names = set(z.namelist())
-        entry_points = next(z.read(n).decode() for n in names
-                            if n.endswith(".dist-info/entry_points.txt"))
+        entry_points = next(
+            z.read(n).decode() for n in names if n.endswith(".dist-info/entry_points.txt")
+        )
     modules = {p.relative_to(src).as_posix() for p in (src / "llmkv_fs").rglob("*.py")}
     assert modules and modules <= names, sorted(modules - names)
-    assert {"llmkv_fs/cli.py", "llmkv_fs/__main__.py", "llmkv_fs/harness/driver.py",
-            "llmkv_fs/ops/gc/sweep.py"} <= names
+    assert {
+        "llmkv_fs/cli.py",
+        "llmkv_fs/__main__.py",
+        "llmkv_fs/harness/driver.py",
+        "llmkv_fs/ops/gc/sweep.py",
+    } <= names
     assert not [n for n in names if n.startswith(("tests/", "tools/", "docs/"))]
     assert not [n for n in names if "/" not in n]  # nothing at the top of site-packages
     assert "llmkv-fs = llmkv_fs.cli:main" in entry_points
@@ -88,12 +98,20 @@ def test_editable_install_maps_the_source_tree(tmp_path):
         z.extractall(site)
     # -S: without the environment's own site-packages (and its install of llmkv_fs).
     # find_spec imports only the parents: nothing here needs a third-party package.
-    code = ("import importlib.util, site, sys; site.addsitedir(sys.argv[1]); "
-            "[print(importlib.util.find_spec(m).origin) for m in "
-            "('llmkv_fs.cli', 'llmkv_fs.harness.driver', 'llmkv_fs.ops.gc')]")
+    code = (
+        "import importlib.util, site, sys; site.addsitedir(sys.argv[1]); "
+        "[print(importlib.util.find_spec(m).origin) for m in "
+        "('llmkv_fs.cli', 'llmkv_fs.harness.driver', 'llmkv_fs.ops.gc')]"
+    )
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    done = subprocess.run([sys.executable, "-S", "-c", code, str(site)], cwd=tmp_path,
-                          capture_output=True, text=True, env=env, timeout=60)
+    done = subprocess.run(
+        [sys.executable, "-S", "-c", code, str(site)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
     assert done.returncode == 0, done.stderr
     paths = done.stdout.split()
     assert len(paths) == 3 and all(Path(p).is_relative_to(src / "llmkv_fs") for p in paths), paths

@@ -39,7 +39,10 @@ BUILTIN = "vllm.v1.kv_offload.tiering.fs.manager.FileSystemTierManager"
 
 def probe(**env):
     result = subprocess.run(
-        [sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=300,
+        [sys.executable, "-c", PROBE],
+        capture_output=True,
+        text=True,
+        timeout=300,
         env={**os.environ, **env},
     )
     assert result.returncode == 0, result.stderr
@@ -73,9 +76,11 @@ def test_vllm_plugins_filter_is_respected():
 
 
 def test_plugin_import_is_light():
-    code = ("import sys, llmkv_fs, llmkv_fs.tier.plugin; "
-            "heavy = [m for m in ('torch', 'vllm', 'numpy') if m in sys.modules]; "
-            "assert not heavy, heavy")
+    code = (
+        "import sys, llmkv_fs, llmkv_fs.tier.plugin; "
+        "heavy = [m for m in ('torch', 'vllm', 'numpy') if m in sys.modules]; "
+        "assert not heavy, heavy"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 
@@ -98,8 +103,12 @@ replica.close()
 
 
 def test_builtin_fs_config_runs_on_our_tier(tmp_path):
-    result = subprocess.run([sys.executable, "-c", SERVE_WITH_FS_TYPE, str(tmp_path)],
-                            capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [sys.executable, "-c", SERVE_WITH_FS_TYPE, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr
     seen = json.loads(result.stdout.strip().splitlines()[-1])
     assert seen["tier"] == "FsTier"
@@ -123,8 +132,9 @@ print(json.dumps(records))
 
 
 def test_an_untested_vllm_version_is_warned_about():
-    result = subprocess.run([sys.executable, "-c", UNTESTED_VLLM], capture_output=True,
-                            text=True, timeout=300)
+    result = subprocess.run(
+        [sys.executable, "-c", UNTESTED_VLLM], capture_output=True, text=True, timeout=300
+    )
     assert result.returncode == 0, result.stderr
     records = json.loads(result.stdout.strip().splitlines()[-1])
     warnings = [msg for level, msg in records if level == "WARNING"]

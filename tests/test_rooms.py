@@ -49,16 +49,22 @@ class Forbidden:
 
 sys.meta_path.insert(0, Forbidden())
 """
-IMPORT_ALL = BLOCKER + """
+IMPORT_ALL = (
+    BLOCKER
+    + """
 for module in sys.argv[2:]:
     importlib.import_module(module)
 print("imported", len(sys.argv) - 2)
 """
-RUN_COMMAND_LINE = BLOCKER + """
+)
+RUN_COMMAND_LINE = (
+    BLOCKER
+    + """
 import runpy
 sys.argv = ["python -m llmkv_fs", *sys.argv[2:]]
 runpy.run_module("llmkv_fs", run_name="__main__")
 """
+)
 
 
 def module_name(path: Path) -> str:
@@ -77,8 +83,14 @@ def base_modules() -> list[str]:
 def run_blocked(script: str, blocked: set[str], *argv: str) -> subprocess.CompletedProcess:
     env = dict(os.environ)
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
-    done = subprocess.run([sys.executable, "-c", script, ",".join(sorted(blocked)), *argv],
-                          capture_output=True, text=True, env=env, timeout=600, cwd=REPO)
+    done = subprocess.run(
+        [sys.executable, "-c", script, ",".join(sorted(blocked)), *argv],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+        cwd=REPO,
+    )
     assert done.returncode == 0, done.stderr[-4000:]
     return done
 
@@ -139,14 +151,19 @@ def test_no_lazy_import_crosses_the_rule_either():
     wrong = []
     for room in ROOMS:
         for path in (PACKAGE / room).rglob("*.py"):
-            wrong += [f"{path.relative_to(REPO)}:{line} imports {target}"
-                      for target, line in arrows(path)
-                      if target != room and target not in MAY_IMPORT[room]]
+            wrong += [
+                f"{path.relative_to(REPO)}:{line} imports {target}"
+                for target, line in arrows(path)
+                if target != room and target not in MAY_IMPORT[room]
+            ]
     for path in PACKAGE.glob("*.py"):
         if path.stem in COMMAND_LINE:
             continue
         # The package's lazy ``llmkv_fs.FsTier`` (vLLM's module_path) is the one exception.
         allowed = {"tier"} if path.name == "__init__.py" else set()
-        wrong += [f"{path.relative_to(REPO)}:{line} imports {target}"
-                  for target, line in arrows(path) if target not in allowed]
+        wrong += [
+            f"{path.relative_to(REPO)}:{line} imports {target}"
+            for target, line in arrows(path)
+            if target not in allowed
+        ]
     assert not wrong, "\n".join(sorted(wrong))

@@ -10,7 +10,6 @@ import os
 import uuid
 
 import pytest
-from harness import Replica, builtin, offloading_config, ours
 from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
 from vllm.v1.kv_offload.tiering.fs.manager import FileSystemTierManager
 
@@ -19,8 +18,8 @@ from llmkv_fs.layout.names import parse_temp_name
 from llmkv_fs.layout.paths import CacheLayout
 from llmkv_fs.layout.run_config import RunConfigMismatch, ensure_run_config, render_run_config
 
-from layout_kit import TWO_GROUPS, vllm_mapper, our_layout, spec_for
-
+from harness import Replica, builtin, offloading_config, ours
+from layout_kit import TWO_GROUPS, our_layout, spec_for, vllm_mapper
 
 # -- config.json ---------------------------------------------------------------------
 
@@ -36,11 +35,26 @@ def _builtin_is_vllms(replica: Replica) -> None:
     assert type(replica.tier) is FileSystemTierManager
 
 
-@pytest.mark.parametrize("kw", [
-    dict(),
-    dict(model="meta-llama/Llama-3.1-8B-Instruct", tp_size=2, agnostic=True, groups=TWO_GROUPS),
-    dict(model="acme/modèl-ü", dtype="float16", tp_size=4, rank=0, replicated_layout=True),
-], ids=["default", "agnostic-two-groups", "unicode-replicated"])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {},
+        {
+            "model": "meta-llama/Llama-3.1-8B-Instruct",
+            "tp_size": 2,
+            "agnostic": True,
+            "groups": TWO_GROUPS,
+        },
+        {
+            "model": "acme/modèl-ü",
+            "dtype": "float16",
+            "tp_size": 4,
+            "rank": 0,
+            "replicated_layout": True,
+        },
+    ],
+    ids=["default", "agnostic-two-groups", "unicode-replicated"],
+)
 def test_rendered_config_json_is_byte_identical_to_builtin(disk_root, kw, vllm_builtin_fs):
     replica = Replica(offloading_config(tiers=[builtin(disk_root)], **kw))
     try:
@@ -146,8 +160,11 @@ def test_mismatching_config_json_raises_and_is_left_untouched(disk_root):
     assert "model_name" not in message  # only the differing field is named
 
     after = os.stat(layout.config_path)
-    assert (after.st_ino, after.st_mtime_ns, after.st_size) == \
-        (before.st_ino, before.st_mtime_ns, before.st_size)
+    assert (after.st_ino, after.st_mtime_ns, after.st_size) == (
+        before.st_ino,
+        before.st_mtime_ns,
+        before.st_size,
+    )
     with open(layout.config_path, "rb") as f:
         assert f.read() == foreign
     assert os.listdir(layout.base_path) == ["config.json"]
@@ -164,7 +181,7 @@ def test_mismatch_names_an_extra_field(disk_root):
         ensure_run_config(layout)
 
 
-@pytest.mark.parametrize("content", [b"null", b"42", b"[{\"a\": 1}]"])
+@pytest.mark.parametrize("content", [b"null", b"42", b'[{"a": 1}]'])
 def test_non_object_config_json_is_a_mismatch(disk_root, content):
     layout = our_layout(spec_for(), disk_root)
     os.makedirs(layout.base_path)

@@ -20,8 +20,8 @@ import pytest
 from llmkv_fs.config import TierSettings
 from llmkv_fs.engine import Direction, Failure, Outcome
 from llmkv_fs.engine.space import SpaceGuard
-from llmkv_fs.layout.fsinfo import VolumeUsage, volume_usage
 from llmkv_fs.layout.blockfile import TRAILER_SIZE
+from llmkv_fs.layout.fsinfo import VolumeUsage, volume_usage
 
 from engine_kit import BS, Gate, fill, make_key, pattern, row, store_blocks, wait_jobs, wait_until
 
@@ -39,7 +39,7 @@ def write_filler(path: str, nbytes: int) -> None:
     with open(path, "wb") as f:
         left = nbytes
         while left:
-            left -= f.write(chunk[:min(left, MiB)])
+            left -= f.write(chunk[: min(left, MiB)])
 
 
 def block_files(root: str) -> list[str]:
@@ -54,7 +54,7 @@ def wait_samples(engine, n: int = 1) -> None:
     """Wait until the housekeeping thread has sampled the volume n more times."""
     for _ in range(n):
         seen = engine.guard.usage
-        wait_until(lambda: engine.guard.usage is not seen, "a space sample")
+        wait_until(lambda seen=seen: engine.guard.usage is not seen, "a space sample")
 
 
 def tripped(engine) -> bool:
@@ -68,7 +68,10 @@ def test_volume_usage_matches_statvfs_and_df(small_tmpfs):
     usage = volume_usage(small_tmpfs)
     disk = shutil.disk_usage(small_tmpfs)
     assert (usage.total_bytes, usage.used_bytes, usage.free_bytes) == (
-        disk.total, disk.used, disk.free)
+        disk.total,
+        disk.used,
+        disk.free,
+    )
     assert usage.total_bytes == 16 * MiB
 
     write_filler(f"{small_tmpfs}/four", 4 * MiB)
@@ -76,7 +79,8 @@ def test_volume_usage_matches_statvfs_and_df(small_tmpfs):
     assert after.used_bytes - usage.used_bytes == 4 * MiB  # tmpfs counts whole pages
     assert usage.free_bytes - after.free_bytes == 4 * MiB
     assert after.used_percent == pytest.approx(
-        100.0 * after.used_bytes / (after.used_bytes + after.free_bytes))
+        100.0 * after.used_bytes / (after.used_bytes + after.free_bytes)
+    )
     assert 24.9 < after.used_percent < 26.0
 
 
@@ -182,10 +186,15 @@ def test_watermark_drops_stores_loads_continue_and_gc_lifts_it(small_tmpfs, engi
     assert engine.counters[Direction.STORE, Failure.SPACE] == 3
 
 
-def test_queued_stores_are_dropped_when_the_guard_trips_under_them(small_tmpfs, engines,
-                                                                   monkeypatch):
+def test_queued_stores_are_dropped_when_the_guard_trips_under_them(
+    small_tmpfs, engines, monkeypatch
+):
     engine, layout, primary = engines(
-        small_tmpfs, n_blocks=8, n_read_threads=1, n_write_threads=1, max_usage_percent=50,
+        small_tmpfs,
+        n_blocks=8,
+        n_read_threads=1,
+        n_write_threads=1,
+        max_usage_percent=50,
     )
     gate = Gate(engine, monkeypatch)
     for c in range(5):
@@ -213,10 +222,14 @@ def test_queued_stores_are_dropped_when_the_guard_trips_under_them(small_tmpfs, 
 def test_min_free_bytes_trips_at_start_and_lifts_when_space_is_freed(small_tmpfs, engines):
     write_filler(f"{small_tmpfs}/filler", 10 * MiB)
     settings = TierSettings.from_mapping(
-        {"root_dir": small_tmpfs, "max_usage_percent": 100, "min_free_bytes": "8MiB"})
+        {"root_dir": small_tmpfs, "max_usage_percent": 100, "min_free_bytes": "8MiB"}
+    )
     assert settings.min_free_bytes == 8 * MiB
     engine, layout, primary = engines(
-        small_tmpfs, n_blocks=4, max_usage_percent=100, min_free_bytes=settings.min_free_bytes,
+        small_tmpfs,
+        n_blocks=4,
+        max_usage_percent=100,
+        min_free_bytes=settings.min_free_bytes,
     )
     assert tripped(engine)  # the first sample is taken before any store
     assert engine.gauges()["volume_free_bytes"] < 8 * MiB
@@ -234,7 +247,11 @@ def test_min_free_bytes_trips_at_start_and_lifts_when_space_is_freed(small_tmpfs
 def test_enospc_trips_the_guard_until_gc_frees_more_than_the_headroom(small_tmpfs, engines):
     bs = MiB  # 15 block files fit the 16 MiB volume
     engine, layout, primary = engines(
-        small_tmpfs, n_blocks=4, block_size=bs, n_read_threads=1, n_write_threads=1,
+        small_tmpfs,
+        n_blocks=4,
+        block_size=bs,
+        n_read_threads=1,
+        n_write_threads=1,
         max_usage_percent=100,
     )
     headroom = engine.guard.headroom_bytes

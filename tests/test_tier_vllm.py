@@ -9,16 +9,29 @@ independent FUSE client, as a replica on another node would see it.
 import glob
 import os
 
-from harness import (Replica, builtin, make_keys, offloading_config, ours, payload_for,
-                     store_burst_while_stalled, wait_until)
 from vllm.v1.kv_offload.base import LookupResult
 
 from llmkv_fs import FsTier
 from llmkv_fs.engine import Direction, Failure, Outcome, Tally
 from llmkv_fs.layout.blockfile import Corruption
 
-HIT, MISS, RETRY, HIT_PENDING = (LookupResult.HIT, LookupResult.MISS, LookupResult.RETRY,
-                                 LookupResult.HIT_PENDING)
+from harness import (
+    Replica,
+    builtin,
+    make_keys,
+    offloading_config,
+    ours,
+    payload_for,
+    store_burst_while_stalled,
+    wait_until,
+)
+
+HIT, MISS, RETRY, HIT_PENDING = (
+    LookupResult.HIT,
+    LookupResult.MISS,
+    LookupResult.RETRY,
+    LookupResult.HIT_PENDING,
+)
 
 
 def start(replicas, tier, **kw):
@@ -151,8 +164,9 @@ def test_store_skips_blocks_already_present(shared_volume, replicas):
     b.store(keys)
     # Checked through B's client: A's client could still answer a rewrite
     # with attributes it cached before B's store.
-    assert [(os.stat(p).st_ino, os.stat(p).st_mtime_ns)
-            for p in block_files(shared_volume.b)] == identity
+    assert [
+        (os.stat(p).st_ino, os.stat(p).st_mtime_ns) for p in block_files(shared_volume.b)
+    ] == identity
     assert b.tier.engine.counters[Outcome.PRESENT] == 3
 
 
@@ -171,8 +185,11 @@ def test_reset_cache_with_jobs_in_flight(disk_root, replicas):
 
 
 def test_shutdown_with_jobs_queued_leaves_no_partial_files(disk_root, replicas):
-    a = Replica(offloading_config(tiers=[ours(disk_root, n_read_threads=1, n_write_threads=1)],
-                                  cpu_bytes=128 << 20))
+    a = Replica(
+        offloading_config(
+            tiers=[ours(disk_root, n_read_threads=1, n_write_threads=1)], cpu_bytes=128 << 20
+        )
+    )
     keys = make_keys(40, seed="shutdown")
     a.store(keys, settle=False)
     # Shut down mid-stream: once the first block is published, the rest are
@@ -187,8 +204,11 @@ def test_shutdown_with_jobs_queued_leaves_no_partial_files(disk_root, replicas):
 
 
 def test_write_queue_bound_fails_stores_instead_of_growing(disk_root, replicas):
-    a = start(replicas, ours(disk_root, n_read_threads=1, n_write_threads=1,
-                             max_pending_store_blocks=4), cpu_bytes=128 << 20)
+    a = start(
+        replicas,
+        ours(disk_root, n_read_threads=1, n_write_threads=1, max_pending_store_blocks=4),
+        cpu_bytes=128 << 20,
+    )
     # Hold the volume "slow" until the burst is submitted: the two I/O
     # threads take one block each and the queue holds at most 4 more.
     keys = make_keys(30, seed="burst")
@@ -240,8 +260,12 @@ def test_blocks_stored_by_another_process_are_found_byte_exact(shared_volume, re
     import subprocess
     import sys
 
-    done = subprocess.run([sys.executable, "-c", STORE_IN_ANOTHER_PROCESS, shared_volume.a],
-                          capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-c", STORE_IN_ANOTHER_PROCESS, shared_volume.a],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr
     reader = start(replicas, ours(shared_volume.b))
     assert_all_promoted_byte_exact(reader, make_keys(5, seed="cross-process"))

@@ -56,7 +56,10 @@ def test_volume_usage_fields():
     real = fsinfo.volume_usage("/proc")  # a filesystem whose numbers never move
     st = os.statvfs("/proc")
     assert (real.total_bytes, real.inodes, real.inodes_free) == (
-        st.f_blocks * st.f_frsize, st.f_files, st.f_ffree)
+        st.f_blocks * st.f_frsize,
+        st.f_files,
+        st.f_ffree,
+    )
 
 
 def buffers(*sizes: int) -> list[memoryview]:
@@ -101,7 +104,7 @@ def test_read_all_follows_up_split_reads_unless_the_count_is_enough(tmp_path, mo
     try:
         bufs = buffers(4096, 8192)
         assert read_all(fd, bufs) == 10000
-        assert bytes(bufs[0]) + bytes(bufs[1][:10000 - 4096]) == data
+        assert bytes(bufs[0]) + bytes(bufs[1][: 10000 - 4096]) == data
         assert calls == [0, 3000, 6000, 9000, 10000]
         calls.clear()
         assert read_all(fd, buffers(4096, 8192), enough={6000}) == 6000

@@ -27,12 +27,17 @@ import time
 if importlib.util.find_spec("llmkv_fs") is None:  # a checkout, not installed
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from llmkv_fs.config import TierSettings  # noqa: E402
-from llmkv_fs.engine import FsEngine  # noqa: E402
-from llmkv_fs.layout.paths import CacheLayout, RunIdentity  # noqa: E402
+from llmkv_fs.config import TierSettings
+from llmkv_fs.engine import FsEngine
+from llmkv_fs.layout.paths import CacheLayout, RunIdentity
 
-IDENTITY = RunIdentity(model_name="bench/owner", dtype="bfloat16", tokens_per_hash=16,
-                       blocks_per_file=1, kv_cache_groups=((16, ("layer.0",)),))
+IDENTITY = RunIdentity(
+    model_name="bench/owner",
+    dtype="bfloat16",
+    tokens_per_hash=16,
+    blocks_per_file=1,
+    kv_cache_groups=((16, ("layer.0",)),),
+)
 
 
 def run(args, direction: str, engine: FsEngine, keys: list[bytes], jobs: int) -> dict:
@@ -45,7 +50,7 @@ def run(args, direction: str, engine: FsEngine, keys: list[bytes], jobs: int) ->
     pending = set()
     for j in range(jobs):
         chunk_ids = list(range(j * per_job, (j + 1) * per_job))
-        job_keys = keys[j * per_job:(j + 1) * per_job]
+        job_keys = keys[j * per_job : (j + 1) * per_job]
         t = time.perf_counter()
         if direction == "store":
             engine.submit_store(j, job_keys, chunk_ids)
@@ -69,10 +74,15 @@ def run(args, direction: str, engine: FsEngine, keys: list[bytes], jobs: int) ->
         time.sleep(args.poll_ms / 1000)
     wall = time.perf_counter() - started
     blocks = jobs * per_job
-    return {"direction": direction, "blocks": blocks, "wall_s": wall, "polls": polls,
-            "owner_us_per_block": in_calls / blocks * 1e6,
-            "us_per_lookup": in_lookups / max(1, lookups) * 1e6,
-            "gbps": blocks * args.block_mib * (1 << 20) / wall / 1e9}
+    return {
+        "direction": direction,
+        "blocks": blocks,
+        "wall_s": wall,
+        "polls": polls,
+        "owner_us_per_block": in_calls / blocks * 1e6,
+        "us_per_lookup": in_lookups / max(1, lookups) * 1e6,
+        "gbps": blocks * args.block_mib * (1 << 20) / wall / 1e9,
+    }
 
 
 def main(argv=None) -> int:
@@ -97,25 +107,37 @@ def main(argv=None) -> int:
             os.makedirs(root)
             layout = CacheLayout.for_identity(root, IDENTITY)
             primary = mmap.mmap(-1, n_blocks * block)
-            engine = FsEngine(TierSettings(root_dir=root, n_read_threads=threads,
-                                           n_write_threads=threads), layout, primary, block)
+            engine = FsEngine(
+                TierSettings(root_dir=root, n_read_threads=threads, n_write_threads=threads),
+                layout,
+                primary,
+                block,
+            )
             keys = [os.urandom(32) + b"\0\0\0\0" for _ in range(n_blocks)]
             for direction in ("store", "load"):
-                results.append({"threads": threads, **run(args, direction, engine, keys, args.jobs)})
+                results.append(
+                    {"threads": threads, **run(args, direction, engine, keys, args.jobs)}
+                )
             engine.shutdown()
             primary.close()
             shutil.rmtree(root, ignore_errors=True)
-    print(f"cpus={os.cpu_count()} dir={args.dir} block={args.block_mib} MiB "
-          f"jobs={args.jobs}x{args.blocks_per_job} poll={args.poll_ms} ms")
-    print("| threads | direction | owner µs/block (median) | µs per lookup (median) | GB/s (median) |")
+    print(
+        f"cpus={os.cpu_count()} dir={args.dir} block={args.block_mib} MiB "
+        f"jobs={args.jobs}x{args.blocks_per_job} poll={args.poll_ms} ms"
+    )
+    print(
+        "| threads | direction | owner µs/block (median) | µs per lookup (median) | GB/s (median) |"
+    )
     print("|---|---|---|---|---|")
     for threads in args.threads or [4]:
         for direction in ("store", "load"):
             rows = [r for r in results if r["threads"] == threads and r["direction"] == direction]
-            print(f"| {threads} | {direction} | "
-                  f"{statistics.median(r['owner_us_per_block'] for r in rows):.1f} | "
-                  f"{statistics.median(r['us_per_lookup'] for r in rows):.2f} | "
-                  f"{statistics.median(r['gbps'] for r in rows):.2f} |")
+            print(
+                f"| {threads} | {direction} | "
+                f"{statistics.median(r['owner_us_per_block'] for r in rows):.1f} | "
+                f"{statistics.median(r['us_per_lookup'] for r in rows):.2f} | "
+                f"{statistics.median(r['gbps'] for r in rows):.2f} |"
+            )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

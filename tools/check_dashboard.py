@@ -50,8 +50,9 @@ def _resolve(token: str, kinds: Mapping[str, str]) -> tuple[str | None, str | No
                 if base in kinds:
                     if kinds[base] == kind:
                         return base, None
-                    return base, (f"{token}: {base} is a {kinds[base]}, which has no "
-                                  f"{suffix} series")
+                    return base, (
+                        f"{token}: {base} is a {kinds[base]}, which has no {suffix} series"
+                    )
     return None, f"{token}: not a declared metric"
 
 
@@ -91,8 +92,11 @@ def check(
     version = dashboard.get("schemaVersion")
     if version not in SCHEMA_VERSIONS:
         problems.append(f"schemaVersion {version!r} not in {SCHEMA_VERSIONS}")
-    ds_vars = [v.get("name") for v in dashboard.get("templating", {}).get("list", [])
-               if v.get("type") == "datasource" and v.get("query") == "prometheus"]
+    ds_vars = [
+        v.get("name")
+        for v in dashboard.get("templating", {}).get("list", [])
+        if v.get("type") == "datasource" and v.get("query") == "prometheus"
+    ]
     if not ds_vars:
         problems.append("no Prometheus datasource variable")
     ds_refs = {f"${name}" for name in ds_vars} | {f"${{{name}}}" for name in ds_vars}
@@ -124,9 +128,9 @@ def check(
             if token.endswith("_bucket"):
                 own.add("le")
             allowed |= own
-            rest = expr[match.end():]
+            rest = expr[match.end() :]
             if rest.startswith("{"):
-                selector = rest[1: rest.index("}")]
+                selector = rest[1 : rest.index("}")]
                 for label in _MATCHER.findall(re.sub(r'"(?:[^"\\]|\\.)*"', '""', selector)):
                     if label not in own:
                         problems.append(f"{where}: {token} has no label {label!r}")
@@ -156,10 +160,17 @@ def declared_metrics() -> tuple[dict[str, str], dict[str, tuple[str, ...]]]:
     except ImportError:
         return kinds, labels
     extra = {"secondary_tiers": [{"type": "FsTier", "module_path": "llmkv_fs", "root_dir": "/x"}]}
-    for name, md in {**TieringOffloadingSpec.build_metric_definitions(extra),
-                     **get_connector_metric_definitions()}.items():
-        kinds[name] = ("counter" if isinstance(md, OffloadingCounterMetadata)
-                       else "gauge" if isinstance(md, OffloadingGaugeMetadata) else "histogram")
+    for name, md in {
+        **TieringOffloadingSpec.build_metric_definitions(extra),
+        **get_connector_metric_definitions(),
+    }.items():
+        kinds[name] = (
+            "counter"
+            if isinstance(md, OffloadingCounterMetadata)
+            else "gauge"
+            if isinstance(md, OffloadingGaugeMetadata)
+            else "histogram"
+        )
         labels[name] = tuple(md.labelnames)
     kinds[KV_OFFLOAD_CONFIG_INFO] = "gauge"
     labels[KV_OFFLOAD_CONFIG_INFO] = TieringOffloadingSpec.config_info_keys(extra)

@@ -43,13 +43,26 @@ from llmkv_fs.ops import scan
 
 
 def _identity(model: str, rank: int, ranks: int) -> RunIdentity:
-    return RunIdentity(model_name=model, dtype="bfloat16", tokens_per_hash=16,
-                       blocks_per_file=1, kv_cache_groups=((16, ("layer.0",)),),
-                       tp_size=ranks, rank=rank)
+    return RunIdentity(
+        model_name=model,
+        dtype="bfloat16",
+        tokens_per_hash=16,
+        blocks_per_file=1,
+        kv_cache_groups=((16, ("layer.0",)),),
+        tp_size=ranks,
+        rank=rank,
+    )
 
 
-def generate(root: str, files: int, digests: int = 1, ranks: int = 1, file_bytes: int = 64,
-             max_age_days: float = 30.0, seed: str = "gc-scale") -> dict:
+def generate(
+    root: str,
+    files: int,
+    digests: int = 1,
+    ranks: int = 1,
+    file_bytes: int = 64,
+    max_age_days: float = 30.0,
+    seed: str = "gc-scale",
+) -> dict:
     """``files`` block files spread over ``digests`` x ``ranks`` rank
     directories, names from sha256 (uniform over the 4096 x 256 buckets, as
     real hashes are), mtimes spread over ``max_age_days``."""
@@ -127,8 +140,7 @@ def scan_aiofiles(root: str, threads: int) -> tuple[int, int]:
             async with gate:
                 try:
                     # scandir's iterator reads lazily; drain it on the executor too.
-                    entries = await loop.run_in_executor(
-                        None, lambda: list(os.scandir(path)))
+                    entries = await loop.run_in_executor(None, lambda: list(os.scandir(path)))
                 except FileNotFoundError:
                     return
                 subdirs = []
@@ -154,8 +166,20 @@ def scan_gc(root: str, threads: int) -> tuple[int, int]:
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        status = main(["gc", root, "--dry-run", "--json", "--threads", str(threads),
-                       "--max-bytes", "0", "--protect", "10m"])
+        status = main(
+            [
+                "gc",
+                root,
+                "--dry-run",
+                "--json",
+                "--threads",
+                str(threads),
+                "--max-bytes",
+                "0",
+                "--protect",
+                "10m",
+            ]
+        )
     assert status == 0, out.getvalue()
     report = json.loads(out.getvalue())
     return report["scan"]["files"], report["scan"]["dirs"]
@@ -175,10 +199,18 @@ def time_scan(root: str, impl: str, threads: int, repeat: int, cold: bool) -> di
         files, dirs = IMPLS[impl](root, threads)
         samples.append((time.monotonic() - started, time.process_time() - cpu))
     best = min(samples)
-    return {"impl": impl, "threads": threads, "cold": cold, "files": files, "dirs": dirs,
-            "seconds": [round(s, 3) for s, _ in samples], "best_s": round(best[0], 3),
-            "cpu_s": round(best[1], 3), "files_per_s": round(files / best[0]),
-            "max_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)}
+    return {
+        "impl": impl,
+        "threads": threads,
+        "cold": cold,
+        "files": files,
+        "dirs": dirs,
+        "seconds": [round(s, 3) for s, _ in samples],
+        "best_s": round(best[0], 3),
+        "cpu_s": round(best[1], 3),
+        "files_per_s": round(files / best[0]),
+        "max_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
+    }
 
 
 def _ints(text: str) -> list[int]:
@@ -186,8 +218,9 @@ def _ints(text: str) -> list[int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = parser.add_subparsers(dest="cmd", required=True)
     g = sub.add_parser("generate", help="write a tree")
     g.add_argument("root")
@@ -209,15 +242,18 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     if args.cmd == "generate":
-        print(json.dumps(generate(args.root, args.files, args.digests, args.ranks,
-                                  args.file_bytes)))
+        print(
+            json.dumps(generate(args.root, args.files, args.digests, args.ranks, args.file_bytes))
+        )
         return 0
     impls = args.impl.split(",")
     if args.cmd == "scan":
         for impl in impls:
             for threads in args.threads:
-                print(json.dumps(time_scan(args.root, impl, threads, args.repeat,
-                                           args.drop_caches)), flush=True)
+                print(
+                    json.dumps(time_scan(args.root, impl, threads, args.repeat, args.drop_caches)),
+                    flush=True,
+                )
         return 0
     for n in args.files:
         root = os.path.join(args.dir, f"tree-{n}")
@@ -227,10 +263,22 @@ def main(argv: list[str] | None = None) -> int:
         for impl in impls:
             for threads in args.threads:
                 # A process per configuration, so max_rss_mib is its own.
-                subprocess.run([sys.executable, os.path.abspath(__file__), "scan", root,
-                                "--impl", impl, "--threads", str(threads),
-                                "--repeat", str(args.repeat)]
-                               + (["--drop-caches"] if args.drop_caches else []), check=True)
+                subprocess.run(
+                    [
+                        sys.executable,
+                        os.path.abspath(__file__),
+                        "scan",
+                        root,
+                        "--impl",
+                        impl,
+                        "--threads",
+                        str(threads),
+                        "--repeat",
+                        str(args.repeat),
+                    ]
+                    + (["--drop-caches"] if args.drop_caches else []),
+                    check=True,
+                )
         if not args.keep:
             shutil.rmtree(root)
     return 0

@@ -98,10 +98,10 @@ def _read_hashing(fd: int, row: memoryview, scratch: memoryview, piece: int) -> 
     done = 0
     size = row.nbytes
     while done < size:
-        n = os.preadv(fd, [row[done:done + piece]], done)
+        n = os.preadv(fd, [row[done : done + piece]], done)
         if n == 0:
             return done, hasher.intdigest()
-        hasher.update(row[done:done + n])
+        hasher.update(row[done : done + n])
         done += n
     done += os.preadv(fd, [scratch], size)
     return done, hasher.intdigest()
@@ -118,7 +118,8 @@ class BlockIO:
         self._valid_sizes = frozenset((options.block_size + TRAILER_SIZE, *trailerless))
         self._chmod_files = needs_chmod(options.file_mode)
         self._hash_while_reading = bool(
-            options.checksum and options.hash_chunk
+            options.checksum
+            and options.hash_chunk
             and options.block_size % options.hash_chunk == 0
             and options.block_size > options.hash_chunk
         )
@@ -211,8 +212,13 @@ class BlockIO:
         # replace_leftover: a file under our own temp name was left by a
         # previous process that had our pid and died mid-write. Nobody else
         # can own it.
-        fd = create_in_dir(tmp, self._open_flags(os.O_WRONLY | os.O_CREAT | os.O_EXCL),
-                           self.options.file_mode, self.options.dir_mode, replace_leftover=True)
+        fd = create_in_dir(
+            tmp,
+            self._open_flags(os.O_WRONLY | os.O_CREAT | os.O_EXCL),
+            self.options.file_mode,
+            self.options.dir_mode,
+            replace_leftover=True,
+        )
         if self._chmod_files:
             try:
                 os.fchmod(fd, self.options.file_mode)
@@ -313,7 +319,8 @@ class BlockIO:
         ``path`` names another file by now than the one we read (a writer
         republished it meanwhile). Returns the new path, or None."""
         try:
-            return move_to_quarantine(path, self.layout.rank_dir, reason, ident,
-                                      self.options.dir_mode)
+            return move_to_quarantine(
+                path, self.layout.rank_dir, reason, ident, self.options.dir_mode
+            )
         except FileNotFoundError:
             return None

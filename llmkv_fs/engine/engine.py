@@ -12,8 +12,9 @@ under the tiering manager's lock, from the scheduler or tier-poll thread).
 ``submit_*``, ``take_finished``, ``lookup``, ``end_step`` and
 ``forget_request`` never wait on the filesystem; ``drain`` and ``shutdown``
 block by design (``drain`` can outlast the job deadline only for a load
-whose read is stuck inside the kernel; see pool.py). I/O threads touch only the rows of the jobs they run and
-the job objects; counters are updated by the owner in ``take_finished``.
+whose read is stuck inside the kernel; see pool.py). I/O threads touch only
+the rows of the jobs they run and the job objects; counters are updated by
+the owner in ``take_finished``.
 """
 
 from __future__ import annotations
@@ -46,8 +47,8 @@ from llmkv_fs.engine.pool import IoJob, IoPool, QueueFull
 from llmkv_fs.engine.space import SpaceGuard
 from llmkv_fs.engine.volume import EngineError, prepare_volume
 from llmkv_fs.layout.blockfile import BlockFileError
-from llmkv_fs.layout.leases import Lease
 from llmkv_fs.layout.fsinfo import filesystem_type
+from llmkv_fs.layout.leases import Lease
 from llmkv_fs.layout.paths import CacheLayout
 
 __all__ = ["EngineError", "FinishedJob", "FsEngine"]
@@ -105,7 +106,9 @@ class _ThrottledErrorLog:
         self._last[kind] = now
         also = self._suppressed.pop(kind, 0)
         logger.warning(
-            "llmkv_fs: %s of a block failed: %r%s", kind, error,
+            "llmkv_fs: %s of a block failed: %r%s",
+            kind,
+            error,
             f" (and {also} more since the last report)" if also else "",
         )
 
@@ -157,13 +160,19 @@ class FsEngine:
         # Cumulative, updated by the owner only; tier/metrics.py publishes them.
         self.counters: collections.Counter[CounterKey] = collections.Counter()
         self.guard = SpaceGuard(
-            layout.root_dir, settings.max_usage_percent, settings.min_free_bytes,
+            layout.root_dir,
+            settings.max_usage_percent,
+            settings.min_free_bytes,
             # Every I/O thread may start a store the moment the guard lifts.
             headroom_bytes=block_size * (settings.n_read_threads + settings.n_write_threads + 1),
         )
         self.housekeeping = Housekeeping(
-            self.guard, layout.base_path, settings.lease_interval_s,
-            settings.file_mode, settings.dir_mode, stamp=self.blockio.apply_access_stamps,
+            self.guard,
+            layout.base_path,
+            settings.lease_interval_s,
+            settings.file_mode,
+            settings.dir_mode,
+            stamp=self.blockio.apply_access_stamps,
         )
         self._error_log = _ThrottledErrorLog()
         # Submit-to-report seconds per finished job, by direction; whoever
@@ -179,15 +188,20 @@ class FsEngine:
             pin_cpus=self.pinning.cpus,
         )
         self._lookups = AsyncExistence(
-            self.blockio.exists, settings.lookup_threads,
+            self.blockio.exists,
+            settings.lookup_threads,
             timeout=min(settings.job_timeout_s, _LOOKUP_TIMEOUT_CAP_S),
         )
         logger.info(
             "llmkv_fs engine: %s, %s I/O, %d read + %d write threads, durability=%s, "
             "checksum=%s, numa: %s",
-            layout.rank_dir, "O_DIRECT" if self.use_o_direct else "buffered",
-            settings.n_read_threads, settings.n_write_threads, settings.durability,
-            settings.checksum, self.pinning.reason,
+            layout.rank_dir,
+            "O_DIRECT" if self.use_o_direct else "buffered",
+            settings.n_read_threads,
+            settings.n_write_threads,
+            settings.durability,
+            settings.checksum,
+            self.pinning.reason,
         )
 
     def _choose_io_mode(self) -> bool:
@@ -202,9 +216,13 @@ class FsEngine:
         )
         works = aligned and probe_o_direct(self.layout.rank_dir)
         if mode == "direct" and not works:
+            why = (
+                "the volume refuses it"
+                if aligned
+                else "the primary buffer or block size is not page aligned"
+            )
             raise EngineError(
-                f"io_mode=direct but O_DIRECT does not work here "
-                f"({'the volume refuses it' if aligned else 'the primary buffer or block size is not page aligned'}): "
+                f"io_mode=direct but O_DIRECT does not work here ({why}): "
                 f"{self.layout.rank_dir}. Use io_mode=auto or buffered."
             )
         return works
@@ -217,7 +235,7 @@ class FsEngine:
             # A memoryview slice would clamp silently and copy the wrong bytes.
             raise IndexError(f"chunk {chunk} outside the primary buffer (0..{self.num_chunks - 1})")
         start = chunk * self.block_size
-        row = self._flat[start:start + self.block_size]
+        row = self._flat[start : start + self.block_size]
         if job.is_load:
             return self.blockio.load(job.keys[index], row)
         if not self.guard.allows_store():
@@ -319,7 +337,13 @@ class FsEngine:
         latency = time.monotonic() - job.submitted
         self.job_latencies[direction].append(latency)
         return FinishedJob(
-            job.job_id, job.is_load, succeeded, failed, job.io_seconds, moved, latency,
+            job.job_id,
+            job.is_load,
+            succeeded,
+            failed,
+            job.io_seconds,
+            moved,
+            latency,
             quarantined,
         )
 

@@ -67,8 +67,9 @@ class Housekeeping:
         self._apply_stamps()  # never raises: a failed stamp is skipped
         if self.lease_path is not None:
             if not remove_lease(self.lease_path):
-                logger.warning("llmkv_fs: could not remove lease %s; it will go stale",
-                               self.lease_path)
+                logger.warning(
+                    "llmkv_fs: could not remove lease %s; it will go stale", self.lease_path
+                )
             self.lease_path = None
 
     def _run(self) -> None:
@@ -116,11 +117,13 @@ class Housekeeping:
         me = self.lease
         host = socket.gethostname()
         peers = [
-            lease for lease in read_leases(self.digest_dir)
+            lease
+            for lease in read_leases(self.digest_dir)
             if lease.is_live(this_host=host) and lease.path != self.lease_path
         ]
         differing = frozenset(
-            lease.seed_fingerprint for lease in peers
+            lease.seed_fingerprint
+            for lease in peers
             if (lease.seed_fingerprint, lease.hash_algo) != (me.seed_fingerprint, me.hash_algo)
         )
         self.other_fingerprints = differing
@@ -131,9 +134,16 @@ class Housekeeping:
                 "%s: PYTHONHASHSEED or the prefix-caching hash algorithm differs "
                 "(this replica: %s/%s; others: %s). Give every replica the same "
                 "PYTHONHASHSEED and --prefix-caching-hash-algo.",
-                count, self.digest_dir, me.hash_algo, me.seed_fingerprint,
-                ", ".join(sorted(f"{lease.hash_algo}/{lease.seed_fingerprint}" for lease in peers
-                                 if lease.seed_fingerprint in differing)),
+                count,
+                self.digest_dir,
+                me.hash_algo,
+                me.seed_fingerprint,
+                ", ".join(
+                    sorted(
+                        f"{lease.hash_algo}/{lease.seed_fingerprint}"
+                        for lease in peers
+                        if lease.seed_fingerprint in differing
+                    )
+                ),
             )
         self._warned = differing
-

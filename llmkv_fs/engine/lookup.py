@@ -45,7 +45,7 @@ _PARALLEL_MIN_KEYS = 8
 
 
 class _State:
-    __slots__ = ("generation", "verdict", "in_flight", "override", "requests")
+    __slots__ = ("generation", "in_flight", "override", "requests", "verdict")
 
     def __init__(self, generation: int):
         self.generation = generation
@@ -57,7 +57,10 @@ class _State:
 
 class AsyncExistence:
     def __init__(
-        self, exists: Callable[[bytes], bool], n_threads: int, name: str = "llmkv_fs",
+        self,
+        exists: Callable[[bytes], bool],
+        n_threads: int,
+        name: str = "llmkv_fs",
         timeout: float = 5.0,
     ):
         self._exists = exists
@@ -78,7 +81,8 @@ class AsyncExistence:
         )
         self._executor = (
             concurrent.futures.ThreadPoolExecutor(n_threads, thread_name_prefix=f"{name}_stat")
-            if n_threads > 1 else None
+            if n_threads > 1
+            else None
         )
         self._thread = threading.Thread(target=self._worker, name=f"{name}_lookup", daemon=True)
         self._thread.start()

@@ -109,9 +109,7 @@ def read_topology(
     cgroup_root: str = "/sys/fs/cgroup",
 ) -> NumaTopology:
     allowed = (
-        _effective_allowed_cpus(cgroup_root)
-        if allowed_cpus is None
-        else frozenset(allowed_cpus)
+        _effective_allowed_cpus(cgroup_root) if allowed_cpus is None else frozenset(allowed_cpus)
     )
     online = _read_cpulist(os.path.join(sysfs_root, "devices/system/cpu/online"))
 
@@ -191,10 +189,7 @@ def node_of_buffer(buf: object, samples: int = 8) -> int | None:
         view.release()
 
     samples = max(1, samples)
-    if samples == 1:
-        offsets = [0]
-    else:
-        offsets = [(n - 1) * i // (samples - 1) for i in range(samples)]
+    offsets = [0] if samples == 1 else [(n - 1) * i // (samples - 1) for i in range(samples)]
     page_addrs = sorted({(base + off) & ~(mmap.PAGESIZE - 1) for off in offsets})
     counts = collections.Counter(
         node for node in (node_of_address(a) for a in page_addrs) if node is not None
@@ -237,7 +232,8 @@ def plan_pinning(
                 f"node {node} holding the primary buffer has no allowed CPUs: not pinning"
             )
         return PinningPlan(
-            node, cpus,
+            node,
+            cpus,
             f"pinned to node {node} (cpus {format_cpulist(cpus)}) holding the primary buffer",
         )
 
@@ -251,7 +247,8 @@ def plan_pinning(
         if not cpus:
             return _no_pin(f"numa_node={setting} override has no allowed CPUs: not pinning")
         return PinningPlan(
-            setting, cpus,
+            setting,
+            cpus,
             f"pinned to node {setting} (cpus {format_cpulist(cpus)}) by numa_node override",
         )
 

@@ -55,10 +55,10 @@ class Direction(_CounterKeyEnum):
 class Outcome(_CounterKeyEnum):
     """A block that succeeded, and how. Anything else is a ``Failed``."""
 
-    WRITTEN = "written"          # store: published a new file
-    PRESENT = "present"          # store: a valid-sized file was already there
-    VERIFIED = "verified"        # load: trailer, length, key and checksum checked
-    UNVERIFIED = "unverified"    # load: trailer-less file (vLLM's built-in wrote it)
+    WRITTEN = "written"  # store: published a new file
+    PRESENT = "present"  # store: a valid-sized file was already there
+    VERIFIED = "verified"  # load: trailer, length, key and checksum checked
+    UNVERIFIED = "unverified"  # load: trailer-less file (vLLM's built-in wrote it)
 
     @property
     def direction(self) -> Direction:
@@ -69,14 +69,14 @@ class Failure(_CounterKeyEnum):
     """Why a block was not moved. The value is the ``reason`` label of the
     ``store_failures`` / ``load_failures`` metrics."""
 
-    MISSING = "missing"        # load: no file (never stored, or removed since the lookup)
-    CORRUPT = "corrupt"        # load: the file failed verification (see Corruption)
+    MISSING = "missing"  # load: no file (never stored, or removed since the lookup)
+    CORRUPT = "corrupt"  # load: the file failed verification (see Corruption)
     QUEUE_FULL = "queue_full"  # store: max_pending_store_blocks were already waiting
-    SPACE = "space"            # store: the space guard is tripped
-    STALLED = "stalled"        # refused at submit: the volume is not answering
-    DEADLINE = "deadline"      # the job passed job_timeout_s
-    ERROR = "error"            # any other exception (logged, throttled)
-    CANCELLED = "cancelled"    # never started: the engine shut down
+    SPACE = "space"  # store: the space guard is tripped
+    STALLED = "stalled"  # refused at submit: the volume is not answering
+    DEADLINE = "deadline"  # the job passed job_timeout_s
+    ERROR = "error"  # any other exception (logged, throttled)
+    CANCELLED = "cancelled"  # never started: the engine shut down
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

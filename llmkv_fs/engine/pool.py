@@ -59,13 +59,29 @@ class IoJob:
     """
 
     __slots__ = (
-        "job_id", "is_load", "keys", "chunks", "outcomes", "_left", "_lock",
-        "submitted", "deadline", "first_start", "last_end", "running", "expired",
-        "reported", "next_block",
+        "_left",
+        "_lock",
+        "chunks",
+        "deadline",
+        "expired",
+        "first_start",
+        "is_load",
+        "job_id",
+        "keys",
+        "last_end",
+        "next_block",
+        "outcomes",
+        "reported",
+        "running",
+        "submitted",
     )
 
     def __init__(
-        self, job_id: int, is_load: bool, keys: Sequence[bytes], chunks: Sequence[int],
+        self,
+        job_id: int,
+        is_load: bool,
+        keys: Sequence[bytes],
+        chunks: Sequence[int],
         timeout: float | None = None,
     ):
         self.job_id = job_id
@@ -173,7 +189,9 @@ class IoPool:
         self._stopping = False
         self._threads = [
             threading.Thread(
-                target=self._worker, args=(load_first,), daemon=True,
+                target=self._worker,
+                args=(load_first,),
+                daemon=True,
                 name=f"{name}_{'r' if load_first else 'w'}{i}",
             )
             for load_first, count in ((True, n_read_threads), (False, n_write_threads))

@@ -20,7 +20,9 @@ class SpaceGuard:
     right after the failure -- someone (gc) must have made room, or every
     writer would hit ENOSPC again at once."""
 
-    def __init__(self, path: str, max_usage_percent: float, min_free_bytes: int, headroom_bytes: int):
+    def __init__(
+        self, path: str, max_usage_percent: float, min_free_bytes: int, headroom_bytes: int
+    ):
         self.path = path
         self.max_usage_percent = max_usage_percent
         self.min_free_bytes = min_free_bytes
@@ -47,10 +49,7 @@ class SpaceGuard:
     def sample(self) -> VolumeUsage:
         usage = volume_usage(self.path)
         self.usage = usage
-        over = (
-            usage.used_percent > self.max_usage_percent
-            or usage.free_bytes < self.min_free_bytes
-        )
+        over = usage.used_percent > self.max_usage_percent or usage.free_bytes < self.min_free_bytes
         if self._enospc:
             if self._free_after_enospc is None:
                 self._free_after_enospc = usage.free_bytes

@@ -55,31 +55,74 @@ def _import_heavy() -> None:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    p.add_argument("--dir", action="append", required=True,
-                   help="medium to test (repeat); a scratch folder is made and removed inside it")
-    p.add_argument("--block-mib", action="append", type=float, choices=BLOCK_MIB_CHOICES,
-                   help="chunk size in MiB: 0.5, 2 or 8 (repeat; default 2)")
-    p.add_argument("--threads", action="append", type=int,
-                   help="n_read_threads = n_write_threads of both tiers (repeat for a sweep; default 4)")
+    p.add_argument(
+        "--dir",
+        action="append",
+        required=True,
+        help="medium to test (repeat); a scratch folder is made and removed inside it",
+    )
+    p.add_argument(
+        "--block-mib",
+        action="append",
+        type=float,
+        choices=BLOCK_MIB_CHOICES,
+        help="chunk size in MiB: 0.5, 2 or 8 (repeat; default 2)",
+    )
+    p.add_argument(
+        "--threads",
+        action="append",
+        type=int,
+        help="n_read_threads = n_write_threads of both tiers (repeat for a sweep; default 4)",
+    )
     p.add_argument("--jobs", type=int, default=8, help="jobs per direction per round (default 8)")
     p.add_argument("--blocks-per-job", type=int, default=8, help="blocks per job (default 8)")
     p.add_argument("--rounds", type=int, default=3, help="alternating A/B rounds (default 3)")
-    p.add_argument("--checksum", action=argparse.BooleanOptionalAction, default=True,
-                   help="ours: write and verify xxh3 checksums (default on; --no-checksum)")
-    p.add_argument("--durability", default="none", choices=("none", "file", "full"),
-                   help="ours: fsync policy (the built-in never fsyncs)")
-    p.add_argument("--mixed", action="store_true",
-                   help="also time small loads submitted during a store backlog")
-    p.add_argument("--mixed-store-jobs", type=int, default=None,
-                   help="store jobs in the --mixed burst (default 4 x threads: twice the pool)")
-    p.add_argument("--mixed-loads", type=int, default=200,
-                   help="most one-block loads timed per --mixed round (default 200)")
-    p.add_argument("--no-reference", dest="reference", action="store_false",
-                   help="skip the fio / Python physical reference")
-    p.add_argument("--poll-ms", type=float, default=1.0,
-                   help="pause between get_finished_jobs polls (default 1 ms)")
-    p.add_argument("--drop-caches", action="store_true",
-                   help="drop the page cache before each load phase (root)")
+    p.add_argument(
+        "--checksum",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="ours: write and verify xxh3 checksums (default on; --no-checksum)",
+    )
+    p.add_argument(
+        "--durability",
+        default="none",
+        choices=("none", "file", "full"),
+        help="ours: fsync policy (the built-in never fsyncs)",
+    )
+    p.add_argument(
+        "--mixed",
+        action="store_true",
+        help="also time small loads submitted during a store backlog",
+    )
+    p.add_argument(
+        "--mixed-store-jobs",
+        type=int,
+        default=None,
+        help="store jobs in the --mixed burst (default 4 x threads: twice the pool)",
+    )
+    p.add_argument(
+        "--mixed-loads",
+        type=int,
+        default=200,
+        help="most one-block loads timed per --mixed round (default 200)",
+    )
+    p.add_argument(
+        "--no-reference",
+        dest="reference",
+        action="store_false",
+        help="skip the fio / Python physical reference",
+    )
+    p.add_argument(
+        "--poll-ms",
+        type=float,
+        default=1.0,
+        help="pause between get_finished_jobs polls (default 1 ms)",
+    )
+    p.add_argument(
+        "--drop-caches",
+        action="store_true",
+        help="drop the page cache before each load phase (root)",
+    )
     p.add_argument("--json", metavar="PATH", help="write every sample as JSON ('-': stdout)")
     p.add_argument("--plot-dir", metavar="DIR", help="write PNG plots (GB/s vs threads) here")
     return p
@@ -109,11 +152,16 @@ class _Bench:
             os.makedirs(root, exist_ok=True)
         t = {"n_read_threads": threads, "n_write_threads": threads}
         cfg = driver.offloading_config(
-            tiers=[driver.ours(self.roots["ours"], checksum=args.checksum,
-                               durability=args.durability, **t),
-                   driver.builtin(self.roots["builtin"], **t)],
-            block_bytes=self.block, cpu_bytes=(self.rows_used + 4) * self.block,
-            engine_id=f"llmkv_bench_{os.getpid()}_{self.block}_{threads}")
+            tiers=[
+                driver.ours(
+                    self.roots["ours"], checksum=args.checksum, durability=args.durability, **t
+                ),
+                driver.builtin(self.roots["builtin"], **t),
+            ],
+            block_bytes=self.block,
+            cpu_bytes=(self.rows_used + 4) * self.block,
+            engine_id=f"llmkv_bench_{os.getpid()}_{self.block}_{threads}",
+        )
         self.replica = driver.Replica(cfg)
         self.tiers = dict(zip(KINDS, self.replica.manager.secondary_tiers))
         got = {k: type(v).__module__ for k, v in self.tiers.items()}
@@ -122,9 +170,10 @@ class _Bench:
         self.rows = self.replica.rows
         # Random bytes once per case; every round stores them under new keys.
         rng = np.random.default_rng(self.block + threads)
-        self.rows[:self.rows_used] = rng.integers(-128, 127, size=self.rows[:self.rows_used].shape,
-                                                  dtype=np.int8)
-        self.expected = self.rows[:self.rows_used].copy()
+        self.rows[: self.rows_used] = rng.integers(
+            -128, 127, size=self.rows[: self.rows_used].shape, dtype=np.int8
+        )
+        self.expected = self.rows[: self.rows_used].copy()
         self._next_id = 0
 
     def close(self) -> None:
@@ -145,11 +194,17 @@ class _Bench:
     def jobs(self, keys: list[bytes], first_row: int, per_job: int, load: bool) -> list:
         out = []
         for lo in range(0, len(keys), per_job):
-            out.append(TransferJob(
-                job_id=self._next_id, keys=keys[lo:lo + per_job],
-                chunk_ids=np.arange(first_row + lo, first_row + min(lo + per_job, len(keys)),
-                                    dtype=np.int64),
-                is_promotion=load, req_context=_CTX))
+            out.append(
+                TransferJob(
+                    job_id=self._next_id,
+                    keys=keys[lo : lo + per_job],
+                    chunk_ids=np.arange(
+                        first_row + lo, first_row + min(lo + per_job, len(keys)), dtype=np.int64
+                    ),
+                    is_promotion=load,
+                    req_context=_CTX,
+                )
+            )
             self._next_id += 1
         return out
 
@@ -180,10 +235,13 @@ class _Bench:
                 time.sleep(poll_s)
         blocks = sum(len(j.keys) for j in jobs)
         wall = seen - started
-        return {"gbps": blocks * self.block / wall / 1e9, "wall_s": wall,
-                "latencies_ms": [x * 1e3 for x in latencies],
-                "sched_us_per_block": (in_submit + in_poll) / blocks * 1e6,
-                "submit_us_per_block": in_submit / blocks * 1e6}
+        return {
+            "gbps": blocks * self.block / wall / 1e9,
+            "wall_s": wall,
+            "latencies_ms": [x * 1e3 for x in latencies],
+            "sched_us_per_block": (in_submit + in_poll) / blocks * 1e6,
+            "submit_us_per_block": in_submit / blocks * 1e6,
+        }
 
     # -- throughput --------------------------------------------------------------------
 
@@ -208,7 +266,9 @@ class _Bench:
         burst_blocks = self.mixed_jobs * bpj
         first_load_row = burst_blocks
         load_keys = driver.make_keys(MIXED_LOAD_KEYS, seed=f"mixed-load-{kind}-{round_no}")
-        self.drive(tier, self.jobs(load_keys, first_load_row, MIXED_LOAD_KEYS, load=False), load=False)
+        self.drive(
+            tier, self.jobs(load_keys, first_load_row, MIXED_LOAD_KEYS, load=False), load=False
+        )
 
         def one_load(i: int):
             row = first_load_row + i % MIXED_LOAD_KEYS
@@ -253,19 +313,26 @@ class _Bench:
             if not results:
                 time.sleep(poll_s)
         self.clear(kind)
-        return {"idle_ms": idle, "during_ms": during, "backlog_s": backlog_s,
-                "store_gbps": burst_blocks * self.block / backlog_s / 1e9}
+        return {
+            "idle_ms": idle,
+            "during_ms": during,
+            "backlog_s": backlog_s,
+            "store_gbps": burst_blocks * self.block / backlog_s / 1e9,
+        }
 
 
 def _summary(runs: list[dict]) -> dict:
     lat = [x for r in runs for x in r["latencies_ms"]]
-    return {"gbps": statistics.median(r["gbps"] for r in runs),
-            "samples_gbps": [round(r["gbps"], 4) for r in runs],
-            "p50_ms": _pct(lat, 50), "p99_ms": _pct(lat, 99),
-            "sched_us_per_block": statistics.median(r["sched_us_per_block"] for r in runs),
-            "submit_us_per_block": statistics.median(r["submit_us_per_block"] for r in runs),
-            "samples_sched_us_per_block": [round(r["sched_us_per_block"], 2) for r in runs],
-            "latencies_ms": [round(x, 3) for x in lat]}
+    return {
+        "gbps": statistics.median(r["gbps"] for r in runs),
+        "samples_gbps": [round(r["gbps"], 4) for r in runs],
+        "p50_ms": _pct(lat, 50),
+        "p99_ms": _pct(lat, 99),
+        "sched_us_per_block": statistics.median(r["sched_us_per_block"] for r in runs),
+        "submit_us_per_block": statistics.median(r["submit_us_per_block"] for r in runs),
+        "samples_sched_us_per_block": [round(r["sched_us_per_block"], 2) for r in runs],
+        "latencies_ms": [round(x, 3) for x in lat],
+    }
 
 
 def run_case(medium: str, block_mib: float, threads: int, args: argparse.Namespace) -> dict:
@@ -281,39 +348,66 @@ def run_case(medium: str, block_mib: float, threads: int, args: argparse.Namespa
             if args.reference:
                 from llmkv_fs.harness.bench_fio import physical_reference
 
-                refs.append(physical_reference(os.path.join(bench.base, f"ref-{round_no}"),
-                                               bench.block, bench.n, 2 * threads))
+                refs.append(
+                    physical_reference(
+                        os.path.join(bench.base, f"ref-{round_no}"),
+                        bench.block,
+                        bench.n,
+                        2 * threads,
+                    )
+                )
             if args.mixed:
                 for kind in order:
                     mixed[kind].append(bench.mixed(kind, round_no))
     finally:
         bench.close()
-    case = {"medium": medium, "fs": bench_report.fs_of(medium), "block_mib": block_mib,
-            "threads": threads, "rounds": args.rounds,
-            "tiers": {k: {d: _summary([s[d] for s in samples[k]]) for d in ("store", "load")}
-                      for k in KINDS}}
+    case = {
+        "medium": medium,
+        "fs": bench_report.fs_of(medium),
+        "block_mib": block_mib,
+        "threads": threads,
+        "rounds": args.rounds,
+        "tiers": {
+            k: {d: _summary([s[d] for s in samples[k]]) for d in ("store", "load")} for k in KINDS
+        },
+    }
     t = case["tiers"]
     case["ratio"] = {d: t["ours"][d]["gbps"] / t["builtin"][d]["gbps"] for d in ("store", "load")}
     if refs:
         case["reference"] = {
-            "tool": refs[0]["tool"], "direct": refs[0]["direct"], "numjobs": refs[0]["numjobs"],
-            **{d: {"gbps": statistics.median(r[f"{d}_gbps"] for r in refs),
-                   "samples_gbps": [round(r[f"{d}_gbps"], 4) for r in refs]}
-               for d in ("store", "load")}}
-        case["pct_of_reference"] = {k: {d: 100 * t[k][d]["gbps"] / case["reference"][d]["gbps"]
-                                        for d in ("store", "load")} for k in KINDS}
+            "tool": refs[0]["tool"],
+            "direct": refs[0]["direct"],
+            "numjobs": refs[0]["numjobs"],
+            **{
+                d: {
+                    "gbps": statistics.median(r[f"{d}_gbps"] for r in refs),
+                    "samples_gbps": [round(r[f"{d}_gbps"], 4) for r in refs],
+                }
+                for d in ("store", "load")
+            },
+        }
+        case["pct_of_reference"] = {
+            k: {d: 100 * t[k][d]["gbps"] / case["reference"][d]["gbps"] for d in ("store", "load")}
+            for k in KINDS
+        }
     if args.mixed:
-        case["mixed"] = {"store_jobs": bench.mixed_jobs,
-                         "store_blocks": bench.mixed_jobs * args.blocks_per_job}
+        case["mixed"] = {
+            "store_jobs": bench.mixed_jobs,
+            "store_blocks": bench.mixed_jobs * args.blocks_per_job,
+        }
         for k in KINDS:
             during = [x for m in mixed[k] for x in m["during_ms"]]
             idle = [x for m in mixed[k] for x in m["idle_ms"]]
             case["mixed"][k] = {
-                "n": len(during), "p50_ms": _pct(during, 50), "p99_ms": _pct(during, 99),
+                "n": len(during),
+                "p50_ms": _pct(during, 50),
+                "p99_ms": _pct(during, 99),
                 "idle_p50_ms": _pct(idle, 50),
                 "backlog_s": [round(m["backlog_s"], 4) for m in mixed[k]],
                 "store_gbps": [round(m["store_gbps"], 4) for m in mixed[k]],
-                "during_ms": [round(x, 3) for x in during], "idle_ms": [round(x, 3) for x in idle]}
+                "during_ms": [round(x, 3) for x in during],
+                "idle_ms": [round(x, 3) for x in idle],
+            }
     return case
 
 
@@ -323,13 +417,19 @@ def run_bench(args: argparse.Namespace) -> int:
     if min(args.threads) < 1 or args.jobs < 1 or args.blocks_per_job < 1 or args.rounds < 1:
         raise SystemExit("--threads, --jobs, --blocks-per-job and --rounds must be >= 1")
     if args.plot_dir and bench_report.plotting_missing():
-        print(f"# --plot-dir: plots will be skipped: {bench_report.plotting_missing()}",
-              file=sys.stderr, flush=True)
+        print(
+            f"# --plot-dir: plots will be skipped: {bench_report.plotting_missing()}",
+            file=sys.stderr,
+            flush=True,
+        )
     _import_heavy()
     for medium in args.dir:
         os.makedirs(medium, exist_ok=True)
-    result = {"args": {k: v for k, v in vars(args).items() if k != "func"},
-              "machine": bench_report.machine_info(args.dir), "cases": []}
+    result = {
+        "args": {k: v for k, v in vars(args).items() if k != "func"},
+        "machine": bench_report.machine_info(args.dir),
+        "cases": [],
+    }
     log = sys.stderr
     for medium in args.dir:
         for block_mib in args.block_mib:
@@ -338,10 +438,14 @@ def run_bench(args: argparse.Namespace) -> int:
                 case = run_case(medium, block_mib, threads, args)
                 result["cases"].append(case)
                 t = case["tiers"]
-                print(f"# {medium} {block_mib:g} MiB {threads} threads: store "
-                      f"{t['ours']['store']['gbps']:.2f}/{t['builtin']['store']['gbps']:.2f} load "
-                      f"{t['ours']['load']['gbps']:.2f}/{t['builtin']['load']['gbps']:.2f} GB/s "
-                      f"ours/built-in ({time.monotonic() - started:.1f}s)", file=log, flush=True)
+                print(
+                    f"# {medium} {block_mib:g} MiB {threads} threads: store "
+                    f"{t['ours']['store']['gbps']:.2f}/{t['builtin']['store']['gbps']:.2f} load "
+                    f"{t['ours']['load']['gbps']:.2f}/{t['builtin']['load']['gbps']:.2f} GB/s "
+                    f"ours/built-in ({time.monotonic() - started:.1f}s)",
+                    file=log,
+                    flush=True,
+                )
     table = bench_report.markdown(result)
     print(table, file=sys.stderr if args.json == "-" else sys.stdout)
     if args.plot_dir:
@@ -350,4 +454,3 @@ def run_bench(args: argparse.Namespace) -> int:
     if args.json:
         bench_report.write_json(result, args.json)
     return 0
-

@@ -43,8 +43,9 @@ def supports_o_direct(directory: str) -> bool:
     return probe_o_direct(directory)
 
 
-def physical_reference(directory: str, block_bytes: int, nblocks: int, numjobs: int,
-                       direct: bool | None = None) -> dict:
+def physical_reference(
+    directory: str, block_bytes: int, nblocks: int, numjobs: int, direct: bool | None = None
+) -> dict:
     """Write then read ``nblocks`` one-block files under ``directory`` (created
     and removed here) with ``numjobs`` concurrent workers. Returns
     ``{"tool", "direct", "numjobs", "store_gbps", "load_gbps"}``."""
@@ -61,31 +62,49 @@ def physical_reference(directory: str, block_bytes: int, nblocks: int, numjobs: 
         else:
             store, load = _python_reference(directory, block_bytes, files_per_job, numjobs, direct)
             tool = "python"
-        return {"tool": tool, "direct": direct, "numjobs": numjobs,
-                "files": files_per_job * numjobs, "store_gbps": store / 1e9,
-                "load_gbps": load / 1e9}
+        return {
+            "tool": tool,
+            "direct": direct,
+            "numjobs": numjobs,
+            "files": files_per_job * numjobs,
+            "store_gbps": store / 1e9,
+            "load_gbps": load / 1e9,
+        }
     finally:
         shutil.rmtree(directory, ignore_errors=True)
 
 
-def _fio(directory: str, rw: str, block_bytes: int, files_per_job: int, numjobs: int,
-         direct: bool) -> float:
+def _fio(
+    directory: str, rw: str, block_bytes: int, files_per_job: int, numjobs: int, direct: bool
+) -> float:
     """Bytes per second fio reports for the whole group."""
     cmd = [
-        fio_path() or "fio", "--name=ref", f"--directory={directory}", f"--rw={rw}",
-        f"--bs={block_bytes}", f"--filesize={block_bytes}", f"--nrfiles={files_per_job}",
-        f"--openfiles={files_per_job}", f"--numjobs={numjobs}", "--ioengine=psync",
-        f"--direct={int(direct)}", "--group_reporting", "--output-format=json",
-        "--file_service_type=sequential", "--fallocate=none", "--invalidate=1",
+        fio_path() or "fio",
+        "--name=ref",
+        f"--directory={directory}",
+        f"--rw={rw}",
+        f"--bs={block_bytes}",
+        f"--filesize={block_bytes}",
+        f"--nrfiles={files_per_job}",
+        f"--openfiles={files_per_job}",
+        f"--numjobs={numjobs}",
+        "--ioengine=psync",
+        f"--direct={int(direct)}",
+        "--group_reporting",
+        "--output-format=json",
+        "--file_service_type=sequential",
+        "--fallocate=none",
+        "--invalidate=1",
     ]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=600).stdout
     # fio may print notices before the JSON document.
-    job = json.loads(out[out.index("{"):])["jobs"][0]
+    job = json.loads(out[out.index("{") :])["jobs"][0]
     return float(job["write" if rw == "write" else "read"]["bw_bytes"])
 
 
-def _python_reference(directory: str, block_bytes: int, files_per_job: int, numjobs: int,
-                      direct: bool) -> tuple[float, float]:
+def _python_reference(
+    directory: str, block_bytes: int, files_per_job: int, numjobs: int, direct: bool
+) -> tuple[float, float]:
     flag = O_DIRECT if direct else 0
     names = [[f"{directory}/ref.{j}.{i}" for i in range(files_per_job)] for j in range(numjobs)]
     # One row per file in one big buffer, as the tiers copy from/to the primary
@@ -94,12 +113,12 @@ def _python_reference(directory: str, block_bytes: int, files_per_job: int, numj
     region = mmap.mmap(-1, numjobs * files_per_job * block_bytes)
     seed = os.urandom(block_bytes)
     for i in range(numjobs * files_per_job):
-        region[i * block_bytes:(i + 1) * block_bytes] = seed
+        region[i * block_bytes : (i + 1) * block_bytes] = seed
     view = memoryview(region)
 
     def row(j: int, i: int) -> memoryview:
         start = (j * files_per_job + i) * block_bytes
-        return view[start:start + block_bytes]
+        return view[start : start + block_bytes]
 
     def writer(j: int) -> None:
         for i, name in enumerate(names[j]):

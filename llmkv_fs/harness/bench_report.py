@@ -21,11 +21,15 @@ from llmkv_fs.layout.fsinfo import mount_of
 __all__ = ["fs_of", "machine_info", "markdown", "plot_all", "plotting_missing", "write_json"]
 
 DIRECTIONS = ("store", "load")
-SERIES = (("ours", "llmkv_fs", (31, 119, 180)), ("builtin", "vLLM built-in fs", (255, 127, 14)),
-          ("reference", "fio (physical)", (90, 90, 90)))
+SERIES = (
+    ("ours", "llmkv_fs", (31, 119, 180)),
+    ("builtin", "vLLM built-in fs", (255, 127, 14)),
+    ("reference", "fio (physical)", (90, 90, 90)),
+)
 
 
 # -- the machine -------------------------------------------------------------------
+
 
 def fs_of(path: str) -> dict[str, str]:
     """Mount point, filesystem type and device of ``path`` (the mount table)."""
@@ -62,25 +66,34 @@ def machine_info(dirs: list[str]) -> dict:
     topo = read_topology()
     ram = _ram_gib()
     return {
-        "node": platform.node(), "cpus": os.cpu_count(),
+        "node": platform.node(),
+        "cpus": os.cpu_count(),
         "allowed_cpus": len(topo.allowed_cpus),
         "numa_nodes": sum(1 for cpus in topo.nodes.values() if cpus),
-        "ram_gib": round(ram, 1) if ram else None, "kernel": platform.release(),
-        "python": platform.python_version(), "vllm": vllm_version, "vllm_fs_io_C": fsio_c,
+        "ram_gib": round(ram, 1) if ram else None,
+        "kernel": platform.release(),
+        "python": platform.python_version(),
+        "vllm": vllm_version,
+        "vllm_fs_io_C": fsio_c,
         "media": {d: fs_of(d) for d in dirs},
     }
 
 
 def describe_machine(m: dict) -> str:
-    media = "; ".join(f"`{d}` {fs['fstype']} ({fs['device']} on {fs['mount']})"
-                      for d, fs in m["media"].items())
-    return (f"Machine `{m['node']}`: {m['cpus']} CPUs ({m['allowed_cpus']} allowed), "
-            f"{m['numa_nodes']} NUMA node(s), {m['ram_gib']} GiB RAM, Linux {m['kernel']}, "
-            f"Python {m['python']}, vLLM {m['vllm']} (fs_io_C {'loaded' if m['vllm_fs_io_C'] else 'absent'}). "
-            f"Media: {media}.")
+    media = "; ".join(
+        f"`{d}` {fs['fstype']} ({fs['device']} on {fs['mount']})" for d, fs in m["media"].items()
+    )
+    return (
+        f"Machine `{m['node']}`: {m['cpus']} CPUs ({m['allowed_cpus']} allowed), "
+        f"{m['numa_nodes']} NUMA node(s), {m['ram_gib']} GiB RAM, Linux {m['kernel']}, "
+        f"Python {m['python']}, vLLM {m['vllm']} "
+        f"(fs_io_C {'loaded' if m['vllm_fs_io_C'] else 'absent'}). "
+        f"Media: {media}."
+    )
 
 
 # -- tables ------------------------------------------------------------------------
+
 
 def _f(x: float | None, fmt: str = ".2f", suffix: str = "") -> str:
     return "–" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:{fmt}}{suffix}"
@@ -95,28 +108,49 @@ def markdown(result: dict) -> str:
         f"threads = n_read_threads = n_write_threads (2x that many serve a one-direction burst; "
         f"the reference runs that many jobs)."
     )
-    out += ["", "### Throughput (GB/s, median)", "",
-            "| medium | block | threads | store ours | built-in | ratio | ref | ours % ref "
-            "| load ours | built-in | ratio | ref | ours % ref |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    out += [
+        "",
+        "### Throughput (GB/s, median)",
+        "",
+        "| medium | block | threads | store ours | built-in | ratio | ref | ours % ref "
+        "| load ours | built-in | ratio | ref | ours % ref |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for c in result["cases"]:
         row = [f"`{c['medium']}` {c['fs']['fstype']}", f"{c['block_mib']:g} MiB", str(c["threads"])]
         for d in DIRECTIONS:
             ref = c["reference"][d]["gbps"] if c.get("reference") else None
             ours = c["tiers"]["ours"][d]["gbps"]
-            row += [_f(ours), _f(c["tiers"]["builtin"][d]["gbps"]),
-                    _f(c["ratio"][d], suffix="x"), _f(ref),
-                    _f(100 * ours / ref if ref else None, ".0f", " %")]
+            row += [
+                _f(ours),
+                _f(c["tiers"]["builtin"][d]["gbps"]),
+                _f(c["ratio"][d], suffix="x"),
+                _f(ref),
+                _f(100 * ours / ref if ref else None, ".0f", " %"),
+            ]
         out.append("| " + " | ".join(row) + " |")
-    refs = {(c["reference"]["tool"], c["reference"]["direct"]) for c in result["cases"]
-            if c.get("reference")}
+    refs = {
+        (c["reference"]["tool"], c["reference"]["direct"])
+        for c in result["cases"]
+        if c.get("reference")
+    }
     if refs:
-        out += ["", "Reference: " + ", ".join(
-            f"{tool} ({'O_DIRECT' if direct else 'buffered'})" for tool, direct in sorted(refs))
-            + ", one file per block, psync."]
-    out += ["", "### Job latency and scheduler-thread cost", "",
-            "| medium | block | threads | dir | p50 ms ours / built-in | p99 ms ours / built-in "
-            "| sched µs/block ours / built-in |", "|---|---|---|---|---|---|---|"]
+        out += [
+            "",
+            "Reference: "
+            + ", ".join(
+                f"{tool} ({'O_DIRECT' if direct else 'buffered'})" for tool, direct in sorted(refs)
+            )
+            + ", one file per block, psync.",
+        ]
+    out += [
+        "",
+        "### Job latency and scheduler-thread cost",
+        "",
+        "| medium | block | threads | dir | p50 ms ours / built-in | p99 ms ours / built-in "
+        "| sched µs/block ours / built-in |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for c in result["cases"]:
         o, b = c["tiers"]["ours"], c["tiers"]["builtin"]
         for d in DIRECTIONS:
@@ -124,21 +158,29 @@ def markdown(result: dict) -> str:
                 f"| `{c['medium']}` | {c['block_mib']:g} MiB | {c['threads']} | {d} "
                 f"| {_f(o[d]['p50_ms'])} / {_f(b[d]['p50_ms'])} "
                 f"| {_f(o[d]['p99_ms'])} / {_f(b[d]['p99_ms'])} "
-                f"| {_f(o[d]['sched_us_per_block'], '.1f')} / {_f(b[d]['sched_us_per_block'], '.1f')} |")
+                f"| {_f(o[d]['sched_us_per_block'], '.1f')} "
+                f"/ {_f(b[d]['sched_us_per_block'], '.1f')} |"
+            )
     mixed = [c for c in result["cases"] if c.get("mixed")]
     if mixed:
-        out += ["", "### Loads during a store backlog (--mixed)", "",
-                "| medium | block | threads | backlog (blocks) | loads | idle p50 ms ours / built-in "
-                "| p50 ms ours / built-in | p99 ms ours / built-in | ratio p99 |",
-                "|---|---|---|---|---|---|---|---|---|"]
+        out += [
+            "",
+            "### Loads during a store backlog (--mixed)",
+            "",
+            "| medium | block | threads | backlog (blocks) | loads | idle p50 ms ours / built-in "
+            "| p50 ms ours / built-in | p99 ms ours / built-in | ratio p99 |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
         for c in mixed:
             o, b = c["mixed"]["ours"], c["mixed"]["builtin"]
+            p99_ratio = o["p99_ms"] / b["p99_ms"] if o["p99_ms"] and b["p99_ms"] else None
             out.append(
                 f"| `{c['medium']}` | {c['block_mib']:g} MiB | {c['threads']} "
                 f"| {c['mixed']['store_blocks']} | {o['n']} / {b['n']} "
                 f"| {_f(o['idle_p50_ms'])} / {_f(b['idle_p50_ms'])} "
                 f"| {_f(o['p50_ms'])} / {_f(b['p50_ms'])} | {_f(o['p99_ms'])} / {_f(b['p99_ms'])} "
-                f"| {_f(o['p99_ms'] / b['p99_ms'] if o['p99_ms'] and b['p99_ms'] else None, suffix='x')} |")
+                f"| {_f(p99_ratio, suffix='x')} |"
+            )
     return "\n".join(out) + "\n"
 
 
@@ -166,8 +208,13 @@ def plotting_missing() -> str | None:
     return None if found else PLOTS_NEED
 
 
-def plot_one(path: str, title: str, subtitle: str, xs: list[int],
-             series: list[tuple[str, tuple[int, int, int], list[float | None], bool]]) -> None:
+def plot_one(
+    path: str,
+    title: str,
+    subtitle: str,
+    xs: list[int],
+    series: list[tuple[str, tuple[int, int, int], list[float | None], bool]],
+) -> None:
     """GB/s against thread counts (evenly spaced), one line per series, the
     dashed ones for the physical reference; 1100 x 600 pixels."""
     from matplotlib.figure import Figure  # no pyplot: no GUI backend, no global state
@@ -179,9 +226,16 @@ def plot_one(path: str, title: str, subtitle: str, xs: list[int],
     fig.text(0.082, 0.905, subtitle, fontsize=10, color="#505050")
     for name, color, ys, dashed in series:
         points = [(i, v) for i, v in enumerate(ys) if v is not None]
-        ax.plot([i for i, _ in points], [v for _, v in points], label=name,
-                color=tuple(c / 255 for c in color), linestyle="--" if dashed else "-",
-                linewidth=2, marker="o", markersize=7)
+        ax.plot(
+            [i for i, _ in points],
+            [v for _, v in points],
+            label=name,
+            color=tuple(c / 255 for c in color),
+            linestyle="--" if dashed else "-",
+            linewidth=2,
+            marker="o",
+            markersize=7,
+        )
     ax.set_xticks(range(len(xs)), [str(x) for x in xs])
     if len(xs) == 1:
         ax.set_xlim(-1, 1)  # the one point in the middle
@@ -223,19 +277,26 @@ def plot_all(result: dict, plot_dir: str) -> list[str]:
         ref_tool = next((c["reference"]["tool"] for c in cases if c.get("reference")), None)
         for d in DIRECTIONS:
             series = []
-            for key, label, color in SERIES:
+            for key, name, color in SERIES:
+                label = name
                 if key == "reference":
                     if ref_tool is None:
                         continue
                     ys = [c["reference"][d]["gbps"] if c.get("reference") else None for c in cases]
-                    label = "fio (physical)" if ref_tool == "fio" else "python O_DIRECT/psync (physical)"
+                    label = (
+                        "fio (physical)"
+                        if ref_tool == "fio"
+                        else "python O_DIRECT/psync (physical)"
+                    )
                 else:
                     ys = [c["tiers"][key][d]["gbps"] for c in cases]
                 series.append((label, color, ys, key == "reference"))
             title = f"{d} GB/s vs threads: {medium} ({fs['fstype']}), {block:g} MiB blocks"
-            subtitle = (f"{m['node']}, {m['cpus']} CPUs, {m['ram_gib']} GiB RAM, {fs['device']} on "
-                        f"{fs['mount']}; {result['args']['jobs']}x{result['args']['blocks_per_job']} "
-                        f"blocks/round, median of {result['args']['rounds']}")
+            subtitle = (
+                f"{m['node']}, {m['cpus']} CPUs, {m['ram_gib']} GiB RAM, {fs['device']} on "
+                f"{fs['mount']}; {result['args']['jobs']}x{result['args']['blocks_per_job']} "
+                f"blocks/round, median of {result['args']['rounds']}"
+            )
             path = os.path.join(plot_dir, f"bench_{_slug(medium)}_{block:g}MiB_{d}.png")
             plot_one(path, title, subtitle, xs, series)
             written.append(path)

@@ -42,24 +42,46 @@ MiB = 1 << 20
 
 
 def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    p.add_argument("--root", help="cache root, e.g. a PVC mount (default: a temporary "
-                   "directory, removed afterwards)")
+    p.add_argument(
+        "--root",
+        help="cache root, e.g. a PVC mount (default: a temporary directory, removed afterwards)",
+    )
     p.add_argument("--keep", action="store_true", help="keep the temporary root")
-    p.add_argument("--docs", type=int, default=4,
-                   help="documents (shared prefixes) requests are built on (default 4)")
-    p.add_argument("--doc-chunks", type=int, default=8,
-                   help="chunks (16 tokens each) per document (default 8)")
-    p.add_argument("--suffix-chunks", type=int, default=2,
-                   help="unique chunks after the document in each request (default 2)")
-    p.add_argument("--requests", type=int, default=8,
-                   help="requests each of the two first replicas serves (default 8)")
+    p.add_argument(
+        "--docs",
+        type=int,
+        default=4,
+        help="documents (shared prefixes) requests are built on (default 4)",
+    )
+    p.add_argument(
+        "--doc-chunks", type=int, default=8, help="chunks (16 tokens each) per document (default 8)"
+    )
+    p.add_argument(
+        "--suffix-chunks",
+        type=int,
+        default=2,
+        help="unique chunks after the document in each request (default 2)",
+    )
+    p.add_argument(
+        "--requests",
+        type=int,
+        default=8,
+        help="requests each of the two first replicas serves (default 8)",
+    )
     p.add_argument("--block-mib", type=int, default=2, help="chunk size in MiB (default 2)")
     p.add_argument("--threads", type=int, default=4, help="read and write threads each")
-    p.add_argument("--cpu-chunks", type=int, default=0,
-                   help="CPU tier size in chunks per replica (default: two requests)")
-    p.add_argument("--hash-algo", default="sha256",
-                   choices=["sha256", "sha256_cbor", "xxhash", "xxhash_cbor"],
-                   help="vLLM prefix-caching hash algorithm (default sha256)")
+    p.add_argument(
+        "--cpu-chunks",
+        type=int,
+        default=0,
+        help="CPU tier size in chunks per replica (default: two requests)",
+    )
+    p.add_argument(
+        "--hash-algo",
+        default="sha256",
+        choices=["sha256", "sha256_cbor", "xxhash", "xxhash_cbor"],
+        help="vLLM prefix-caching hash algorithm (default sha256)",
+    )
     p.add_argument("--damage", choices=["bitflip", "trailerless"], help=argparse.SUPPRESS)
     p.add_argument("--accept-trailerless", action="store_true", help=argparse.SUPPRESS)
     return p
@@ -137,18 +159,30 @@ class Tally:
 
 def _start(names: list[str], args, root, env) -> list[ReplicaProcess]:
     started = time.perf_counter()
-    options = ["--root", root, "--block-bytes", str(args.block_mib * MiB), "--cpu-chunks",
-               str(args.cpu_chunks), "--threads", str(args.threads), "--hash-algo", args.hash_algo,
-               *(["--accept-trailerless"] if args.accept_trailerless else [])]
+    options = [
+        "--root",
+        root,
+        "--block-bytes",
+        str(args.block_mib * MiB),
+        "--cpu-chunks",
+        str(args.cpu_chunks),
+        "--threads",
+        str(args.threads),
+        "--hash-algo",
+        args.hash_algo,
+        *(["--accept-trailerless"] if args.accept_trailerless else []),
+    ]
     procs = [ReplicaProcess(n, options, env) for n in names]
     for p in procs:
         p.tally = Tally()
         p.info = p.receive_ready()
     wall = time.perf_counter() - started
     for p in procs:
-        _say(f"  replica {p.name}: pid {p.info['pid']}, vLLM imported and tier up in "
-             f"{p.info['start_s']:.1f} s; {p.info['hash_algo']} seed fingerprint "
-             f"{p.info['fingerprint']}")
+        _say(
+            f"  replica {p.name}: pid {p.info['pid']}, vLLM imported and tier up in "
+            f"{p.info['start_s']:.1f} s; {p.info['hash_algo']} seed fingerprint "
+            f"{p.info['fingerprint']}"
+        )
     if len(procs) > 1:
         _say(f"  ({len(procs)} processes started in parallel: {wall:.1f} s wall)")
     return procs
@@ -171,8 +205,10 @@ def _describe(name: str, r: dict[str, Any], doc: int, stored_by: str | None) -> 
     if r["hit_cpu"]:
         src.append(f"{r['hit_cpu']} CPU tier")
     if r["hit_fs"]:
-        src.append(f"{r['hit_fs']} volume" + (f", stored by {stored_by}"
-                                               if stored_by and stored_by != name else ""))
+        src.append(
+            f"{r['hit_fs']} volume"
+            + (f", stored by {stored_by}" if stored_by and stored_by != name else "")
+        )
     bad = f", {len(r['mismatched'])} WRONG" if r["mismatched"] else ""
     where = f" ({'; '.join(src)})" if src else ""
     return f"{name}: doc {doc} {hits:>2}/{r['chunks']} hit{where}, {r['miss']} computed{bad}"
@@ -180,31 +216,52 @@ def _describe(name: str, r: dict[str, Any], doc: int, stored_by: str | None) -> 
 
 def _print_tally(p: ReplicaProcess, label: str = "") -> None:
     t, c = p.tally, p.tally.counters
-    _say(f"replica {p.name} ({label}pid {p.info.get('pid')}): {t.requests} requests, "
-         f"{t.chunks} chunks looked up, {t.hits} hits ({t.hit_cpu} from its CPU tier, "
-         f"{t.hit_fs} from the volume, {t.hit_other} of them stored by another replica) "
-         f"= {t.hit_rate:.1f}% hit rate")
-    verdict = (f"all {t.hits} loaded chunks byte-exact" if not t.mismatched else
-               f"{len(t.mismatched)} loaded chunks WRONG ({t.bad_bytes} bytes differ)")
-    _say(f"  loads  {_fmt_bytes(t.load_bytes)} volume->CPU at {_rate(t.load_bytes, t.load_s)}"
-         f" (lookup to HIT, wall); stores {_fmt_bytes(t.store_bytes)} CPU->volume at "
-         f"{_rate(t.store_bytes, t.store_s)} (until published, wall)")
+    _say(
+        f"replica {p.name} ({label}pid {p.info.get('pid')}): {t.requests} requests, "
+        f"{t.chunks} chunks looked up, {t.hits} hits ({t.hit_cpu} from its CPU tier, "
+        f"{t.hit_fs} from the volume, {t.hit_other} of them stored by another replica) "
+        f"= {t.hit_rate:.1f}% hit rate"
+    )
+    verdict = (
+        f"all {t.hits} loaded chunks byte-exact"
+        if not t.mismatched
+        else f"{len(t.mismatched)} loaded chunks WRONG ({t.bad_bytes} bytes differ)"
+    )
+    _say(
+        f"  loads  {_fmt_bytes(t.load_bytes)} volume->CPU at {_rate(t.load_bytes, t.load_s)}"
+        f" (lookup to HIT, wall); stores {_fmt_bytes(t.store_bytes)} CPU->volume at "
+        f"{_rate(t.store_bytes, t.store_s)} (until published, wall)"
+    )
     corrupt = {k: v for k, v in c.items() if k.startswith("load_corrupt_") and v}
-    _say(f"  {verdict}; tier: {c.get('blocks_verified', 0)} verified, "
-         f"{c.get('blocks_unverified', 0)} unverified (trailer-less) loads, "
-         f"{c.get('blocks_written', 0)} written, {c.get('blocks_present', 0)} already present, "
-         f"{c.get('quarantined', 0)} quarantined{' ' + str(corrupt) if corrupt else ''}")
+    _say(
+        f"  {verdict}; tier: {c.get('blocks_verified', 0)} verified, "
+        f"{c.get('blocks_unverified', 0)} unverified (trailer-less) loads, "
+        f"{c.get('blocks_written', 0)} written, {c.get('blocks_present', 0)} already present, "
+        f"{c.get('quarantined', 0)} quarantined{' ' + str(corrupt) if corrupt else ''}"
+    )
 
 
 def _volume_summary(root: str) -> dict[str, Any]:
     report = volume_stats(root, threads=2)
-    return {"source": "llmkv_fs.ops.stats", "digests": [
-        {"name": d["name"], "blocks": d["blocks"], "bytes": d["bytes"],
-         "chunk": d["chunk_bytes"], "quarantined": d["quarantined"]["count"],
-         "reasons": d["quarantined"]["reasons"], "temp": d["temp"]["count"],
-         "live": len(d["leases"]["live"]), "stale": len(d["leases"]["stale"]),
-         "seeds": d["seed_fingerprints"]} for d in report["digests"]],
-        "warnings": report["warnings"]}
+    return {
+        "source": "llmkv_fs.ops.stats",
+        "digests": [
+            {
+                "name": d["name"],
+                "blocks": d["blocks"],
+                "bytes": d["bytes"],
+                "chunk": d["chunk_bytes"],
+                "quarantined": d["quarantined"]["count"],
+                "reasons": d["quarantined"]["reasons"],
+                "temp": d["temp"]["count"],
+                "live": len(d["leases"]["live"]),
+                "stale": len(d["leases"]["stale"]),
+                "seeds": d["seed_fingerprints"],
+            }
+            for d in report["digests"]
+        ],
+        "warnings": report["warnings"],
+    }
 
 
 def _print_volume(root: str, during: dict[str, Any] | None) -> None:
@@ -212,15 +269,19 @@ def _print_volume(root: str, during: dict[str, Any] | None) -> None:
     _say(f"\non the volume ({root}, via {summary['source']}):")
     for d in summary["digests"]:
         reasons = ", ".join(f"{k} {n}" for k, n in d["reasons"].items())
-        _say(f"  {d['name']}/: {d['blocks']} blocks, {_fmt_bytes(d['bytes'])}"
-             f"{' (' + _fmt_bytes(d['chunk']) + ' chunks + 4 KiB trailer)' if d['chunk'] else ''}"
-             f"; {d['quarantined']} quarantined{' (' + reasons + ')' if reasons else ''}; "
-             f"{d['temp']} temp files; leases now {d['live']} live, {d['stale']} stale")
+        _say(
+            f"  {d['name']}/: {d['blocks']} blocks, {_fmt_bytes(d['bytes'])}"
+            f"{' (' + _fmt_bytes(d['chunk']) + ' chunks + 4 KiB trailer)' if d['chunk'] else ''}"
+            f"; {d['quarantined']} quarantined{' (' + reasons + ')' if reasons else ''}; "
+            f"{d['temp']} temp files; leases now {d['live']} live, {d['stale']} stale"
+        )
     if during:
         for d in during["digests"]:
-            _say(f"  while replicas 1 and 2 ran: {d['live']} live leases on {d['name']}, "
-                 f"seed fingerprints {d['seeds'] or '(n/a)'}"
-                 f"{' -- they agree' if len(d['seeds']) == 1 and d['live'] > 1 else ''}")
+            _say(
+                f"  while replicas 1 and 2 ran: {d['live']} live leases on {d['name']}, "
+                f"seed fingerprints {d['seeds'] or '(n/a)'}"
+                f"{' -- they agree' if len(d['seeds']) == 1 and d['live'] > 1 else ''}"
+            )
     for w in summary["warnings"] + (during or {}).get("warnings", []):
         _say(f"  !!! {w}")
 
@@ -253,18 +314,25 @@ def run_demo(args: argparse.Namespace) -> int:
     root = tempfile.mkdtemp(prefix="llmkv_fs_demo_") if made_root else os.path.abspath(args.root)
     os.makedirs(root, exist_ok=True)
     seed = os.environ.get("PYTHONHASHSEED") or DEFAULT_SEED
-    env = {**os.environ, "PYTHONHASHSEED": seed, "VLLM_LOGGING_LEVEL":
-           os.environ.get("VLLM_LOGGING_LEVEL", "WARNING")}
+    env = {
+        **os.environ,
+        "PYTHONHASHSEED": seed,
+        "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
+    }
     work = Workload(args.docs, args.doc_chunks, args.suffix_chunks)
     block_bytes = args.block_mib * MiB
 
     _say(f"llmkv_fs demo under {root}")
-    _say(f"  {args.docs} documents x {args.doc_chunks} chunks, + {args.suffix_chunks} unique "
-         f"chunks per request; chunk = {TOKENS_PER_CHUNK} tokens = {args.block_mib} MiB of KV; "
-         f"CPU tier {args.cpu_chunks} chunks per replica; {args.threads} read + "
-         f"{args.threads} write threads")
-    _say(f"  keys: vLLM's hash_block_tokens chained from NONE_HASH "
-         f"({args.hash_algo}, PYTHONHASHSEED={seed}, same in every replica)")
+    _say(
+        f"  {args.docs} documents x {args.doc_chunks} chunks, + {args.suffix_chunks} unique "
+        f"chunks per request; chunk = {TOKENS_PER_CHUNK} tokens = {args.block_mib} MiB of KV; "
+        f"CPU tier {args.cpu_chunks} chunks per replica; {args.threads} read + "
+        f"{args.threads} write threads"
+    )
+    _say(
+        f"  keys: vLLM's hash_block_tokens chained from NONE_HASH "
+        f"({args.hash_algo}, PYTHONHASHSEED={seed}, same in every replica)"
+    )
     procs: list[ReplicaProcess] = []
     stored_by: dict[int, str] = {}  # document -> replica that served it first
     ok = True
@@ -302,8 +370,10 @@ def run_demo(args: argparse.Namespace) -> int:
         _say("  r1 and r2 shut down (leases removed)")
         if victim:
             _damage(victim, args.damage, block_bytes)
-            _say(f"\n[--damage {args.damage}] altered {os.path.relpath(victim, root)} "
-                 f"(doc 0, chunk {args.doc_chunks // 2})")
+            _say(
+                f"\n[--damage {args.damage}] altered {os.path.relpath(victim, root)} "
+                f"(doc 0, chunk {args.doc_chunks // 2})"
+            )
 
         # Phase 2: a restarted replica, a fresh process, same volume and seed.
         _say("\nphase 2: replica r3 (a restarted engine: fresh process, empty CPU tier)")
@@ -334,11 +404,14 @@ def run_demo(args: argparse.Namespace) -> int:
         if r3.tally.hits == 0:
             _say("FAILED: the restarted replica found nothing on the volume")
         if ok:
-            caught = (f"; {quarantined} damaged file(s) quarantined, never served"
-                      if quarantined else "")
-            _say(f"OK: every loaded byte matched; r2 hit {procs[1].tally.hit_other} chunks "
-                 f"r1 stored, r1 hit {procs[0].tally.hit_other} r2 stored; the restarted "
-                 f"replica hit {r3.tally.hit_rate:.1f}%{caught}.")
+            caught = (
+                f"; {quarantined} damaged file(s) quarantined, never served" if quarantined else ""
+            )
+            _say(
+                f"OK: every loaded byte matched; r2 hit {procs[1].tally.hit_other} chunks "
+                f"r1 stored, r1 hit {procs[0].tally.hit_other} r2 stored; the restarted "
+                f"replica hit {r3.tally.hit_rate:.1f}%{caught}."
+            )
         if not made_root or args.keep:
             _say(f"(inspect it: llmkv-fs stats {root})")
         return 0 if ok else 1

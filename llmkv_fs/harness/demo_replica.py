@@ -47,10 +47,14 @@ COMMAND_TIMEOUT_S = 300.0
 
 # The engine's counters the demo reports, by the names its JSON protocol uses.
 _COUNTERS: dict[str, CounterKey] = {
-    "bytes_read": Tally.BYTES_READ, "bytes_written": Tally.BYTES_WRITTEN,
-    "blocks_verified": Outcome.VERIFIED, "blocks_unverified": Outcome.UNVERIFIED,
-    "blocks_written": Outcome.WRITTEN, "blocks_present": Outcome.PRESENT,
-    "quarantined": Tally.QUARANTINED, "load_missing": (Direction.LOAD, Failure.MISSING),
+    "bytes_read": Tally.BYTES_READ,
+    "bytes_written": Tally.BYTES_WRITTEN,
+    "blocks_verified": Outcome.VERIFIED,
+    "blocks_unverified": Outcome.UNVERIFIED,
+    "blocks_written": Outcome.WRITTEN,
+    "blocks_present": Outcome.PRESENT,
+    "quarantined": Tally.QUARANTINED,
+    "load_missing": (Direction.LOAD, Failure.MISSING),
 }
 
 
@@ -68,8 +72,15 @@ class ReplicaProcess:
         self.name, self.info = name, {}
         self.tally: Any = None  # the parent's bookkeeping
         cmd = [sys.executable, "-m", "llmkv_fs.harness.demo_replica", "--name", name, *options]
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, env=env, text=True, bufsize=1)
+        self.proc = subprocess.Popen(
+            cmd,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=env,
+            text=True,
+            bufsize=1,
+        )
         self.stderr: collections.deque[str] = collections.deque(maxlen=60)
         self._replies: queue.Queue = queue.Queue()
         threading.Thread(target=self._pump_replies, daemon=True).start()
@@ -112,8 +123,10 @@ class ReplicaProcess:
 
     def _failure(self, what: str, detail: str = "") -> str:
         tail = "\n".join(f"    {line}" for line in list(self.stderr)[-25:])
-        return (f"replica {self.name} (pid {self.proc.pid}): {what}\n{detail}"
-                f"  its last stderr lines:\n{tail or '    (none)'}")
+        return (
+            f"replica {self.name} (pid {self.proc.pid}): {what}\n{detail}"
+            f"  its last stderr lines:\n{tail or '    (none)'}"
+        )
 
     def quit(self) -> dict[str, Any]:
         self.send({"cmd": "quit"})
@@ -155,9 +168,14 @@ class ReplicaServer:
         kv_cache_utils.init_none_hash(self.hash_fn)
         self.hash_algo, self.fingerprint = hashing_identity()
         config = driver.offloading_config(
-            tiers=[driver.ours(args.root, n_read_threads=args.threads,
-                               n_write_threads=args.threads,
-                               accept_trailerless=args.accept_trailerless)],
+            tiers=[
+                driver.ours(
+                    args.root,
+                    n_read_threads=args.threads,
+                    n_write_threads=args.threads,
+                    accept_trailerless=args.accept_trailerless,
+                )
+            ],
             block_bytes=args.block_bytes,
             cpu_bytes=args.cpu_chunks * args.block_bytes,
             engine_id=f"llmkv_demo_{args.name}_{os.getpid()}",
@@ -173,7 +191,8 @@ class ReplicaServer:
         keys, parent = [], None
         for start in range(0, len(tokens) - TOKENS_PER_CHUNK + 1, TOKENS_PER_CHUNK):
             parent = self.kv_cache_utils.hash_block_tokens(
-                self.hash_fn, parent, tokens[start:start + TOKENS_PER_CHUNK])
+                self.hash_fn, parent, tokens[start : start + TOKENS_PER_CHUNK]
+            )
             keys.append(self.make_offload_key(parent, 0))
         return keys
 
@@ -224,7 +243,8 @@ class ReplicaServer:
             for key, chunk in zip(to_store, out.store_spec.chunk_ids):
                 # "Compute" the KV: stand-in for the GPU->CPU copy vLLM's worker does.
                 replica.rows[chunk, :] = np.frombuffer(
-                    self.driver.payload_for(key, self.row_bytes), dtype=np.int8)
+                    self.driver.payload_for(key, self.row_bytes), dtype=np.int8
+                )
             started = time.perf_counter()
             if to_store:
                 with manager.lock:
@@ -239,10 +259,17 @@ class ReplicaServer:
 
         after = self.counters()
         return {
-            "id": request["id"], "chunks": len(keys), "hit_cpu": len(cpu),
-            "hit_fs": len(hits) - len(cpu), "miss": len(misses), "stored": stored,
-            "mismatched": mismatched, "bad_bytes": bad_bytes, "steps": len(history),
-            "find_s": find_s, "store_s": store_s,
+            "id": request["id"],
+            "chunks": len(keys),
+            "hit_cpu": len(cpu),
+            "hit_fs": len(hits) - len(cpu),
+            "miss": len(misses),
+            "stored": stored,
+            "mismatched": mismatched,
+            "bad_bytes": bad_bytes,
+            "steps": len(history),
+            "find_s": find_s,
+            "store_s": store_s,
             "delta": {k: after.get(k, 0) - before.get(k, 0) for k in after},
         }
 
@@ -278,9 +305,16 @@ def main(argv: list[str] | None = None) -> int:
     try:
         started = time.perf_counter()
         server = ReplicaServer(args)
-        reply({"event": "ready", "pid": os.getpid(), "start_s": time.perf_counter() - started,
-               "hash_algo": server.hash_algo, "fingerprint": server.fingerprint,
-               "layout": server.replica.tier.layout.rank_dir})
+        reply(
+            {
+                "event": "ready",
+                "pid": os.getpid(),
+                "start_s": time.perf_counter() - started,
+                "hash_algo": server.hash_algo,
+                "fingerprint": server.fingerprint,
+                "layout": server.replica.tier.layout.rank_dir,
+            }
+        )
         for line in sys.stdin:
             if not line.strip():
                 continue
@@ -299,15 +333,20 @@ def main(argv: list[str] | None = None) -> int:
         server = None
         reply({"event": "bye", "counters": counters})
         return 0
-    except BaseException as exc:  # noqa: BLE001 -- report anything to the parent
-        reply({"event": "error", "message": f"{type(exc).__name__}: {exc}",
-               "traceback": traceback.format_exc()})
+    except BaseException as exc:
+        reply(
+            {
+                "event": "error",
+                "message": f"{type(exc).__name__}: {exc}",
+                "traceback": traceback.format_exc(),
+            }
+        )
         return 1
     finally:
         if server is not None:
             try:
                 server.close()
-            except Exception:  # noqa: BLE001 -- already failing; keep the first error
+            except Exception:
                 traceback.print_exc()
 
 

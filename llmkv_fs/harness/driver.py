@@ -57,8 +57,8 @@ def offloading_config(
     ``block_bytes`` is the KV bytes of one chunk across all workers."""
     return OffloadingConfig(
         groups=tuple(
-            OffloadingGroupConfig(tokens_per_block=t, layer_names=tuple(l), group_id=i)
-            for i, (t, l) in enumerate(groups)
+            OffloadingGroupConfig(tokens_per_block=t, layer_names=tuple(names), group_id=i)
+            for i, (t, names) in enumerate(groups)
         ),
         worker_kv_bytes_per_block=block_bytes // tp_size,
         enable_kv_cache_events=enable_kv_events,
@@ -67,9 +67,16 @@ def offloading_config(
         model=OffloadingModelConfig(name=model, dtype=dtype),
         cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=1),
         parallel=OffloadingParallelConfig(
-            rank=rank, world_size=tp_size, tp_size=tp_size, pp_size=1, pcp_size=1,
-            dcp_size=1, data_parallel_index=0, data_parallel_size=1,
-            data_parallel_rank_local=None, is_parallelism_agnostic=agnostic,
+            rank=rank,
+            world_size=tp_size,
+            tp_size=tp_size,
+            pp_size=1,
+            pcp_size=1,
+            dcp_size=1,
+            data_parallel_index=0,
+            data_parallel_size=1,
+            data_parallel_rank_local=None,
+            is_parallelism_agnostic=agnostic,
         ),
         replicated_layout=replicated_layout,
     )
@@ -86,8 +93,9 @@ def builtin(root: str, **extra: Any) -> dict[str, Any]:
 
 
 def make_keys(n: int, seed: str = "k", group: int = 0) -> list[bytes]:
-    return [make_offload_key(hashlib.sha256(f"{seed}-{i}".encode()).digest(), group)
-            for i in range(n)]
+    return [
+        make_offload_key(hashlib.sha256(f"{seed}-{i}".encode()).digest(), group) for i in range(n)
+    ]
 
 
 def payload_for(key: bytes, size: int) -> bytes:
@@ -134,16 +142,22 @@ class Replica:
 
     def settle(self) -> None:
         """Step until no transfer is in flight."""
+
         def idle() -> bool:
             self.step()
             with self.manager.lock:
                 return not self.manager.has_pending_work()
+
         wait_until(idle, "transfers to finish")
 
     # -- the GPU->CPU->tier path ---------------------------------------------------
 
-    def store(self, keys: Sequence[bytes], payload: Callable[[bytes, int], bytes] = payload_for,
-              settle: bool = True) -> ReqContext:
+    def store(
+        self,
+        keys: Sequence[bytes],
+        payload: Callable[[bytes, int], bytes] = payload_for,
+        settle: bool = True,
+    ) -> ReqContext:
         ctx = self.new_request()
         with self.manager.lock:
             out = self.manager.prepare_store(list(keys), ctx)
@@ -161,9 +175,12 @@ class Replica:
 
     # -- the tier->CPU path --------------------------------------------------------
 
-    def find(self, keys: Sequence[bytes], ctx: ReqContext | None = None,
-             on_hit_pending: Callable[[bytes], None] | None = None,
-             ) -> tuple[dict[bytes, LookupResult], list[list[LookupResult]]]:
+    def find(
+        self,
+        keys: Sequence[bytes],
+        ctx: ReqContext | None = None,
+        on_hit_pending: Callable[[bytes], None] | None = None,
+    ) -> tuple[dict[bytes, LookupResult], list[list[LookupResult]]]:
         """Look keys up step by step, as the scheduler does, until each is HIT
         or MISS. Returns the final verdicts and the per-step history.
         ``on_hit_pending(key)`` runs once per key when the tier first found it

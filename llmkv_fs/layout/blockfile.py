@@ -110,11 +110,19 @@ def pack_trailer(
         raise ValueError(f"key of {len(key)} bytes exceeds {MAX_KEY_LEN}")
     flags = FLAG_CHECKSUM if checksum is not None else 0
     _HEAD.pack_into(
-        out, 0, MAGIC, FORMAT_VERSION, flags, 0, payload_len,
-        checksum or 0, created_ns, len(key),
+        out,
+        0,
+        MAGIC,
+        FORMAT_VERSION,
+        flags,
+        0,
+        payload_len,
+        checksum or 0,
+        created_ns,
+        len(key),
     )
     key_end = _HEAD.size + len(key)
-    out[_HEAD.size:key_end] = key
+    out[_HEAD.size : key_end] = key
     _TAIL.pack_into(out, key_end, xxhash.xxh3_64_intdigest(out[:key_end]))
     # The page is reused (and also serves reads): the format promises zeros
     # after the trailer, so nothing from an earlier use may leak into a file.
@@ -128,8 +136,8 @@ def unpack_trailer(buf) -> Trailer:
     view = memoryview(buf).cast("B")
     if len(view) < _HEAD.size + _TAIL.size:
         raise BlockFileError(Corruption.TRUNCATED, "trailer shorter than its header")
-    magic, version, flags, _reserved, payload_len, xxh, created, key_len = (
-        _HEAD.unpack_from(view, 0)
+    magic, version, flags, _reserved, payload_len, xxh, created, key_len = _HEAD.unpack_from(
+        view, 0
     )
     if magic != MAGIC:
         raise BlockFileError(Corruption.BAD_MAGIC, f"trailer magic {magic!r}")
@@ -143,7 +151,7 @@ def unpack_trailer(buf) -> Trailer:
     (stored,) = _TAIL.unpack_from(view, key_end)
     if stored != xxhash.xxh3_64_intdigest(view[:key_end]):
         raise BlockFileError(Corruption.BAD_TRAILER, "trailer checksum mismatch")
-    return Trailer(version, flags, payload_len, xxh, created, bytes(view[_HEAD.size:key_end]))
+    return Trailer(version, flags, payload_len, xxh, created, bytes(view[_HEAD.size : key_end]))
 
 
 def verify_block(

@@ -17,9 +17,18 @@ from typing import TypeVar
 
 from llmkv_fs.layout.names import temp_path
 
-__all__ = ["DEFAULT_DIR_MODE", "DEFAULT_FILE_MODE", "PROCESS_UMASK", "SHARED_FS_ATTEMPTS",
-           "create_in_dir", "is_transient", "make_dirs", "needs_chmod", "retry_transient",
-           "write_file_atomically"]
+__all__ = [
+    "DEFAULT_DIR_MODE",
+    "DEFAULT_FILE_MODE",
+    "PROCESS_UMASK",
+    "SHARED_FS_ATTEMPTS",
+    "create_in_dir",
+    "is_transient",
+    "make_dirs",
+    "needs_chmod",
+    "retry_transient",
+    "write_file_atomically",
+]
 
 DEFAULT_FILE_MODE = 0o640
 DEFAULT_DIR_MODE = 0o770
@@ -162,14 +171,18 @@ def write_file_atomically(
     tell a crashed writer's leftover from a live one's."""
     nonce = uuid.uuid4().hex[:12]  # unique even for two writers in one process
     tmp = temp_path(path, socket.gethostname(), os.getpid(), nonce)
-    fd = create_in_dir(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-                       file_mode, dir_mode)
+    fd = create_in_dir(
+        tmp,
+        os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+        file_mode,
+        dir_mode,
+    )
     try:
         if needs_chmod(file_mode):
             os.fchmod(fd, file_mode)
         view = memoryview(data)
         while view:
-            view = view[os.write(fd, view):]
+            view = view[os.write(fd, view) :]
         if durable:
             os.fsync(fd)
     except BaseException:

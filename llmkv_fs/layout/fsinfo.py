@@ -10,8 +10,16 @@ import dataclasses
 import os
 import re
 
-__all__ = ["MOUNTS_FILE", "Mount", "VolumeUsage", "filesystem_type", "mount_of", "parse_mounts",
-           "read_mounts", "volume_usage"]
+__all__ = [
+    "MOUNTS_FILE",
+    "Mount",
+    "VolumeUsage",
+    "filesystem_type",
+    "mount_of",
+    "parse_mounts",
+    "read_mounts",
+    "volume_usage",
+]
 
 MOUNTS_FILE = "/proc/self/mounts"
 

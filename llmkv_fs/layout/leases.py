@@ -23,8 +23,17 @@ import xxhash
 from llmkv_fs.layout.files import DEFAULT_DIR_MODE, DEFAULT_FILE_MODE, write_file_atomically
 from llmkv_fs.layout.names import lease_dir, lease_file_name, parse_lease_file_name
 
-__all__ = ["STALE_AFTER_INTERVALS", "Lease", "lease_for", "pid_alive", "read_leases",
-           "refresh_lease", "remove_lease", "seed_fingerprint", "write_lease"]
+__all__ = [
+    "STALE_AFTER_INTERVALS",
+    "Lease",
+    "lease_for",
+    "pid_alive",
+    "read_leases",
+    "refresh_lease",
+    "remove_lease",
+    "seed_fingerprint",
+    "write_lease",
+]
 
 # A lease not refreshed for this many intervals belongs to a dead process
 # (a stalled NFS server may delay a refresh or two; four is not a hiccup).
@@ -87,18 +96,30 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
-def lease_for(hash_algo: str, seed_fingerprint: str, interval_s: float,
-              vllm_version: str, llmkv_fs_version: str) -> Lease:
+def lease_for(
+    hash_algo: str,
+    seed_fingerprint: str,
+    interval_s: float,
+    vllm_version: str,
+    llmkv_fs_version: str,
+) -> Lease:
     """The lease of this process, starting now."""
     return Lease(
-        host=socket.gethostname(), pid=os.getpid(), started_ns=time.time_ns(),
-        hash_algo=hash_algo, seed_fingerprint=seed_fingerprint, interval_s=interval_s,
-        vllm_version=vllm_version, llmkv_fs_version=llmkv_fs_version,
+        host=socket.gethostname(),
+        pid=os.getpid(),
+        started_ns=time.time_ns(),
+        hash_algo=hash_algo,
+        seed_fingerprint=seed_fingerprint,
+        interval_s=interval_s,
+        vllm_version=vllm_version,
+        llmkv_fs_version=llmkv_fs_version,
     )
 
 
 def write_lease(
-    digest_dir: str, lease: Lease, file_mode: int = DEFAULT_FILE_MODE,
+    digest_dir: str,
+    lease: Lease,
+    file_mode: int = DEFAULT_FILE_MODE,
     dir_mode: int = DEFAULT_DIR_MODE,
 ) -> str:
     path = f"{lease_dir(digest_dir)}/{lease.file_name}"

@@ -29,17 +29,50 @@ import re
 from typing import NamedTuple
 
 __all__ = [
-    "BLOCK_SUFFIX", "CONFIG_FILENAME", "DIGEST_LEN", "GC_LOCK_NAME", "LEASES_DIRNAME",
-    "LEASE_SUFFIX", "QUARANTINE_DIRNAME", "TRASH_PREFIX",
-    "DigestDirName", "LayoutError", "LeaseName", "QuarantineName", "RankDirName", "TempName",
+    "BLOCK_SUFFIX",
+    "CONFIG_FILENAME",
+    "DIGEST_LEN",
+    "GC_LOCK_NAME",
+    "LEASES_DIRNAME",
+    "LEASE_SUFFIX",
+    "QUARANTINE_DIRNAME",
+    "TRASH_PREFIX",
+    "DigestDirName",
+    "LayoutError",
+    "LeaseName",
+    "QuarantineName",
+    "RankDirName",
+    "TempName",
     "WriterTag",
-    "block_rel_path", "config_path", "digest_dir_name", "gc_lock_path", "in_quarantine",
-    "is_block_name", "is_lease_name", "is_temp_name", "is_trash_name", "is_vllm_temp_name",
-    "lease_dir", "lease_file_name", "parse_block_path", "parse_block_rel_path",
-    "parse_digest_dir_name", "parse_lease_file_name", "parse_probe_name",
-    "parse_quarantine_name", "parse_rank_dir_name", "parse_temp_name", "probe_path",
-    "quarantine_dir", "quarantine_path", "rank_dir_name", "safe_model_component",
-    "split_key", "temp_path", "temp_writer", "trash_path",
+    "block_rel_path",
+    "config_path",
+    "digest_dir_name",
+    "gc_lock_path",
+    "in_quarantine",
+    "is_block_name",
+    "is_lease_name",
+    "is_temp_name",
+    "is_trash_name",
+    "is_vllm_temp_name",
+    "lease_dir",
+    "lease_file_name",
+    "parse_block_path",
+    "parse_block_rel_path",
+    "parse_digest_dir_name",
+    "parse_lease_file_name",
+    "parse_probe_name",
+    "parse_quarantine_name",
+    "parse_rank_dir_name",
+    "parse_temp_name",
+    "probe_path",
+    "quarantine_dir",
+    "quarantine_path",
+    "rank_dir_name",
+    "safe_model_component",
+    "split_key",
+    "temp_path",
+    "temp_writer",
+    "trash_path",
 ]
 
 CONFIG_FILENAME = "config.json"
@@ -47,7 +80,7 @@ BLOCK_SUFFIX = ".bin"
 QUARANTINE_DIRNAME = ".quarantine"
 LEASES_DIRNAME = "leases"
 LEASE_SUFFIX = ".json"
-# Hidden names gc renames digests to before deleting them (see ops/gc_act.py).
+# Hidden names gc renames digests to before deleting them (see ops/gc/actions.py).
 TRASH_PREFIX = ".llmkv-gc-trash~"
 GC_LOCK_NAME = ".llmkv-gc.lock"
 _PROBE_PREFIX = ".llmkv_fs_o_direct_probe."
@@ -142,8 +175,10 @@ def block_rel_path(key: bytes) -> str:
 
 
 # The group is a decimal u32 without leading zeros (as block_rel_path writes it).
-_BLOCK_REL_RE = re.compile(r"[0-9a-f]{3}/[0-9a-f]{2}_g(?P<group>0|[1-9][0-9]{0,9})/"
-                           r"(?P<hash>[0-9a-f]+)\.bin")
+_BLOCK_REL_RE = re.compile(
+    r"[0-9a-f]{3}/[0-9a-f]{2}_g(?P<group>0|[1-9][0-9]{0,9})/"
+    r"(?P<hash>[0-9a-f]+)\.bin"
+)
 
 
 def parse_block_rel_path(rel: str) -> bytes | None:
@@ -164,7 +199,7 @@ def parse_block_path(rank_dir: str, path: str) -> bytes | None:
     prefix = rank_dir.rstrip("/") + "/"
     if not path.startswith(prefix):
         return None
-    return parse_block_rel_path(path[len(prefix):])
+    return parse_block_rel_path(path[len(prefix) :])
 
 
 def is_block_name(name: str) -> bool:
@@ -281,7 +316,8 @@ def temp_writer(name: str) -> WriterTag | None:
 def is_temp_name(name: str) -> bool:
     """Ours (temp file or probe, writer named) or vLLM's built-in tier's."""
     return (name.startswith(".") or name.endswith(".tmp")) and (
-        temp_writer(name) is not None or is_vllm_temp_name(name))
+        temp_writer(name) is not None or is_vllm_temp_name(name)
+    )
 
 
 # -- leases ------------------------------------------------------------------------

@@ -84,7 +84,7 @@ class RunIdentity:
 
 def run_config_digest(run_config: dict[str, Any]) -> str:
     canonical = json.dumps(run_config, sort_keys=True, separators=(",", ":"))
-    return hashlib.sha256(canonical.encode("utf-8")).hexdigest()[:names.DIGEST_LEN]
+    return hashlib.sha256(canonical.encode("utf-8")).hexdigest()[: names.DIGEST_LEN]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -42,7 +42,10 @@ def make_quarantine_dir(rank_dir: str, dir_mode: int | None = None) -> str:
 
 
 def move_to_quarantine(
-    path: str, rank_dir: str, reason: str, ident: tuple[int, int] | None = None,
+    path: str,
+    rank_dir: str,
+    reason: str,
+    ident: tuple[int, int] | None = None,
     dir_mode: int | None = None,
 ) -> str | None:
     """Move the block file at ``path`` to ``<name>.<reason>.<ns>`` in

@@ -70,7 +70,9 @@ def ensure_run_config(
         if existing == wanted:
             return "matched"
         if isinstance(existing, dict):
-            diff = sorted(k for k in set(existing) | set(wanted) if existing.get(k) != wanted.get(k))
+            diff = sorted(
+                k for k in set(existing) | set(wanted) if existing.get(k) != wanted.get(k)
+            )
         else:
             diff = [f"(the file holds a JSON {type(existing).__name__}, not an object)"]
         raise RunConfigMismatch(

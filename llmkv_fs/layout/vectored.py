@@ -32,7 +32,7 @@ def read_all(fd: int, buffers: list[memoryview], enough: Container[int] = ()) ->
     by splitting a read -- is followed up before the file is judged bad.
     """
     done = os.preadv(fd, buffers, 0)
-    while 0 < done and done not in enough:
+    while done > 0 and done not in enough:
         pending = _advance(buffers, done)
         if not pending:
             break

@@ -32,8 +32,16 @@ from llmkv_fs.layout.quarantine import file_ident
 from llmkv_fs.layout.vectored import read_all
 
 __all__ = [
-    "BAD", "ERROR", "UNVERIFIED", "VANISHED", "VERIFIED",
-    "ChunkSize", "Result", "check_block", "infer_chunk_size", "open_for_check",
+    "BAD",
+    "ERROR",
+    "UNVERIFIED",
+    "VANISHED",
+    "VERIFIED",
+    "ChunkSize",
+    "Result",
+    "check_block",
+    "infer_chunk_size",
+    "open_for_check",
 ]
 
 VERIFIED, UNVERIFIED, BAD, ERROR, VANISHED = "verified", "unverified", "bad", "error", "vanished"
@@ -41,8 +49,8 @@ VERIFIED, UNVERIFIED, BAD, ERROR, VANISHED = "verified", "unverified", "bad", "e
 _PAGE = mmap.PAGESIZE
 O_NOATIME = getattr(os, "O_NOATIME", 0)
 _BASE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
-_PROBE_SIZES = 8       # distinct file sizes tried when looking for a trailer
-_PROBE_PER_SIZE = 3    # files of one size tried
+_PROBE_SIZES = 8  # distinct file sizes tried when looking for a trailer
+_PROBE_PER_SIZE = 3  # files of one size tried
 
 
 def open_for_check(path: str) -> tuple[int, bool]:
@@ -62,7 +70,7 @@ def open_for_check(path: str) -> tuple[int, bool]:
 @dataclasses.dataclass(frozen=True)
 class ChunkSize:
     payload: int | None  # None: the digest has no regular block files
-    source: str          # "trailer", "trailer-less files" or "no block files"
+    source: str  # "trailer", "trailer-less files" or "no block files"
 
 
 def _trailer_payload(path: str, size: int) -> int | None:
@@ -105,9 +113,9 @@ def infer_chunk_size(files: Iterable[tuple[str, int]]) -> ChunkSize:
 @dataclasses.dataclass
 class Result:
     path: str
-    status: str                # VERIFIED, UNVERIFIED, BAD, ERROR or VANISHED
-    nbytes: int = 0            # bytes read
-    reason: str = ""           # BAD: engine's reason tokens + symlink/not-regular/bad-name
+    status: str  # VERIFIED, UNVERIFIED, BAD, ERROR or VANISHED
+    nbytes: int = 0  # bytes read
+    reason: str = ""  # BAD: engine's reason tokens + symlink/not-regular/bad-name
     detail: str = ""
     ident: tuple[int, int] | None = None  # (st_dev, st_ino) of what was judged
     atime_preserved: bool = True

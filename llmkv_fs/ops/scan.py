@@ -39,11 +39,27 @@ from llmkv_fs.layout.names import (
 )
 
 __all__ = [
-    "BLOCK", "CONFIG", "LEASE", "OTHER", "QUARANTINED", "SYMLINK", "TEMP",
-    "CONFIG_AREA", "RANK_AREA",
-    "Digest", "FileEntry", "Listing", "RootListing",
-    "classify", "default_threads", "filesystem_type", "is_network_fs", "list_digests",
-    "list_root", "temp_writer", "walk",
+    "BLOCK",
+    "CONFIG",
+    "CONFIG_AREA",
+    "LEASE",
+    "OTHER",
+    "QUARANTINED",
+    "RANK_AREA",
+    "SYMLINK",
+    "TEMP",
+    "Digest",
+    "FileEntry",
+    "Listing",
+    "RootListing",
+    "classify",
+    "default_threads",
+    "filesystem_type",
+    "is_network_fs",
+    "list_digests",
+    "list_root",
+    "temp_writer",
+    "walk",
 ]
 
 # File kinds. A symlink is always SYMLINK, wherever it is and whatever its name.
@@ -126,9 +142,27 @@ class Listing:
 # hop): there, concurrent listing pays off. On local ones (ext4, xfs, tmpfs,
 # ...) a thread pool only adds GIL hand-offs: measured 4x slower with 16
 # threads than with 1 on ext4 (docs/gc.md).
-_NETWORK_FS = ("nfs", "nfs4", "ceph", "lustre", "glusterfs", "cifs", "smb3", "smbfs", "gpfs",
-               "beegfs", "9p", "afs", "gfs2", "ocfs2", "panfs", "pvfs2", "orangefs", "wekafs",
-               "virtiofs")
+_NETWORK_FS = (
+    "nfs",
+    "nfs4",
+    "ceph",
+    "lustre",
+    "glusterfs",
+    "cifs",
+    "smb3",
+    "smbfs",
+    "gpfs",
+    "beegfs",
+    "9p",
+    "afs",
+    "gfs2",
+    "ocfs2",
+    "panfs",
+    "pvfs2",
+    "orangefs",
+    "wekafs",
+    "virtiofs",
+)
 
 
 def is_network_fs(fstype: str) -> bool:
@@ -174,8 +208,9 @@ def list_root(root: str) -> RootListing:
             digest.rank_dirs[rank.rank] = entry.path
         else:
             digest.has_config_dir = True
-    return RootListing([found[name] for name in sorted(found)], sorted(trash),
-                       sorted(symlinks), sorted(other))
+    return RootListing(
+        [found[name] for name in sorted(found)], sorted(trash), sorted(symlinks), sorted(other)
+    )
 
 
 def list_digests(root: str) -> list[Digest]:
@@ -185,8 +220,9 @@ def list_digests(root: str) -> list[Digest]:
     return list_root(root).digests
 
 
-def classify(name: str, st: os.stat_result, area: str, in_quarantine: bool = False,
-             in_leases: bool = False) -> str:
+def classify(
+    name: str, st: os.stat_result, area: str, in_quarantine: bool = False, in_leases: bool = False
+) -> str:
     """The kind of a non-directory entry, from its name, its lstat and where
     it lies (``area``: under a rank or a config directory)."""
     if stat.S_ISLNK(st.st_mode):
@@ -246,17 +282,21 @@ class _Walker:
             try:
                 if entry.is_dir(follow_symlinks=False):
                     quarantine = in_quarantine or (
-                        depth == 0 and area == RANK_AREA and entry.name == QUARANTINE_DIRNAME)
+                        depth == 0 and area == RANK_AREA and entry.name == QUARANTINE_DIRNAME
+                    )
                     leases = in_leases or (
-                        depth == 0 and area == CONFIG_AREA and entry.name == LEASES_DIRNAME)
-                    children.append((next(self.ids), dir_id, top, entry.path, depth + 1,
-                                     quarantine, leases))
+                        depth == 0 and area == CONFIG_AREA and entry.name == LEASES_DIRNAME
+                    )
+                    children.append(
+                        (next(self.ids), dir_id, top, entry.path, depth + 1, quarantine, leases)
+                    )
                     continue
                 st = entry.stat(follow_symlinks=False)
             except FileNotFoundError:
                 continue  # removed meanwhile: nothing to report
-            files.append(FileEntry(entry.path, classify(entry.name, st, area, in_quarantine,
-                                                        in_leases), st))
+            files.append(
+                FileEntry(entry.path, classify(entry.name, st, area, in_quarantine, in_leases), st)
+            )
         return Listing(dir_id, parent, top, path, depth, files, len(children)), children
 
     def read_subtree(self, item: _Item) -> tuple[list[Listing], list[_Item]]:
@@ -280,8 +320,21 @@ class _Walker:
             try:
                 batch, queued = self.read_subtree(item)
             except BaseException as exc:  # never strand the consumer
-                batch, queued = [Listing(item[0], item[1], item[2], item[3], item[4], [], 0,
-                                         error=OSError(str(exc)))], []
+                batch, queued = (
+                    [
+                        Listing(
+                            item[0],
+                            item[1],
+                            item[2],
+                            item[3],
+                            item[4],
+                            [],
+                            0,
+                            error=OSError(str(exc)),
+                        )
+                    ],
+                    [],
+                )
             # The batch goes out before its children are queued, so the
             # consumer always sees a parent before its children.
             self.done.put((batch, len(queued)))
@@ -289,8 +342,9 @@ class _Walker:
                 self.todo.put(child)
 
 
-def walk(tops: Iterable[str | tuple[str, str]], threads: int = 16,
-         split_depth: int = 1) -> Iterator[Listing]:
+def walk(
+    tops: Iterable[str | tuple[str, str]], threads: int = 16, split_depth: int = 1
+) -> Iterator[Listing]:
     """Every directory under ``tops`` (each a rank directory, or a
     ``(path, area)`` pair), each directory listed once, with its files
     lstat'ed. A directory's Listing always comes before its children's.
@@ -304,8 +358,10 @@ def walk(tops: Iterable[str | tuple[str, str]], threads: int = 16,
     for top, (path, _area) in enumerate(pairs):
         walker.todo.put((next(walker.ids), -1, top, path, 0, False, False))
     outstanding = len(pairs)
-    pool = [threading.Thread(target=walker.work, name=f"llmkv-scan-{i}", daemon=True)
-            for i in range(min(walker.threads, 256))]
+    pool = [
+        threading.Thread(target=walker.work, name=f"llmkv-scan-{i}", daemon=True)
+        for i in range(min(walker.threads, 256))
+    ]
     for thread in pool:
         thread.start()
     try:
@@ -320,4 +376,3 @@ def walk(tops: Iterable[str | tuple[str, str]], threads: int = 16,
             walker.todo.put(None)
         for thread in pool:
             thread.join()
-

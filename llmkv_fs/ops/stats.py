@@ -37,14 +37,20 @@ _SEED_WARNING = "replicas will not share cache"
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("root", help="cache root directory (the tier's root_dir)")
     parser.add_argument("--json", action="store_true", help="machine-readable output")
-    parser.add_argument("--threads", type=int, default=8, metavar="N",
-                        help="parallel directory listers (default 8)")
-    parser.add_argument("--digest", action="append", metavar="NAME",
-                        help="only this digest (directory name or 12-hex digest); repeatable")
+    parser.add_argument(
+        "--threads", type=int, default=8, metavar="N", help="parallel directory listers (default 8)"
+    )
+    parser.add_argument(
+        "--digest",
+        action="append",
+        metavar="NAME",
+        help="only this digest (directory name or 12-hex digest); repeatable",
+    )
 
 
-def select_digests(root: str, names: list[str] | None,
-                   listing: scan.RootListing | None = None) -> list[scan.Digest]:
+def select_digests(
+    root: str, names: list[str] | None, listing: scan.RootListing | None = None
+) -> list[scan.Digest]:
     """Every digest under ``root``, or those named (by directory name or
     12-hex digest). LookupError names a NAME that matches nothing."""
     digests = (listing or scan.list_root(root)).digests
@@ -66,9 +72,12 @@ def _config_summary(config: dict | None) -> dict[str, Any] | None:
     groups = config.get("kv_cache_groups")
     if isinstance(groups, list):
         summary["kv_cache_groups"] = [
-            {"tokens_per_block": g.get("tokens_per_block"),
-             "layers": len(g.get("layer_names") or [])}
-            for g in groups if isinstance(g, dict)
+            {
+                "tokens_per_block": g.get("tokens_per_block"),
+                "layers": len(g.get("layer_names") or []),
+            }
+            for g in groups
+            if isinstance(g, dict)
         ]
     return summary
 
@@ -83,17 +92,29 @@ def _config_digest_ok(d: scan.Digest, config: dict | None) -> bool | None:
 
 
 def _lease_json(lease: Lease, now: float) -> dict[str, Any]:
-    return {"host": lease.host, "pid": lease.pid, "started_ns": lease.started_ns,
-            "vllm_version": lease.vllm_version, "llmkv_fs_version": lease.llmkv_fs_version,
-            "hash_algo": lease.hash_algo, "seed_fingerprint": lease.seed_fingerprint,
-            "heartbeat_age_s": round(now - lease.refreshed, 3), "path": lease.path}
+    return {
+        "host": lease.host,
+        "pid": lease.pid,
+        "started_ns": lease.started_ns,
+        "vllm_version": lease.vllm_version,
+        "llmkv_fs_version": lease.llmkv_fs_version,
+        "hash_algo": lease.hash_algo,
+        "seed_fingerprint": lease.seed_fingerprint,
+        "heartbeat_age_s": round(now - lease.refreshed, 3),
+        "path": lease.path,
+    }
 
 
 def _entry_type(st: os.stat_result) -> str:
     mode = st.st_mode
-    for test, name in ((stat.S_ISLNK, "symlink"), (stat.S_ISFIFO, "fifo"),
-                       (stat.S_ISSOCK, "socket"), (stat.S_ISCHR, "char-device"),
-                       (stat.S_ISBLK, "block-device"), (stat.S_ISDIR, "directory")):
+    for test, name in (
+        (stat.S_ISLNK, "symlink"),
+        (stat.S_ISFIFO, "fifo"),
+        (stat.S_ISSOCK, "socket"),
+        (stat.S_ISCHR, "char-device"),
+        (stat.S_ISBLK, "block-device"),
+        (stat.S_ISDIR, "directory"),
+    ):
         if test(mode):
             return name
     return "file"
@@ -165,36 +186,49 @@ def _digest_stats(d: scan.Digest, now: float, this_host: str, threads: int) -> d
         warnings.append(
             f"WARNING: {len(live)} live replicas of {d.name} hash blocks with "
             f"{len(fingerprints)} different seeds ({', '.join(fingerprints)}): {_SEED_WARNING} "
-            "(set the same PYTHONHASHSEED and prefix-cache hash algorithm everywhere)")
+            "(set the same PYTHONHASHSEED and prefix-cache hash algorithm everywhere)"
+        )
     elif any(fp.startswith("random-") for fp in fingerprints):
         warnings.append(
             f"WARNING: a live replica of {d.name} hashes with a random per-process seed: "
-            f"{_SEED_WARNING} (set PYTHONHASHSEED)")
+            f"{_SEED_WARNING} (set PYTHONHASHSEED)"
+        )
     if _config_digest_ok(d, config) is False:
         warnings.append(f"WARNING: {d.name}/config.json does not hash to digest {d.digest}")
     blocks = sum(r["blocks"] for r in ranks.values())
     return {
-        "name": d.name, "digest": d.digest,
+        "name": d.name,
+        "digest": d.digest,
         "model": (config or {}).get("model_name", d.model),
-        "has_config": config is not None, "config": _config_summary(config),
+        "has_config": config is not None,
+        "config": _config_summary(config),
         "config_digest_ok": _config_digest_ok(d, config),
         "ranks": {str(k): v for k, v in ranks.items()},
-        "blocks": blocks, "bytes": sum(r["bytes"] for r in ranks.values()),
-        "chunk_bytes": chunk.payload, "chunk_source": chunk.source,
+        "blocks": blocks,
+        "bytes": sum(r["bytes"] for r in ranks.values()),
+        "chunk_bytes": chunk.payload,
+        "chunk_source": chunk.source,
         "trailer_bytes": TRAILER_SIZE if chunk.source == "trailer" else None,
         "file_sizes": {str(s): n for s, n in sizes.most_common(5)},
         "last_used": {
             "buckets": {b: buckets.get(b, 0) for b, _ in AGE_BUCKETS},
-            "oldest": oldest, "newest": newest,
+            "oldest": oldest,
+            "newest": newest,
             "oldest_age_s": None if oldest is None else round(now - oldest, 3),
             "newest_age_s": None if newest is None else round(now - newest, 3),
         },
-        "leases": {"live": [_lease_json(x, now) for x in live],
-                   "stale": [_lease_json(x, now) for x in stale]},
+        "leases": {
+            "live": [_lease_json(x, now) for x in live],
+            "stale": [_lease_json(x, now) for x in stale],
+        },
         "seed_fingerprints": fingerprints,
         "seed_mismatch": len(fingerprints) > 1,
-        "temp": {**temp, "oldest_age_s": None if temp["oldest_mtime"] is None
-                 else round(now - temp["oldest_mtime"], 3)},
+        "temp": {
+            **temp,
+            "oldest_age_s": None
+            if temp["oldest_mtime"] is None
+            else round(now - temp["oldest_mtime"], 3),
+        },
         "quarantined": {**quarantined, "reasons": dict(sorted(quarantined["reasons"].items()))},
         "other": {"count": other_count, "entries": sorted(other, key=lambda e: e["path"])},
         "unreadable_dirs": unreadable,
@@ -215,13 +249,19 @@ def _unexpected_in_root(listing: scan.RootListing) -> list[dict[str, str]]:
 def _statvfs(root: str) -> dict[str, int]:
     usage = volume_usage(root)
     # free_bytes counts the root reserve too (f_bfree); available_bytes does not.
-    return {"size_bytes": usage.total_bytes, "free_bytes": usage.total_bytes - usage.used_bytes,
-            "available_bytes": usage.free_bytes, "used_bytes": usage.used_bytes,
-            "inodes": usage.inodes, "inodes_free": usage.inodes_free}
+    return {
+        "size_bytes": usage.total_bytes,
+        "free_bytes": usage.total_bytes - usage.used_bytes,
+        "available_bytes": usage.free_bytes,
+        "used_bytes": usage.used_bytes,
+        "inodes": usage.inodes,
+        "inodes_free": usage.inodes_free,
+    }
 
 
-def volume_stats(root: str, threads: int = 8, digest_names: list[str] | None = None,
-                 now: float | None = None) -> dict[str, Any]:
+def volume_stats(
+    root: str, threads: int = 8, digest_names: list[str] | None = None, now: float | None = None
+) -> dict[str, Any]:
     now = time.time() if now is None else now
     this_host = socket.gethostname()
     listing = scan.list_root(root)
@@ -238,11 +278,16 @@ def volume_stats(root: str, threads: int = 8, digest_names: list[str] | None = N
         "live_leases": sum(len(p["leases"]["live"]) for p in per),
         "stale_leases": sum(len(p["leases"]["stale"]) for p in per),
     }
-    return {"root": root, "time": now, "digests": per,
-            "unexpected": [] if digest_names else _unexpected_in_root(listing),
-            "gc_trash": [] if digest_names else listing.trash,
-            "totals": totals, "filesystem": _statvfs(root),
-            "warnings": [w for p in per for w in p["warnings"]]}
+    return {
+        "root": root,
+        "time": now,
+        "digests": per,
+        "unexpected": [] if digest_names else _unexpected_in_root(listing),
+        "gc_trash": [] if digest_names else listing.trash,
+        "totals": totals,
+        "filesystem": _statvfs(root),
+        "warnings": [w for p in per for w in p["warnings"]],
+    }
 
 
 def _table(rows: list[list[str]], out) -> None:
@@ -253,14 +298,24 @@ def _table(rows: list[list[str]], out) -> None:
 
 def _print_human(report: dict[str, Any], out) -> None:
     print(f"volume {report['root']}", file=out)
-    rows = [["DIGEST", "MODEL", "RANKS", "BLOCKS", "BYTES", "LIVE", "STALE", "TEMP", "QUAR",
-             "OTHER"]]
+    rows = [
+        ["DIGEST", "MODEL", "RANKS", "BLOCKS", "BYTES", "LIVE", "STALE", "TEMP", "QUAR", "OTHER"]
+    ]
     for p in report["digests"]:
-        rows.append([p["name"], str(p["model"]), " ".join(f"r{r}" for r in p["ranks"]) or "-",
-                     str(p["blocks"]), format_bytes(p["bytes"]),
-                     str(len(p["leases"]["live"])), str(len(p["leases"]["stale"])),
-                     str(p["temp"]["count"]), str(p["quarantined"]["count"]),
-                     str(p["other"]["count"])])
+        rows.append(
+            [
+                p["name"],
+                str(p["model"]),
+                " ".join(f"r{r}" for r in p["ranks"]) or "-",
+                str(p["blocks"]),
+                format_bytes(p["bytes"]),
+                str(len(p["leases"]["live"])),
+                str(len(p["leases"]["stale"])),
+                str(p["temp"]["count"]),
+                str(p["quarantined"]["count"]),
+                str(p["other"]["count"]),
+            ]
+        )
     _table(rows, out)
     for p in report["digests"]:
         print(f"\n{p['name']}", file=out)
@@ -271,42 +326,62 @@ def _print_human(report: dict[str, Any], out) -> None:
             print("  config     (no readable config.json)", file=out)
         else:
             groups = c.get("kv_cache_groups") or []
-            fields = " ".join(f"{k}={v}" for k, v in c.items()
-                              if k not in ("model_name", "kv_cache_groups"))
-            gtxt = ", ".join(f"{g['tokens_per_block']} tok/block x {g['layers']} layers"
-                             for g in groups)
+            fields = " ".join(
+                f"{k}={v}" for k, v in c.items() if k not in ("model_name", "kv_cache_groups")
+            )
+            gtxt = ", ".join(
+                f"{g['tokens_per_block']} tok/block x {g['layers']} layers" for g in groups
+            )
             print(f"  config     {fields}", file=out)
             print(f"  kv groups  {len(groups)}: {gtxt}", file=out)
         source = {"trailer": "a trailer"}.get(p["chunk_source"], p["chunk_source"])
-        chunk = (f"{format_bytes(p['chunk_bytes'])} payload ({p['chunk_bytes']} B, from "
-                 f"{source})") if p["chunk_bytes"] else source
+        chunk = (
+            (f"{format_bytes(p['chunk_bytes'])} payload ({p['chunk_bytes']} B, from {source})")
+            if p["chunk_bytes"]
+            else source
+        )
         print(f"  chunk      {chunk}", file=out)
-        per_rank = ", ".join(f"r{r}: {v['blocks']} / {format_bytes(v['bytes'])}"
-                             for r, v in p["ranks"].items())
-        print(f"  blocks     {p['blocks']} files, {format_bytes(p['bytes'])}"
-              f"{'  (' + per_rank + ')' if len(p['ranks']) > 1 else ''}", file=out)
+        per_rank = ", ".join(
+            f"r{r}: {v['blocks']} / {format_bytes(v['bytes'])}" for r, v in p["ranks"].items()
+        )
+        print(
+            f"  blocks     {p['blocks']} files, {format_bytes(p['bytes'])}"
+            f"{'  (' + per_rank + ')' if len(p['ranks']) > 1 else ''}",
+            file=out,
+        )
         lu = p["last_used"]
         hist = "  ".join(f"{b} {n}" for b, n in lu["buckets"].items())
-        print(f"  last used  {hist}   oldest {format_duration(lu['oldest_age_s'])} ago, "
-              f"newest {format_duration(lu['newest_age_s'])} ago", file=out)
+        print(
+            f"  last used  {hist}   oldest {format_duration(lu['oldest_age_s'])} ago, "
+            f"newest {format_duration(lu['newest_age_s'])} ago",
+            file=out,
+        )
         live, stale = p["leases"]["live"], p["leases"]["stale"]
         print(f"  leases     {len(live)} live, {len(stale)} stale", file=out)
         for state, leases in (("live", live), ("stale", stale)):
             for x in leases:
-                print(f"    {state:<5} {x['host']} pid {x['pid']}  vllm {x['vllm_version'] or '?'}"
-                      f"  llmkv_fs {x['llmkv_fs_version'] or '?'}  {x['hash_algo']} seed "
-                      f"{x['seed_fingerprint']}  heartbeat {format_duration(x['heartbeat_age_s'])} ago",
-                      file=out)
+                print(
+                    f"    {state:<5} {x['host']} pid {x['pid']}  vllm {x['vllm_version'] or '?'}"
+                    f"  llmkv_fs {x['llmkv_fs_version'] or '?'}  {x['hash_algo']} seed "
+                    f"{x['seed_fingerprint']}  "
+                    f"heartbeat {format_duration(x['heartbeat_age_s'])} ago",
+                    file=out,
+                )
         if p["seed_fingerprints"]:
             print(f"  seeds      {', '.join(p['seed_fingerprints'])}", file=out)
         t = p["temp"]
-        print(f"  temp       {t['count']} files, {format_bytes(t['bytes'])}"
-              f"{', oldest ' + format_duration(t['oldest_age_s']) + ' old' if t['count'] else ''}",
-              file=out)
+        print(
+            f"  temp       {t['count']} files, {format_bytes(t['bytes'])}"
+            f"{', oldest ' + format_duration(t['oldest_age_s']) + ' old' if t['count'] else ''}",
+            file=out,
+        )
         q = p["quarantined"]
         reasons = ", ".join(f"{k} {n}" for k, n in q["reasons"].items())
-        print(f"  quarantine {q['count']} files, {format_bytes(q['bytes'])}"
-              f"{' (' + reasons + ')' if reasons else ''}", file=out)
+        print(
+            f"  quarantine {q['count']} files, {format_bytes(q['bytes'])}"
+            f"{' (' + reasons + ')' if reasons else ''}",
+            file=out,
+        )
         for u in p["unreadable_dirs"]:
             print(f"  !!! cannot list {u['path']}: {u['detail']}", file=out)
         o = p["other"]
@@ -322,15 +397,21 @@ def _print_human(report: dict[str, Any], out) -> None:
     if report["gc_trash"]:
         print(f"\ngc trash (being deleted): {len(report['gc_trash'])}", file=out)
     t, fs = report["totals"], report["filesystem"]
-    print(f"\ntotal      {t['digests']} digests, {t['blocks']} blocks, {format_bytes(t['bytes'])}; "
-          f"{t['temp_files']} temp ({format_bytes(t['temp_bytes'])}), {t['quarantined_files']} "
-          f"quarantined ({format_bytes(t['quarantined_bytes'])}), {t['other']} other; "
-          f"leases {t['live_leases']} live, {t['stale_leases']} stale", file=out)
+    print(
+        f"\ntotal      {t['digests']} digests, {t['blocks']} blocks, {format_bytes(t['bytes'])}; "
+        f"{t['temp_files']} temp ({format_bytes(t['temp_bytes'])}), {t['quarantined_files']} "
+        f"quarantined ({format_bytes(t['quarantined_bytes'])}), {t['other']} other; "
+        f"leases {t['live_leases']} live, {t['stale_leases']} stale",
+        file=out,
+    )
     used_pct = 100.0 * fs["used_bytes"] / fs["size_bytes"] if fs["size_bytes"] else 0.0
     inode_pct = (100.0 * (fs["inodes"] - fs["inodes_free"]) / fs["inodes"]) if fs["inodes"] else 0.0
-    print(f"filesystem {format_bytes(fs['size_bytes'])} size, {format_bytes(fs['used_bytes'])} used "
-          f"({used_pct:.0f}%), {format_bytes(fs['available_bytes'])} available; "
-          f"inodes {inode_pct:.0f}% used", file=out)
+    print(
+        f"filesystem {format_bytes(fs['size_bytes'])} size, {format_bytes(fs['used_bytes'])} used "
+        f"({used_pct:.0f}%), {format_bytes(fs['available_bytes'])} available; "
+        f"inodes {inode_pct:.0f}% used",
+        file=out,
+    )
     for w in report["warnings"]:
         print(f"!!! {w}", file=out)
 

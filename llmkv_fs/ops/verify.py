@@ -47,12 +47,24 @@ _PROGRESS_INTERVAL_S = 0.2
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("root", help="cache root directory (the tier's root_dir)")
-    parser.add_argument("--repair", action="store_true",
-                        help="move bad files into their rank directory's .quarantine/")
-    parser.add_argument("--digest", action="append", metavar="NAME",
-                        help="only this digest (directory name or 12-hex digest); repeatable")
-    parser.add_argument("--threads", type=int, default=8, metavar="N",
-                        help="parallel readers and directory listers (default 8)")
+    parser.add_argument(
+        "--repair",
+        action="store_true",
+        help="move bad files into their rank directory's .quarantine/",
+    )
+    parser.add_argument(
+        "--digest",
+        action="append",
+        metavar="NAME",
+        help="only this digest (directory name or 12-hex digest); repeatable",
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=8,
+        metavar="N",
+        help="parallel readers and directory listers (default 8)",
+    )
     parser.add_argument("--json", action="store_true", help="machine-readable output")
 
 
@@ -64,14 +76,22 @@ class _Progress:
         self.stream = stream if stream is not None else sys.stderr
         self.enabled = bool(getattr(self.stream, "isatty", lambda: False)())
         self.total_bytes = total_bytes
-        self.bar = tqdm(total=total_files, desc="verify", unit=" files", file=self.stream,
-                        mininterval=_PROGRESS_INTERVAL_S, leave=False, disable=not self.enabled)
+        self.bar = tqdm(
+            total=total_files,
+            desc="verify",
+            unit=" files",
+            file=self.stream,
+            mininterval=_PROGRESS_INTERVAL_S,
+            leave=False,
+            disable=not self.enabled,
+        )
 
     def update(self, files: int, nbytes: int, bad: int, force: bool = False) -> None:
         if not self.enabled:
             return
-        self.bar.set_postfix_str(f"{format_bytes(nbytes)}/{format_bytes(self.total_bytes)}, bad {bad}",
-                                 refresh=False)
+        self.bar.set_postfix_str(
+            f"{format_bytes(nbytes)}/{format_bytes(self.total_bytes)}, bad {bad}", refresh=False
+        )
         self.bar.update(files - self.bar.n)  # redraws once _PROGRESS_INTERVAL_S has passed
         if force:
             self.bar.refresh()
@@ -113,6 +133,7 @@ def _check_all(items: list, threads: int, on_result: Callable, tick: Callable[[]
     pending: Iterator = iter(items)
     in_flight = 0
     with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="llmkv-verify") as pool:
+
         def submit_next() -> int:
             item = next(pending, None)
             if item is None:
@@ -135,8 +156,13 @@ def _check_all(items: list, threads: int, on_result: Callable, tick: Callable[[]
 
 
 # Result status -> its counter in the report.
-_COUNT = {VERIFIED: "verified", UNVERIFIED: "unverified", BAD: "bad", ERROR: "errors",
-          VANISHED: "vanished"}
+_COUNT = {
+    VERIFIED: "verified",
+    UNVERIFIED: "unverified",
+    BAD: "bad",
+    ERROR: "errors",
+    VANISHED: "vanished",
+}
 
 
 def _new_counts() -> dict:
@@ -153,8 +179,14 @@ def _collect(digests: list[scan.Digest], threads: int) -> tuple[list, dict, list
     for listing in scan.walk([rank_dir for _, rank_dir in tops], threads):
         d, rank_dir = tops[listing.top]
         if listing.error is not None:
-            errors.append({"path": listing.path, "digest": d.name, "reason": "list-error",
-                           "detail": str(listing.error)})
+            errors.append(
+                {
+                    "path": listing.path,
+                    "digest": d.name,
+                    "reason": "list-error",
+                    "detail": str(listing.error),
+                }
+            )
         if in_quarantine(rank_dir, listing.path):
             continue
         for entry in listing.files:
@@ -169,8 +201,11 @@ def _collect(digests: list[scan.Digest], threads: int) -> tuple[list, dict, list
             (e.path, e.st.st_size) for _, e in entries if stat.S_ISREG(e.st.st_mode)
         )
         per_digest[d.name] = {
-            "name": d.name, "chunk_bytes": chunk.payload, "chunk_source": chunk.source,
-            "ranks": sorted(d.rank_dirs), **_new_counts(),
+            "name": d.name,
+            "chunk_bytes": chunk.payload,
+            "chunk_source": chunk.source,
+            "ranks": sorted(d.rank_dirs),
+            **_new_counts(),
         }
         items.extend((d.name, rank_dir, e, chunk.payload or 0) for rank_dir, e in entries)
     for e in errors:
@@ -178,8 +213,13 @@ def _collect(digests: list[scan.Digest], threads: int) -> tuple[list, dict, list
     return items, per_digest, errors
 
 
-def verify_volume(root: str, digest_names: list[str] | None = None, threads: int = 8,
-                  repair: bool = False, progress_stream=None) -> dict:
+def verify_volume(
+    root: str,
+    digest_names: list[str] | None = None,
+    threads: int = 8,
+    repair: bool = False,
+    progress_stream=None,
+) -> dict:
     """The whole run as a JSON-able report (see docs/operations.md)."""
     threads = max(1, threads)
     digests = select_digests(root, digest_names)
@@ -201,29 +241,50 @@ def verify_volume(root: str, digest_names: list[str] | None = None, threads: int
         if not result.atime_preserved:
             totals["atime_touched"] += 1
         if result.status == BAD:
-            record = {"path": result.path, "digest": digest, "reason": result.reason,
-                      "detail": result.detail, "repair": None, "quarantined_to": None}
+            record = {
+                "path": result.path,
+                "digest": digest,
+                "reason": result.reason,
+                "detail": result.detail,
+                "repair": None,
+                "quarantined_to": None,
+            }
             if repair:
                 record["repair"], record["quarantined_to"] = quarantine(rank_dir, result)
             bad.append(record)
         elif result.status == ERROR:
-            errors.append({"path": result.path, "digest": digest, "reason": result.reason,
-                           "detail": result.detail})
+            errors.append(
+                {
+                    "path": result.path,
+                    "digest": digest,
+                    "reason": result.reason,
+                    "detail": result.detail,
+                }
+            )
 
     start = time.monotonic()
     try:
-        _check_all(items, threads, on_result,
-                   lambda: progress.update(totals["files"], totals["bytes_read"], totals["bad"]))
+        _check_all(
+            items,
+            threads,
+            on_result,
+            lambda: progress.update(totals["files"], totals["bytes_read"], totals["bad"]),
+        )
     finally:
         progress.done()
     elapsed = time.monotonic() - start
     bad.sort(key=lambda r: r["path"])
     errors.sort(key=lambda r: r["path"])
     return {
-        "root": root, "repair": repair, "threads": threads,
+        "root": root,
+        "repair": repair,
+        "threads": threads,
         "digests": [per_digest[d.name] for d in digests],
-        "totals": totals, "bad": bad, "errors": errors,
-        "listing_s": round(listing_s, 6), "elapsed_s": round(elapsed, 6),
+        "totals": totals,
+        "bad": bad,
+        "errors": errors,
+        "listing_s": round(listing_s, 6),
+        "elapsed_s": round(elapsed, 6),
         "files_per_s": round(totals["files"] / elapsed, 1) if elapsed > 0 else None,
         "bytes_per_s": round(totals["bytes_read"] / elapsed) if elapsed > 0 else None,
     }
@@ -233,18 +294,23 @@ def _print_human(report: dict, out) -> None:
     t = report["totals"]
     rate = ""
     if report["files_per_s"] is not None:
-        rate = (f" ({report['files_per_s']:.0f} files/s, "
-                f"{report['bytes_per_s'] / 1e9:.2f} GB/s)")
-    print(f"verify {report['root']}: {t['files']} files in {len(report['digests'])} digest(s), "
-          f"{format_bytes(t['bytes_read'])} read in {report['elapsed_s']:.2f} s{rate}, "
-          f"listed in {report['listing_s']:.2f} s", file=out)
+        rate = f" ({report['files_per_s']:.0f} files/s, {report['bytes_per_s'] / 1e9:.2f} GB/s)"
+    print(
+        f"verify {report['root']}: {t['files']} files in {len(report['digests'])} digest(s), "
+        f"{format_bytes(t['bytes_read'])} read in {report['elapsed_s']:.2f} s{rate}, "
+        f"listed in {report['listing_s']:.2f} s",
+        file=out,
+    )
     for d in report["digests"]:
         chunk = "-" if d["chunk_bytes"] is None else format_bytes(d["chunk_bytes"])
         ranks = " ".join(f"r{r}" for r in d["ranks"]) or "no rank dirs"
         source = {"trailer": "a trailer"}.get(d["chunk_source"], d["chunk_source"])
         print(f"  {d['name']}  chunk {chunk} (from {source})  {ranks}", file=out)
-        print(f"    verified {d['verified']}  unverified {d['unverified']}  bad {d['bad']}  "
-              f"unreadable {d['errors']}  vanished {d['vanished']}", file=out)
+        print(
+            f"    verified {d['verified']}  unverified {d['unverified']}  bad {d['bad']}  "
+            f"unreadable {d['errors']}  vanished {d['vanished']}",
+            file=out,
+        )
     if report["bad"]:
         print(f"bad files ({len(report['bad'])}):", file=out)
         for b in report["bad"]:
@@ -259,8 +325,11 @@ def _print_human(report: dict, out) -> None:
         for e in report["errors"]:
             print(f"  {e['reason']:<13} {e['path']}  ({e['detail']})", file=out)
     if t["atime_touched"]:
-        print(f"note: {t['atime_touched']} files are not ours to read with O_NOATIME; reading "
-              "them may have refreshed their atime (LRU age)", file=out)
+        print(
+            f"note: {t['atime_touched']} files are not ours to read with O_NOATIME; reading "
+            "them may have refreshed their atime (LRU age)",
+            file=out,
+        )
     outcomes = collections.Counter(b["repair"] for b in report["bad"])
     summary = "OK" if not (t["bad"] or t["errors"]) else f"{t['bad']} bad, {t['errors']} unreadable"
     if report["repair"] and report["bad"]:

@@ -103,17 +103,23 @@ class FsTier(SecondaryTierManager):
             else:
                 logger.warning(
                     "enable_kv_events is set on tier %r but KV cache events are "
-                    "disabled globally; no events will be emitted.", tier_type,
+                    "disabled globally; no events will be emitted.",
+                    tier_type,
                 )
         self.layout = CacheLayout.for_identity(
             self.settings.root_dir, identity_from_spec(offloading_spec)
         )
         self.engine = FsEngine(self.settings, self.layout, primary_kv_view, self.block_size_bytes)
-        self._metrics = TierMetrics(self.engine, _tier_label(offloading_spec, tier_type, self.settings))
+        self._metrics = TierMetrics(
+            self.engine, _tier_label(offloading_spec, tier_type, self.settings)
+        )
         self._lease_pending = True
         logger.info(
             "llmkv_fs %s tier %r ready at %s (config.json %s)",
-            __version__, tier_type, self.layout.rank_dir, self.engine.run_config_state,
+            __version__,
+            tier_type,
+            self.layout.rank_dir,
+            self.engine.run_config_state,
         )
 
     # -- lookups -----------------------------------------------------------------
@@ -133,9 +139,15 @@ class FsTier(SecondaryTierManager):
             # after building the scheduler, and the lease must carry it.
             self._lease_pending = False
             algo, fingerprint = hashing_identity()
-            self.engine.set_lease(lease_for(
-                algo, fingerprint, self.settings.lease_interval_s, _vllm_version(), __version__,
-            ))
+            self.engine.set_lease(
+                lease_for(
+                    algo,
+                    fingerprint,
+                    self.settings.lease_interval_s,
+                    _vllm_version(),
+                    __version__,
+                )
+            )
         self.engine.end_step()
 
     # -- transfers ---------------------------------------------------------------
@@ -166,13 +178,23 @@ class FsTier(SecondaryTierManager):
             if self._events is None:
                 continue
             if not job.is_load and job.succeeded:
-                self._events.append(OffloadingEvent(
-                    keys=job.succeeded, medium=self.medium, removed=False, locality=self.locality,
-                ))
+                self._events.append(
+                    OffloadingEvent(
+                        keys=job.succeeded,
+                        medium=self.medium,
+                        removed=False,
+                        locality=self.locality,
+                    )
+                )
             if job.quarantined:
-                self._events.append(OffloadingEvent(
-                    keys=job.quarantined, medium=self.medium, removed=True, locality=self.locality,
-                ))
+                self._events.append(
+                    OffloadingEvent(
+                        keys=job.quarantined,
+                        medium=self.medium,
+                        removed=True,
+                        locality=self.locality,
+                    )
+                )
         return results
 
     def take_events(self) -> Iterable[OffloadingEvent]:
@@ -217,8 +239,14 @@ class FsTier(SecondaryTierManager):
 
 
 _CONFIG_INFO_KEYS = (
-    "llmkv_fs_version", "llmkv_fs_read_threads", "llmkv_fs_write_threads", "llmkv_fs_numa_node",
-    "llmkv_fs_io_mode", "llmkv_fs_durability", "llmkv_fs_checksum", "llmkv_fs_job_timeout_s",
+    "llmkv_fs_version",
+    "llmkv_fs_read_threads",
+    "llmkv_fs_write_threads",
+    "llmkv_fs_numa_node",
+    "llmkv_fs_io_mode",
+    "llmkv_fs_durability",
+    "llmkv_fs_checksum",
+    "llmkv_fs_job_timeout_s",
 )
 
 

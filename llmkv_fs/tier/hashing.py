@@ -15,7 +15,6 @@ import os
 
 from llmkv_fs.layout.leases import seed_fingerprint
 
-
 _ALGOS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
 
 

@@ -68,39 +68,65 @@ def _m(suffix: str, kind: str, doc: str, *labels: str) -> Metric:
 
 
 METRICS = {
-    m.name: m for m in (
+    m.name: m
+    for m in (
         _m("written_bytes", "counter", "Bytes written to block files."),
         _m("read_bytes", "counter", "Bytes read from block files into the CPU tier."),
-        _m("stored_blocks", "counter",
-           "Blocks stored, by outcome: written (a new file) or present (a valid "
-           "file was already there).", "outcome"),
-        _m("loaded_blocks", "counter",
-           "Blocks loaded into the CPU tier, by verification: verified (trailer and "
-           "checksum) or unverified (trailer-less file of vLLM's built-in tier).",
-           "verification"),
-        _m("store_failures", "counter",
-           "Store blocks not published, by reason: queue_full, space (space guard or "
-           "ENOSPC), stalled, deadline, error, cancelled.", "reason"),
-        _m("load_failures", "counter",
-           "Load blocks not delivered, by reason: missing, corrupt, deadline, "
-           "stalled, error, cancelled.", "reason"),
-        _m("corrupt_blocks", "counter",
-           "Block files refused on load, by what was wrong (the quarantine file "
-           "names and llmkv-fs verify use the same words): "
-           + ", ".join(Corruption) + ".", "reason"),
+        _m(
+            "stored_blocks",
+            "counter",
+            "Blocks stored, by outcome: written (a new file) or present (a valid "
+            "file was already there).",
+            "outcome",
+        ),
+        _m(
+            "loaded_blocks",
+            "counter",
+            "Blocks loaded into the CPU tier, by verification: verified (trailer and "
+            "checksum) or unverified (trailer-less file of vLLM's built-in tier).",
+            "verification",
+        ),
+        _m(
+            "store_failures",
+            "counter",
+            "Store blocks not published, by reason: queue_full, space (space guard or "
+            "ENOSPC), stalled, deadline, error, cancelled.",
+            "reason",
+        ),
+        _m(
+            "load_failures",
+            "counter",
+            "Load blocks not delivered, by reason: missing, corrupt, deadline, "
+            "stalled, error, cancelled.",
+            "reason",
+        ),
+        _m(
+            "corrupt_blocks",
+            "counter",
+            "Block files refused on load, by what was wrong (the quarantine file "
+            "names and llmkv-fs verify use the same words): " + ", ".join(Corruption) + ".",
+            "reason",
+        ),
         _m("quarantined_files", "counter", "Bad block files moved to .quarantine/."),
-        _m("deadline_expiries", "counter",
-           "Blocks failed because their job passed job_timeout_s."),
-        _m("lookups", "counter",
-           "Per-chunk lookups answered, by result: hit, miss, retry (check pending), "
-           "deadline_miss (a pending check answered miss after the deadline).", "result"),
+        _m("deadline_expiries", "counter", "Blocks failed because their job passed job_timeout_s."),
+        _m(
+            "lookups",
+            "counter",
+            "Per-chunk lookups answered, by result: hit, miss, retry (check pending), "
+            "deadline_miss (a pending check answered miss after the deadline).",
+            "result",
+        ),
         _m("store_job_seconds", "histogram", "Store job latency, submit to result, seconds."),
         _m("load_job_seconds", "histogram", "Load job latency, submit to result, seconds."),
-        _m("queued_blocks", "gauge", "Blocks waiting for an I/O thread, by direction.",
-           "direction"),
+        _m(
+            "queued_blocks", "gauge", "Blocks waiting for an I/O thread, by direction.", "direction"
+        ),
         _m("busy_threads", "gauge", "I/O threads inside a block transfer."),
-        _m("stuck_blocks", "gauge",
-           "Blocks still inside a syscall after their job's deadline (volume stalled)."),
+        _m(
+            "stuck_blocks",
+            "gauge",
+            "Blocks still inside a syscall after their job's deadline (volume stalled).",
+        ),
         _m("space_guard_tripped", "gauge", "1 while the space guard refuses stores."),
         _m("volume_used_bytes", "gauge", "Used bytes of the volume (statvfs, sampled)."),
         _m("volume_free_bytes", "gauge", "Bytes available on the volume (statvfs, sampled)."),

@@ -59,11 +59,14 @@ def register() -> None:
         if not vllm_version.startswith(TESTED_VLLM_SERIES):
             logger.warning(
                 "llmkv_fs %s is tested with vLLM %sx, this is vLLM %s: the secondary "
-                "tier interface may have changed", __version__, TESTED_VLLM_SERIES,
+                "tier interface may have changed",
+                __version__,
+                TESTED_VLLM_SERIES,
                 vllm_version,
             )
         logger.info(
-            "llmkv_fs %s registered secondary tier type(s) %s%s", __version__,
+            "llmkv_fs %s registered secondary tier type(s) %s%s",
+            __version__,
             ", ".join(repr(n) for n in wanted),
             "" if replace else f" ({REPLACE_ENV}=0: vLLM's built-in 'fs' kept)",
         )

@@ -79,8 +79,9 @@ def delete_tree(path: str, errors: list[str]) -> tuple[int, bool]:
     return removed, complete
 
 
-def remove_digest(facts: DigestFacts, policy: Policy, now: Callable[[], float],
-                  dry_run: bool, errors: list[str]) -> tuple[bool, str]:
+def remove_digest(
+    facts: DigestFacts, policy: Policy, now: Callable[[], float], dry_run: bool, errors: list[str]
+) -> tuple[bool, str]:
     """Re-read the leases, re-judge, then trash and delete the digest's
     config directory and every rank directory. (removed?, why)."""
     digest = facts.digest
@@ -120,8 +121,9 @@ def remove_digest(facts: DigestFacts, policy: Policy, now: Callable[[], float],
     return True, why
 
 
-def remove_temps(inv: Inventory, policy: Policy, now: float, dry_run: bool,
-                 emptied: set[int], errors: list[str]) -> tuple[int, int, int]:
+def remove_temps(
+    inv: Inventory, policy: Policy, now: float, dry_run: bool, emptied: set[int], errors: list[str]
+) -> tuple[int, int, int]:
     """Remove dead writers' temp files. Returns (removed, bytes, kept)."""
     removed = freed = kept = 0
     for entry, dir_id, _digest in inv.temps:
@@ -133,8 +135,9 @@ def remove_temps(inv: Inventory, policy: Policy, now: float, dry_run: bool,
             st = os.lstat(entry.path)
         except FileNotFoundError:
             continue  # its writer finished (renamed it) or gave up
-        if (st.st_ino, st.st_dev) != (entry.st.st_ino, entry.st.st_dev) or \
-                not stat.S_ISREG(st.st_mode):
+        if (st.st_ino, st.st_dev) != (entry.st.st_ino, entry.st.st_dev) or not stat.S_ISREG(
+            st.st_mode
+        ):
             kept += 1
             continue
         if not dry_run:
@@ -152,8 +155,16 @@ def remove_temps(inv: Inventory, policy: Policy, now: float, dry_run: bool,
     return removed, freed, kept
 
 
-def evict(inv: Inventory, cutoff: float, need: int, now: float, protect: float,
-          emptied: set[int], errors: list[str], stop: Callable[[], bool]) -> tuple[int, int]:
+def evict(
+    inv: Inventory,
+    cutoff: float,
+    need: int,
+    now: float,
+    protect: float,
+    emptied: set[int],
+    errors: list[str],
+    stop: Callable[[], bool],
+) -> tuple[int, int]:
     """Unlink blocks last used at or before ``cutoff`` (and not within
     ``protect``), oldest first, until ``need`` bytes are freed. Each
     directory holding a candidate is listed again and each block lstat'ed
@@ -206,8 +217,15 @@ def evict(inv: Inventory, cutoff: float, need: int, now: float, protect: float,
     return removed, freed
 
 
-def prune_dirs(inv: Inventory, prunable_digests: set[int], emptied: set[int], now: float,
-               grace: float, dry_run: bool, errors: list[str]) -> int:
+def prune_dirs(
+    inv: Inventory,
+    prunable_digests: set[int],
+    emptied: set[int],
+    now: float,
+    grace: float,
+    dry_run: bool,
+    errors: list[str],
+) -> int:
     """rmdir empty directories under rank directories, deepest first (the
     rank directory itself stays). A directory that was already empty at
     scan time is left alone while younger than ``grace`` (a writer may be

@@ -19,15 +19,15 @@ from llmkv_fs.units import parse_duration, parse_percent_or_off, parse_size
 
 __all__ = ["EXIT_BUSY", "EXIT_ERRORS", "EXIT_SIGTERM", "add_arguments", "run"]
 
-EXIT_ERRORS = 1      # the pass ran, some actions failed (listed in the report)
-EXIT_BUSY = 75       # EX_TEMPFAIL: another gc holds the volume's lock
-EXIT_SIGTERM = 143   # a one-shot run stopped by SIGTERM (--watch exits 0)
+EXIT_ERRORS = 1  # the pass ran, some actions failed (listed in the report)
+EXIT_BUSY = 75  # EX_TEMPFAIL: another gc holds the volume's lock
+EXIT_SIGTERM = 143  # a one-shot run stopped by SIGTERM (--watch exits 0)
 
 DEFAULTS = {
-    "min_age": "7d",   # a weekend plus slack: a model idle over a long weekend keeps its cache
-    "tmp_age": "1h",   # far beyond any block write, even on a stalled NFS server
+    "min_age": "7d",  # a weekend plus slack: a model idle over a long weekend keeps its cache
+    "tmp_age": "1h",  # far beyond any block write, even on a stalled NFS server
     "protect": "10m",  # blocks a running request may still be about to load
-    "high": "85",      # below the tier's own space guard (max_usage_percent, 95)
+    "high": "85",  # below the tier's own space guard (max_usage_percent, 95)
     "threads": "auto",  # 16 listings in flight on a network filesystem, 1 on a local one
 }
 
@@ -47,45 +47,104 @@ def _threads(text: str) -> int | None:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     d = DEFAULTS
     parser.add_argument("root", help="the cache volume's root_dir")
-    parser.add_argument("--dry-run", action="store_true",
-                        help="report what would be removed; change nothing")
-    parser.add_argument("--json", action="store_true",
-                        help="print the report as JSON (one line per pass with --watch)")
-    parser.add_argument("--min-age", type=parse_duration, default=parse_duration(d["min_age"]),
-                        metavar="AGE", help=f"remove a digest without a live lease only when "
-                        f"nothing in it was used for AGE (default {d['min_age']})")
-    parser.add_argument("--tmp-age", type=parse_duration, default=parse_duration(d["tmp_age"]),
-                        metavar="AGE", help="remove a temp file older than AGE even if its "
-                        f"writer's host is not this one (default {d['tmp_age']})")
-    parser.add_argument("--protect", type=parse_duration, default=parse_duration(d["protect"]),
-                        metavar="AGE", help="never evict a block used within AGE, never "
-                        f"remove an empty directory younger than AGE (default {d['protect']})")
-    parser.add_argument("--max-bytes", type=parse_size, default=None, metavar="SIZE",
-                        help="evict LRU blocks while the cache holds more than SIZE "
-                        "(e.g. 800Gi, 1T; default: no limit)")
-    parser.add_argument("--high", type=parse_percent_or_off, default=parse_percent_or_off(d["high"]),
-                        metavar="PCT", help="evict LRU blocks when the volume is at least PCT "
-                        f"percent full, 'off' to disable (default {d['high']})")
-    parser.add_argument("--low", type=parse_percent_or_off, default=None, metavar="PCT",
-                        help="... until it is at most PCT percent full (default: high - 10)")
-    parser.add_argument("--keep", action="append", default=[], metavar="DIGEST_OR_NAME",
-                        help="never remove or evict this digest (12-hex digest, directory "
-                        "name or model); repeatable")
-    parser.add_argument("--model", action="append", default=[], metavar="MODEL",
-                        help="only look at digests of this model (org/name or directory "
-                        "form); repeatable")
-    parser.add_argument("--threads", type=_threads, default=None, metavar="N",
-                        help="directories listed concurrently; default auto: 16 on a network "
-                        "or FUSE filesystem (NFS, CephFS, Lustre, GlusterFS), 1 on a local one")
-    parser.add_argument("--pid-check", choices=("auto", "on", "off"), default="auto",
-                        help="trust 'this host, no such pid' as proof a writer is dead; auto: "
-                        "on, except in a Kubernetes pod without a shared process namespace")
-    parser.add_argument("--watch", type=parse_duration, default=None, metavar="INTERVAL",
-                        help="sidecar mode: a pass, then INTERVAL of rest, again and again until "
-                        "SIGTERM (then exit 0)")
-    parser.add_argument("--wait", action="store_true",
-                        help="wait for another gc's lock instead of exiting "
-                        f"with status {EXIT_BUSY}")
+    parser.add_argument(
+        "--dry-run", action="store_true", help="report what would be removed; change nothing"
+    )
+    parser.add_argument(
+        "--json",
+        action="store_true",
+        help="print the report as JSON (one line per pass with --watch)",
+    )
+    parser.add_argument(
+        "--min-age",
+        type=parse_duration,
+        default=parse_duration(d["min_age"]),
+        metavar="AGE",
+        help=f"remove a digest without a live lease only when "
+        f"nothing in it was used for AGE (default {d['min_age']})",
+    )
+    parser.add_argument(
+        "--tmp-age",
+        type=parse_duration,
+        default=parse_duration(d["tmp_age"]),
+        metavar="AGE",
+        help="remove a temp file older than AGE even if its "
+        f"writer's host is not this one (default {d['tmp_age']})",
+    )
+    parser.add_argument(
+        "--protect",
+        type=parse_duration,
+        default=parse_duration(d["protect"]),
+        metavar="AGE",
+        help="never evict a block used within AGE, never "
+        f"remove an empty directory younger than AGE (default {d['protect']})",
+    )
+    parser.add_argument(
+        "--max-bytes",
+        type=parse_size,
+        default=None,
+        metavar="SIZE",
+        help="evict LRU blocks while the cache holds more than SIZE "
+        "(e.g. 800Gi, 1T; default: no limit)",
+    )
+    parser.add_argument(
+        "--high",
+        type=parse_percent_or_off,
+        default=parse_percent_or_off(d["high"]),
+        metavar="PCT",
+        help="evict LRU blocks when the volume is at least PCT "
+        f"percent full, 'off' to disable (default {d['high']})",
+    )
+    parser.add_argument(
+        "--low",
+        type=parse_percent_or_off,
+        default=None,
+        metavar="PCT",
+        help="... until it is at most PCT percent full (default: high - 10)",
+    )
+    parser.add_argument(
+        "--keep",
+        action="append",
+        default=[],
+        metavar="DIGEST_OR_NAME",
+        help="never remove or evict this digest (12-hex digest, directory "
+        "name or model); repeatable",
+    )
+    parser.add_argument(
+        "--model",
+        action="append",
+        default=[],
+        metavar="MODEL",
+        help="only look at digests of this model (org/name or directory form); repeatable",
+    )
+    parser.add_argument(
+        "--threads",
+        type=_threads,
+        default=None,
+        metavar="N",
+        help="directories listed concurrently; default auto: 16 on a network "
+        "or FUSE filesystem (NFS, CephFS, Lustre, GlusterFS), 1 on a local one",
+    )
+    parser.add_argument(
+        "--pid-check",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="trust 'this host, no such pid' as proof a writer is dead; auto: "
+        "on, except in a Kubernetes pod without a shared process namespace",
+    )
+    parser.add_argument(
+        "--watch",
+        type=parse_duration,
+        default=None,
+        metavar="INTERVAL",
+        help="sidecar mode: a pass, then INTERVAL of rest, again and again until "
+        "SIGTERM (then exit 0)",
+    )
+    parser.add_argument(
+        "--wait",
+        action="store_true",
+        help=f"wait for another gc's lock instead of exiting with status {EXIT_BUSY}",
+    )
 
 
 def _policy(args: argparse.Namespace) -> Policy:
@@ -100,12 +159,20 @@ def _policy(args: argparse.Namespace) -> Policy:
     pid_check = {"on": True, "off": False}.get(args.pid_check)
     if pid_check is None:
         pid_check = pids_are_ours()
-    return Policy(min_age=args.min_age, tmp_age=args.tmp_age, protect=args.protect,
-                  max_bytes=args.max_bytes, high=args.high, low=low, pid_check=pid_check)
+    return Policy(
+        min_age=args.min_age,
+        tmp_age=args.tmp_age,
+        protect=args.protect,
+        max_bytes=args.max_bytes,
+        high=args.high,
+        low=low,
+        pid_check=pid_check,
+    )
 
 
-def _one_pass(args: argparse.Namespace, policy: Policy, stop: threading.Event,
-              watching: bool) -> int:
+def _one_pass(
+    args: argparse.Namespace, policy: Policy, stop: threading.Event, watching: bool
+) -> int:
     lock = VolumeLock(args.root)
     try:
         if not lock.acquire(wait=args.wait, stop=stop):
@@ -117,10 +184,17 @@ def _one_pass(args: argparse.Namespace, policy: Policy, stop: threading.Event,
         print(f"llmkv-fs gc: cannot take the lock {lock.path}: {exc.strerror}", file=sys.stderr)
         return EXIT_ERRORS
     try:
-        report = gc_pass(args.root, policy, lock, keep=args.keep, models=args.model,
-                         threads=args.threads or default_threads(args.root),
-                         dry_run=args.dry_run,
-                         progress=Progress(sys.stderr), stop=stop.is_set)
+        report = gc_pass(
+            args.root,
+            policy,
+            lock,
+            keep=args.keep,
+            models=args.model,
+            threads=args.threads or default_threads(args.root),
+            dry_run=args.dry_run,
+            progress=Progress(sys.stderr),
+            stop=stop.is_set,
+        )
     except OSError as exc:  # the root itself unreadable, vanished, ...
         print(f"llmkv-fs gc: pass failed: {exc}", file=sys.stderr, flush=True)
         return EXIT_ERRORS
@@ -163,4 +237,3 @@ def run(args: argparse.Namespace) -> int:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-

@@ -35,10 +35,10 @@ def allocated(st: os.stat_result) -> int:
 @dataclasses.dataclass
 class DigestFacts:
     digest: Digest
-    selected: bool           # passes --model
-    pinned: bool             # named by --keep
+    selected: bool  # passes --model
+    pinned: bool  # named by --keep
     leases: list[Lease] = dataclasses.field(default_factory=list)
-    newest: float = 0.0      # newest sign of use: a block's last use, any other file's mtime
+    newest: float = 0.0  # newest sign of use: a block's last use, any other file's mtime
     newest_what: str = ""
     files: int = 0
     bytes: int = 0
@@ -76,7 +76,7 @@ class Inventory:
     errors: list[str] = dataclasses.field(default_factory=list)
     files: int = 0
     dirs: int = 0
-    bytes: int = 0           # every file under a selected digest
+    bytes: int = 0  # every file under a selected digest
     scan_seconds: float = 0.0
     complete: bool = True
 
@@ -84,8 +84,13 @@ class Inventory:
         missing = dir_id + 1 - len(self.dir_path)
         if missing > 0:
             self.dir_path.extend([None] * missing)
-            for arr, fill in ((self.dir_parent, -1), (self.dir_depth, 0), (self.dir_digest, -1),
-                              (self.dir_rank_area, 0), (self.dir_entries, 0)):
+            for arr, fill in (
+                (self.dir_parent, -1),
+                (self.dir_depth, 0),
+                (self.dir_digest, -1),
+                (self.dir_rank_area, 0),
+                (self.dir_entries, 0),
+            ):
                 arr.extend([fill] * missing)
 
     def dir_removed(self, dir_id: int) -> None:

@@ -53,7 +53,8 @@ class VolumeLock:
                 if not wait:
                     raise LockBusy(
                         f"another gc holds {self.path} ({self._holder(fd)}); "
-                        "not running (pass --wait to wait for it)")
+                        "not running (pass --wait to wait for it)"
+                    )
                 if stop is not None and stop.wait(_POLL_S):
                     os.close(fd)
                     return False

@@ -31,11 +31,22 @@ class Report:
     scan: dict[str, Any] = dataclasses.field(default_factory=dict)
     digests: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     temps: dict[str, int] = dataclasses.field(
-        default_factory=lambda: {"removed": 0, "bytes": 0, "kept": 0})
-    capacity: dict[str, Any] = dataclasses.field(default_factory=lambda: {
-        "volume_bytes": 0, "volume_used_bytes": 0, "volume_used_percent": 0.0,
-        "cache_bytes": 0, "need": 0, "why": "", "evicted_blocks": 0, "evicted_bytes": 0,
-        "short_bytes": 0, "cutoff_idle_s": None})
+        default_factory=lambda: {"removed": 0, "bytes": 0, "kept": 0}
+    )
+    capacity: dict[str, Any] = dataclasses.field(
+        default_factory=lambda: {
+            "volume_bytes": 0,
+            "volume_used_bytes": 0,
+            "volume_used_percent": 0.0,
+            "cache_bytes": 0,
+            "need": 0,
+            "why": "",
+            "evicted_blocks": 0,
+            "evicted_bytes": 0,
+            "short_bytes": 0,
+            "cutoff_idle_s": None,
+        }
+    )
     dirs_pruned: int = 0
     trash_removed: int = 0
     symlinks: list[str] = dataclasses.field(default_factory=list)
@@ -50,8 +61,11 @@ class Report:
         out["errors"] = self.errors[:_LIST_LIMIT]
         removed = [d for d in self.digests if d["removed"]]
         out["digests_removed"] = len(removed)
-        out["bytes_freed"] = (sum(d["bytes"] for d in removed) + self.temps["bytes"]
-                              + self.capacity.get("evicted_bytes", 0))
+        out["bytes_freed"] = (
+            sum(d["bytes"] for d in removed)
+            + self.temps["bytes"]
+            + self.capacity.get("evicted_bytes", 0)
+        )
         return out
 
     def to_json(self, indent: int | None = 1) -> str:
@@ -59,45 +73,68 @@ class Report:
 
     def human(self) -> str:
         would = "would remove" if self.dry_run else "removed"
-        lines = [f"llmkv-fs gc {self.root}" + (" (dry run: nothing changed)" if self.dry_run else "")]
+        lines = [
+            f"llmkv-fs gc {self.root}" + (" (dry run: nothing changed)" if self.dry_run else "")
+        ]
         s = self.scan
         if s:
-            lines.append(f"scanned {s['digests']} digests: {s['dirs']:,} directories, "
-                         f"{s['files']:,} files ({format_bytes(s['bytes'])}) in {s['seconds']:.1f}s")
+            lines.append(
+                f"scanned {s['digests']} digests: {s['dirs']:,} directories, "
+                f"{s['files']:,} files ({format_bytes(s['bytes'])}) in {s['seconds']:.1f}s"
+            )
         removed = [d for d in self.digests if d["removed"]]
         kept = [d for d in self.digests if not d["removed"]]
-        lines.append(f"digests: {would} {len(removed)} "
-                     f"({format_bytes(sum(d['bytes'] for d in removed))}), kept {len(kept)}")
+        lines.append(
+            f"digests: {would} {len(removed)} "
+            f"({format_bytes(sum(d['bytes'] for d in removed))}), kept {len(kept)}"
+        )
         for d in (removed + kept)[:_LIST_LIMIT]:
             verb = ("would remove" if self.dry_run else "removed") if d["removed"] else "kept"
             lines.append(f"  {verb:<12} {d['name']}  {format_bytes(d['bytes'])}  ({d['why']})")
         t = self.temps
-        lines.append(f"temp files: {would} {t['removed']} ({format_bytes(t['bytes'])}), "
-                     f"kept {t['kept']}")
+        lines.append(
+            f"temp files: {would} {t['removed']} ({format_bytes(t['bytes'])}), kept {t['kept']}"
+        )
         c = self.capacity
         if c.get("need"):
-            lines.append(f"capacity: {c['why']}: {'would evict' if self.dry_run else 'evicted'} "
-                         f"{c['evicted_blocks']:,} blocks ({format_bytes(c['evicted_bytes'])}) "
-                         "least recently used first"
-                         + (f", the newest of them idle {format_duration(c['cutoff_idle_s'])}"
-                            if c.get("cutoff_idle_s") is not None else ""))
+            lines.append(
+                f"capacity: {c['why']}: {'would evict' if self.dry_run else 'evicted'} "
+                f"{c['evicted_blocks']:,} blocks ({format_bytes(c['evicted_bytes'])}) "
+                "least recently used first"
+                + (
+                    f", the newest of them idle {format_duration(c['cutoff_idle_s'])}"
+                    if c.get("cutoff_idle_s") is not None
+                    else ""
+                )
+            )
             if c.get("short_bytes"):
-                lines.append(f"  short by {format_bytes(c['short_bytes'])}: every other block was "
-                             f"used within --protect {format_duration(self.policy['protect_s'])}")
+                lines.append(
+                    f"  short by {format_bytes(c['short_bytes'])}: every other block was "
+                    f"used within --protect {format_duration(self.policy['protect_s'])}"
+                )
         elif c["volume_bytes"]:
-            lines.append(f"capacity: fine (volume {c['volume_used_percent']:.1f}% used, "
-                         f"cache {format_bytes(c['cache_bytes'])})")
-        lines.append(f"empty directories {'to remove' if self.dry_run else 'removed'}: "
-                     f"{self.dirs_pruned}")
+            lines.append(
+                f"capacity: fine (volume {c['volume_used_percent']:.1f}% used, "
+                f"cache {format_bytes(c['cache_bytes'])})"
+            )
+        lines.append(
+            f"empty directories {'to remove' if self.dry_run else 'removed'}: {self.dirs_pruned}"
+        )
         if self.trash_removed:
-            lines.append(f"leftovers of an interrupted gc {'to remove' if self.dry_run else 'removed'}"
-                         f": {self.trash_removed}")
+            lines.append(
+                f"leftovers of an interrupted gc {'to remove' if self.dry_run else 'removed'}"
+                f": {self.trash_removed}"
+            )
         if self.symlinks:
-            lines.append(f"symlinks left alone (never followed): {len(self.symlinks)}, "
-                         f"e.g. {self.symlinks[0]}")
+            lines.append(
+                f"symlinks left alone (never followed): {len(self.symlinks)}, "
+                f"e.g. {self.symlinks[0]}"
+            )
         if abs(self.clock_skew_s) > 5:
-            lines.append(f"note: this machine's clock is {self.clock_skew_s:+.0f}s off the "
-                         "volume's; ages use the volume's clock")
+            lines.append(
+                f"note: this machine's clock is {self.clock_skew_s:+.0f}s off the "
+                "volume's; ages use the volume's clock"
+            )
         if self.interrupted:
             lines.append("interrupted (SIGTERM): stopped between two actions")
         lines.append(f"errors: {len(self.errors)}")
@@ -111,8 +148,9 @@ class Progress:
     terminal: redrawn at most every ``every_s`` unless forced, cleared when
     done. Called from the pass's thread only."""
 
-    def __init__(self, stream: TextIO | None = None, every_s: float = 0.2,
-                 enabled: bool | None = None):
+    def __init__(
+        self, stream: TextIO | None = None, every_s: float = 0.2, enabled: bool | None = None
+    ):
         self.stream = stream if stream is not None else sys.stderr
         if enabled is None:
             enabled = bool(getattr(self.stream, "isatty", lambda: False)())
@@ -124,8 +162,13 @@ class Progress:
         if not self.enabled:
             return
         if self._bar is None:
-            self._bar = tqdm(desc=text, file=self.stream, bar_format="gc: {desc} [{elapsed}]",
-                             mininterval=self.every_s, leave=False)
+            self._bar = tqdm(
+                desc=text,
+                file=self.stream,
+                bar_format="gc: {desc} [{elapsed}]",
+                mininterval=self.every_s,
+                leave=False,
+            )
             return
         self._bar.set_description_str(text, refresh=force)
         if not force:

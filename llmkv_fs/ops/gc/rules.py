@@ -15,8 +15,16 @@ from llmkv_fs.ops.gc.inventory import DigestFacts, Inventory
 from llmkv_fs.ops.scan import FileEntry, temp_writer
 from llmkv_fs.units import format_bytes, format_duration
 
-__all__ = ["Capacity", "Policy", "capacity_need", "digest_verdict", "pick_lru",
-           "pids_are_ours", "temp_verdict", "volume_usage"]
+__all__ = [
+    "Capacity",
+    "Policy",
+    "capacity_need",
+    "digest_verdict",
+    "pick_lru",
+    "pids_are_ours",
+    "temp_verdict",
+    "volume_usage",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,9 +93,9 @@ def temp_verdict(entry: FileEntry, now: float, policy: Policy) -> tuple[bool, st
 
 @dataclasses.dataclass(frozen=True)
 class Capacity:
-    total: int     # the volume's size (statvfs), bytes
-    used: int      # used as df counts it
-    cache: int     # bytes under the selected digests
+    total: int  # the volume's size (statvfs), bytes
+    used: int  # used as df counts it
+    cache: int  # bytes under the selected digests
 
     @property
     def used_percent(self) -> float:
@@ -109,18 +117,27 @@ def capacity_need(cap: Capacity, freed: int, policy: Policy) -> tuple[int, str]:
         low = policy.low if policy.low is not None else policy.high
         over = cap.used - freed - int(low / 100.0 * cap.total)
         if over > need:
-            need, why = over, f"volume {cap.used_percent:.1f}% used >= high {policy.high:g}%, " \
-                              f"target low {low:g}%"
+            need, why = (
+                over,
+                f"volume {cap.used_percent:.1f}% used >= high {policy.high:g}%, "
+                f"target low {low:g}%",
+            )
     if policy.max_bytes is not None:
         over = cap.cache - freed - policy.max_bytes
         if over > need:
-            need, why = over, (f"cache {format_bytes(cap.cache - freed)} > --max-bytes "
-                               f"{format_bytes(policy.max_bytes)}")
+            need, why = (
+                over,
+                (
+                    f"cache {format_bytes(cap.cache - freed)} > --max-bytes "
+                    f"{format_bytes(policy.max_bytes)}"
+                ),
+            )
     return need, why
 
 
-def pick_lru(inv: Inventory, need: int, now: float, protect: float,
-             gone_digests: set[int] = frozenset()) -> tuple[float | None, int, int, int]:
+def pick_lru(
+    inv: Inventory, need: int, now: float, protect: float, gone_digests: set[int] = frozenset()
+) -> tuple[float | None, int, int, int]:
     """The last-use cutoff that frees ``need`` bytes, oldest blocks first,
     skipping blocks used within ``protect`` seconds and blocks of digests
     already removed. Returns (cutoff or None, blocks, bytes they hold,
@@ -134,7 +151,8 @@ def pick_lru(inv: Inventory, need: int, now: float, protect: float,
     allowed = (now - used) >= protect
     if gone_digests:
         digest_of = np.frombuffer(inv.dir_digest, dtype=np.int64)[
-            np.frombuffer(inv.lru_dir, dtype=np.int64)]
+            np.frombuffer(inv.lru_dir, dtype=np.int64)
+        ]
         allowed &= ~np.isin(digest_of, np.fromiter(gone_digests, dtype=np.int64))
     used, sizes = used[allowed], sizes[allowed]
     if not len(used):

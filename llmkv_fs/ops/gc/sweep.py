@@ -48,11 +48,22 @@ def gc_pass(
     stop: Callable[[], bool] = lambda: False,
 ) -> Report:
     started = time.monotonic()
-    report = Report(root, dry_run, policy.host, policy.pid_check, policy={
-        "min_age_s": policy.min_age, "tmp_age_s": policy.tmp_age, "protect_s": policy.protect,
-        "max_bytes": policy.max_bytes, "high_percent": policy.high, "low_percent": policy.low,
-        "keep": list(keep), "models": list(models),
-    })
+    report = Report(
+        root,
+        dry_run,
+        policy.host,
+        policy.pid_check,
+        policy={
+            "min_age_s": policy.min_age,
+            "tmp_age_s": policy.tmp_age,
+            "protect_s": policy.protect,
+            "max_bytes": policy.max_bytes,
+            "high_percent": policy.high,
+            "low_percent": policy.low,
+            "keep": list(keep),
+            "models": list(models),
+        },
+    )
     now = lock.volume_now()
     report.clock_skew_s = round(time.time() - now, 3)
     errors = report.errors
@@ -67,23 +78,32 @@ def gc_pass(
         _removed, complete = actions.delete_tree(trash, errors)
         report.trash_removed += complete
 
-    facts = [DigestFacts(d, selected=not models or matches(d, models), pinned=matches(d, keep))
-             for d in listing.digests]
+    facts = [
+        DigestFacts(d, selected=not models or matches(d, models), pinned=matches(d, keep))
+        for d in listing.digests
+    ]
     selected = [f for f in facts if f.selected]
     for f in selected:
         f.leases = f.digest.leases()
 
     def show(inv: Inventory) -> None:
-        progress.update(f"scanning {len(selected)} digests: {inv.dirs:,} directories, "
-                        f"{inv.files:,} files")
+        progress.update(
+            f"scanning {len(selected)} digests: {inv.dirs:,} directories, {inv.files:,} files"
+        )
 
     inv = take_inventory(root, selected, threads, show, stop)
     report.symlinks.extend(inv.symlinks)
     errors.extend(inv.errors)
-    report.scan = {"digests": len(selected), "dirs": inv.dirs, "files": inv.files,
-                   "bytes": inv.bytes, "seconds": round(inv.scan_seconds, 3),
-                   "threads": threads, "filesystem": filesystem_type(root),
-                   "complete": inv.complete}
+    report.scan = {
+        "digests": len(selected),
+        "dirs": inv.dirs,
+        "files": inv.files,
+        "bytes": inv.bytes,
+        "seconds": round(inv.scan_seconds, 3),
+        "threads": threads,
+        "filesystem": filesystem_type(root),
+        "complete": inv.complete,
+    }
     if not inv.complete:
         progress.done()
         report.interrupted = True
@@ -99,11 +119,19 @@ def gc_pass(
             break
         progress.update(f"judging digest {index + 1}/{len(selected)}")
         removed, why = actions.remove_digest(f, policy, lock.volume_now, dry_run, errors)
-        report.digests.append({
-            "name": f.digest.name, "removed": removed, "why": why, "bytes": f.bytes,
-            "files": f.files, "blocks": f.blocks, "pinned": f.pinned,
-            "leases": len(f.leases), "idle_s": round(now - f.newest, 1) if f.newest else None,
-        })
+        report.digests.append(
+            {
+                "name": f.digest.name,
+                "removed": removed,
+                "why": why,
+                "bytes": f.bytes,
+                "files": f.files,
+                "blocks": f.blocks,
+                "pinned": f.pinned,
+                "leases": len(f.leases),
+                "idle_s": round(now - f.newest, 1) if f.newest else None,
+            }
+        )
         if removed:
             freed += f.bytes
             gone.add(index)
@@ -118,9 +146,12 @@ def gc_pass(
 
     need, why = capacity_need(cap, freed, policy)
     report.capacity.update(
-        volume_bytes=cap.total, volume_used_bytes=cap.used,
-        volume_used_percent=round(cap.used_percent, 2), cache_bytes=cap.cache,
-        need=need, why=why,
+        volume_bytes=cap.total,
+        volume_used_bytes=cap.used,
+        volume_used_percent=round(cap.used_percent, 2),
+        cache_bytes=cap.cache,
+        need=need,
+        why=why,
     )
     if need > 0 and not report.interrupted and not stop():
         cutoff, blocks, nbytes, _short = pick_lru(inv, need, now, policy.protect, gone)
@@ -130,8 +161,9 @@ def gc_pass(
                 evicted, evicted_bytes = blocks, nbytes
             else:
                 progress.update(f"evicting {blocks:,} blocks", force=True)
-                evicted, evicted_bytes = actions.evict(inv, cutoff, need, now, policy.protect,
-                                                      emptied, errors, stop)
+                evicted, evicted_bytes = actions.evict(
+                    inv, cutoff, need, now, policy.protect, emptied, errors, stop
+                )
             report.capacity.update(evicted_blocks=evicted, evicted_bytes=evicted_bytes)
         report.capacity["short_bytes"] = max(0, need - report.capacity["evicted_bytes"])
     if stop():
@@ -140,8 +172,9 @@ def gc_pass(
     if not report.interrupted:
         progress.update("removing empty directories", force=True)
         prunable = set(range(len(selected))) - gone
-        report.dirs_pruned = actions.prune_dirs(inv, prunable, emptied, now, policy.protect,
-                                               dry_run, errors)
+        report.dirs_pruned = actions.prune_dirs(
+            inv, prunable, emptied, now, policy.protect, dry_run, errors
+        )
     progress.done()
     report.seconds = round(time.monotonic() - started, 3)
     return report
