@@ -6,7 +6,8 @@ A already wrote, then looks up good, bit-flipped, vanishing and never-stored
 blocks; C's space guard refuses its stores. Each manager's ``get_stats()``
 payload (which aggregates the tier's) is then checked against what
 ``TieringOffloadingSpec.build_metric_definitions`` declares, and rendered
-by vLLM's real ``OffloadPromMetrics`` into a fresh prometheus_client registry, as the API server would.
+by vLLM's real ``OffloadPromMetrics`` into a fresh prometheus_client registry,
+as the API server would.
 
 Also here: every counter key the engine can produce (the enums of
 llmkv_fs.engine.outcomes) maps onto a declared metric and is documented, and
