@@ -91,11 +91,10 @@ def _root_dir(key: str, value: Any) -> str:
 
 
 def _locality(key: str, value: Any) -> str | None:
-    if value is None:
-        return None
-    if isinstance(value, str) and value.upper() in ("LOCAL", "REMOTE"):
-        return value.upper()
-    raise _fail(key, value, "LOCAL, REMOTE or null")
+    # Exactly what vLLM's Locality(value) takes: case-sensitive, unstripped.
+    if value is None or value in ("LOCAL", "REMOTE"):
+        return value
+    raise _fail(key, value, "LOCAL, REMOTE (upper case, as vLLM requires) or null")
 
 
 def _mode(required_bits: int, what: str) -> Callable[[str, Any], int]:
@@ -176,6 +175,18 @@ class TierSettings:
         metadata=_declare(
             "Root directory of the shared cache volume.", _root_dir, vllm_builtin=True
         )
+    )
+    require_mounted_root: bool = dataclasses.field(
+        default=False,
+        metadata=_declare(
+            "Refuse to start when root_dir is not on a mounted volume (its mount "
+            "point is '/', the container's own disk), so an unmounted volume never "
+            "becomes a cache on local disk. Off by default, as vLLM's built-in fs "
+            "tier creates a missing root_dir wherever it is. Either way a running "
+            "tier never recreates root_dir and fails the volume (stores refused, "
+            "lookups miss) while root_dir is not the directory it started on.",
+            _boolean,
+        ),
     )
     n_read_threads: int = dataclasses.field(
         default=16,

@@ -119,22 +119,23 @@ def test_buffer_not_whole_blocks_raises(disk_root):
         FsEngine(TierSettings(root_dir=disk_root), layout, mmap.mmap(-1, BS + 4096), BS)
 
 
-def test_prepare_volume_refuses_missing_root(tmp_path):
-    layout = CacheLayout.for_identity(str(tmp_path / "not-mounted"), IDENTITY)
-    with pytest.raises(EngineError, match="does not exist"):
-        prepare_volume(layout)
-    assert not (tmp_path / "not-mounted").exists()
+def test_prepare_volume_creates_a_missing_root(tmp_path):
+    """As vLLM's built-in does (tests/test_root_dir.py has the rest)."""
+    layout = CacheLayout.for_identity(str(tmp_path / "new" / "kv"), IDENTITY)
+    assert prepare_volume(layout).run_config_state == "created"
+    assert os.path.isfile(layout.config_path)
 
 
 def test_engine_prepares_its_volume(tmp_path):
     """Constructing the engine is the one way in: it checks the root and
     writes config.json before any thread starts."""
-    missing = CacheLayout.for_identity(str(tmp_path / "not-mounted"), IDENTITY)
+    blocked = CacheLayout.for_identity(str(tmp_path / "a-file"), IDENTITY)
+    (tmp_path / "a-file").write_bytes(b"")
     settings = TierSettings(
-        root_dir=missing.root_dir, n_read_threads=1, n_write_threads=1, lookup_threads=1
+        root_dir=blocked.root_dir, n_read_threads=1, n_write_threads=1, lookup_threads=1
     )
-    with pytest.raises(EngineError, match="does not exist"):
-        FsEngine(settings, missing, mmap.mmap(-1, BS), BS)
+    with pytest.raises(EngineError, match="not a directory"):
+        FsEngine(settings, blocked, mmap.mmap(-1, BS), BS)
     root = str(tmp_path)
     layout = CacheLayout.for_identity(root, IDENTITY)
     for expected in ("created", "matched"):

@@ -21,9 +21,10 @@ from llmkv_fs.engine.outcomes import (
     Outcome,
     StoreRefused,
     Tally,
+    VolumeFailed,
     all_counter_keys,
 )
-from llmkv_fs.engine.volume import EngineError, prepare_volume
+from llmkv_fs.engine.volume import EngineError, PreparedVolume, VolumeError, prepare_volume
 
 __all__ = [
     "CANCELLED",
@@ -41,8 +42,11 @@ __all__ = [
     "FsEngine",
     "LookupAnswer",
     "Outcome",
+    "PreparedVolume",
     "StoreRefused",
     "Tally",
+    "VolumeError",
+    "VolumeFailed",
     "all_counter_keys",
     "prepare_volume",
 ]

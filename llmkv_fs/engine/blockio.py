@@ -36,7 +36,13 @@ from llmkv_fs.layout.blockfile import (
     payload_checksum,
     verify_block,
 )
-from llmkv_fs.layout.files import DEFAULT_DIR_MODE, DEFAULT_FILE_MODE, create_in_dir, needs_chmod
+from llmkv_fs.layout.files import (
+    DEFAULT_DIR_MODE,
+    DEFAULT_FILE_MODE,
+    PinnedRoot,
+    create_in_dir,
+    needs_chmod,
+)
 from llmkv_fs.layout.names import probe_path, temp_path
 from llmkv_fs.layout.paths import CacheLayout
 from llmkv_fs.layout.quarantine import file_ident, move_to_quarantine
@@ -65,6 +71,9 @@ class IoOptions:
     # hashing each piece while it is still in cache saves most of the hash's
     # memory traffic; on disks one large read matters more.
     hash_chunk: int = 0
+    # The root the tier started on: directories are created only below it
+    # (None: anywhere, for tools and tests without a running tier).
+    root: PinnedRoot | None = None
 
 
 def probe_o_direct(directory: str) -> bool:
@@ -218,6 +227,7 @@ class BlockIO:
             self.options.file_mode,
             self.options.dir_mode,
             replace_leftover=True,
+            root=self.options.root,
         )
         if self._chmod_files:
             try:
@@ -320,7 +330,7 @@ class BlockIO:
         republished it meanwhile). Returns the new path, or None."""
         try:
             return move_to_quarantine(
-                path, self.layout.rank_dir, reason, ident, self.options.dir_mode
+                path, self.layout.rank_dir, reason, ident, self.options.dir_mode, self.options.root
             )
         except FileNotFoundError:
             return None

@@ -42,11 +42,13 @@ from llmkv_fs.engine.outcomes import (
     Outcome,
     StoreRefused,
     Tally,
+    VolumeFailed,
 )
 from llmkv_fs.engine.pool import IoJob, IoPool, QueueFull
 from llmkv_fs.engine.space import SpaceGuard
 from llmkv_fs.engine.volume import EngineError, prepare_volume
 from llmkv_fs.layout.blockfile import BlockFileError
+from llmkv_fs.layout.files import RootGone
 from llmkv_fs.layout.fsinfo import filesystem_type
 from llmkv_fs.layout.leases import Lease
 from llmkv_fs.layout.paths import CacheLayout
@@ -119,7 +121,14 @@ class FsEngine:
     Constructing it prepares the volume first (``prepare_volume``: the root is
     checked, ``config.json`` created or verified, the rank directory made), so
     no I/O thread ever starts on an unchecked volume. Raises EngineError (or
-    RunConfigMismatch) with the path and the fix.
+    RunConfigMismatch) with the path and the fix; VolumeError (an OSError) for
+    an unusable root.
+
+    Volume failed: while root_dir is not the directory the engine started on
+    (the housekeeping thread re-checks it about once a second), stores and
+    loads are refused at submit (``Failure.VOLUME_FAILED``), lookups answer
+    miss and nothing is created on the volume; it clears by itself when the
+    directory is back.
     """
 
     def __init__(
@@ -129,8 +138,11 @@ class FsEngine:
         primary,
         block_size: int,
     ):
+        prepared = prepare_volume(
+            layout, settings.file_mode, settings.dir_mode, settings.require_mounted_root
+        )
         # "created", "matched" or "repaired": what became of config.json.
-        self.run_config_state = prepare_volume(layout, settings.file_mode, settings.dir_mode)
+        self.run_config_state = prepared.run_config_state
         self.settings = settings
         self.layout = layout
         self.block_size = block_size
@@ -155,6 +167,7 @@ class FsEngine:
                 file_mode=settings.file_mode,
                 dir_mode=settings.dir_mode,
                 hash_chunk=_HASH_CHUNK if filesystem_type(layout.root_dir) in _MEMORY_FS else 0,
+                root=prepared.root,
             ),
         )
         # Cumulative, updated by the owner only; tier/metrics.py publishes them.
@@ -173,6 +186,7 @@ class FsEngine:
             settings.file_mode,
             settings.dir_mode,
             stamp=self.blockio.apply_access_stamps,
+            root=prepared.root,
         )
         self._error_log = _ThrottledErrorLog()
         # Submit-to-report seconds per finished job, by direction; whoever
@@ -180,6 +194,7 @@ class FsEngine:
         self.job_latencies: dict[Direction, list[float]] = {d: [] for d in Direction}
         self._rejected: list[FinishedJob] = []
         self._stalled = False  # as of the last stalled() (lookups read this)
+        self._volume_failed = False  # as of the last end_step() (lookups read this)
         self._pool = IoPool(
             self._execute,
             settings.n_read_threads,
@@ -236,12 +251,16 @@ class FsEngine:
             raise IndexError(f"chunk {chunk} outside the primary buffer (0..{self.num_chunks - 1})")
         start = chunk * self.block_size
         row = self._flat[start : start + self.block_size]
+        if self.housekeeping.root_lost:
+            raise VolumeFailed(self.layout.root_dir)
         if job.is_load:
             return self.blockio.load(job.keys[index], row)
         if not self.guard.allows_store():
             raise StoreRefused(self.guard.reason)
         try:
             return self.blockio.store(job.keys[index], row, job.still_wanted)
+        except RootGone as exc:
+            raise VolumeFailed(self.layout.root_dir) from exc
         except OSError as exc:
             if exc.errno in _SPACE_ERRNOS:
                 self.guard.saw_enospc()
@@ -251,8 +270,10 @@ class FsEngine:
 
     def submit_store(self, job_id: int, keys: Sequence[bytes], chunks: Sequence[int]) -> bool:
         """Queue a store; False if it was refused -- the bounded queue is
-        full, the space guard is tripped or the volume is stalled. A refused
-        job is reported failed by the next take_finished, without I/O."""
+        full, the space guard is tripped, the volume is stalled or failed. A
+        refused job is reported failed by the next take_finished, without I/O."""
+        if self.volume_failed():
+            return self._refuse(job_id, Direction.STORE, keys, Failure.VOLUME_FAILED)
         if self.stalled():
             return self._refuse(job_id, Direction.STORE, keys, Failure.STALLED)
         if not self.guard.allows_store():
@@ -265,7 +286,9 @@ class FsEngine:
 
     def submit_load(self, job_id: int, keys: Sequence[bytes], chunks: Sequence[int]) -> bool:
         """Queue a load; False (reported failed at the next take_finished) if
-        the volume is stalled."""
+        the volume is stalled or failed."""
+        if self.volume_failed():
+            return self._refuse(job_id, Direction.LOAD, keys, Failure.VOLUME_FAILED)
         if self.stalled():
             return self._refuse(job_id, Direction.LOAD, keys, Failure.STALLED)
         self._pool.submit(IoJob(job_id, True, keys, chunks, self.settings.job_timeout_s))
@@ -285,6 +308,12 @@ class FsEngine:
         when the calls return."""
         self._stalled = self._pool.stuck_blocks() > 0 or self._lookups.stuck()
         return self._stalled
+
+    def volume_failed(self) -> bool:
+        """root_dir is not the directory the engine started on (as of the
+        housekeeping thread's last check; never touches the filesystem)."""
+        self._volume_failed = self.housekeeping.root_lost
+        return self._volume_failed
 
     def take_finished(self) -> list[FinishedJob]:
         if not self._rejected and not self._pool.has_news():
@@ -350,13 +379,15 @@ class FsEngine:
     def lookup(self, key: bytes, request_id: str) -> bool | None:
         # The step's cached verdict: a per-key clock read would cost more
         # than the lookup itself, and a stall is detected per step anyway.
-        verdict = False if self._stalled else self._lookups.lookup(key, request_id)
+        refused = self._stalled or self._volume_failed
+        verdict = False if refused else self._lookups.lookup(key, request_id)
         self.counters[_LOOKUP_ANSWER[verdict]] += 1
         return verdict
 
     def end_step(self) -> None:
         self._lookups.end_step()
         self.stalled()
+        self.volume_failed()
         expired = self._lookups.expire_overdue()
         if expired:
             self.counters[LookupAnswer.DEADLINE_MISS] += expired
@@ -376,6 +407,7 @@ class FsEngine:
             "busy_threads": self._pool.busy_threads(),
             "stuck_blocks": self._pool.stuck_blocks(),
             "space_guard_tripped": 0 if self.guard.allows_store() else 1,
+            "volume_failed": 1 if self.volume_failed() else 0,
             "volume_used_bytes": usage.used_bytes if usage else 0,
             "volume_free_bytes": usage.free_bytes if usage else 0,
         }

@@ -1,12 +1,15 @@
 """The housekeeping thread: everything periodic that touches the volume but
-belongs to no transfer -- sampling free space for the space guard, writing
-and refreshing this tier's lease, and warning when live replicas of the same
+belongs to no transfer -- checking that root_dir is still the directory the
+tier started on, sampling free space for the space guard, writing and
+refreshing this tier's lease, and warning when live replicas of the same
 digest hash blocks differently (they would never share a block).
 
-Threading: one daemon thread owns the lease file, calls
+Threading: one daemon thread owns the lease file, stats the root, calls
 ``SpaceGuard.sample`` and applies queued access stamps (``stamp``, a
-callable from the engine). The owner only calls ``set_lease`` (hands a Lease
-over, returns at once) and ``stop`` (joins; removes the lease).
+callable from the engine). It alone writes ``root_lost`` (a bool the owner
+reads without a lock: the stat that may hang on a dead network volume never
+runs on the scheduler thread). The owner only calls ``set_lease`` (hands a
+Lease over, returns at once) and ``stop`` (joins; removes the lease).
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import time
 from collections.abc import Callable
 
 from llmkv_fs.engine.space import SpaceGuard
-from llmkv_fs.layout.files import DEFAULT_DIR_MODE, DEFAULT_FILE_MODE
+from llmkv_fs.layout.files import DEFAULT_DIR_MODE, DEFAULT_FILE_MODE, PinnedRoot
 from llmkv_fs.layout.leases import Lease, read_leases, refresh_lease, remove_lease, write_lease
 
 __all__ = ["Housekeeping"]
@@ -37,8 +40,13 @@ class Housekeeping:
         file_mode: int = DEFAULT_FILE_MODE,
         dir_mode: int = DEFAULT_DIR_MODE,
         stamp: Callable[[], int] | None = None,
+        root: PinnedRoot | None = None,
     ):
         self.guard = guard
+        self.root = root
+        # True while root_dir is missing or another directory (the volume
+        # was unmounted): the engine then treats the volume as failed.
+        self.root_lost = False
         self._stamp = stamp
         self.digest_dir = digest_dir
         self.lease_interval_s = lease_interval_s
@@ -82,12 +90,38 @@ class Housekeeping:
             self._wake.clear()
             if self._stopping:
                 return
+            if not self._root_is_ours():
+                continue  # nothing below touches a volume that is not ours
             self._sample_space()
             self._apply_stamps()
             now = time.monotonic()
             if self._pending_lease is not None or (self.lease is not None and now >= next_lease):
                 self._tend_lease()
                 next_lease = now + self.lease_interval_s
+
+    def _root_is_ours(self) -> bool:
+        """Re-check the root; log once when it is lost and once when back."""
+        if self.root is None:
+            return True
+        current = self.root.is_current()
+        if current == (not self.root_lost):
+            return current
+        self.root_lost = not current
+        if self.root_lost:
+            logger.error(
+                "llmkv_fs: root_dir %s is missing or is no longer the directory this "
+                "tier started on (volume unmounted?). The volume is failed: stores are "
+                "refused, lookups miss, loads fail, and nothing is created there. "
+                "Mount the volume again; the tier resumes by itself when the original "
+                "directory is back (after a remount that gives it a new device, "
+                "restart the replica).",
+                self.root.path,
+            )
+        else:
+            logger.warning(
+                "llmkv_fs: root_dir %s is back; the volume is in use again", self.root.path
+            )
+        return current
 
     def _apply_stamps(self) -> None:
         if self._stamp is not None:
@@ -104,10 +138,14 @@ class Housekeeping:
         try:
             if self._pending_lease is not None:
                 self.lease, self._pending_lease = self._pending_lease, None
-                self.lease_path = write_lease(self.digest_dir, self.lease, *self._modes)
+                self.lease_path = write_lease(
+                    self.digest_dir, self.lease, *self._modes, root=self.root
+                )
             elif not refresh_lease(self.lease_path):
                 # gc judged us dead (a long stall?): say we are alive again.
-                self.lease_path = write_lease(self.digest_dir, self.lease, *self._modes)
+                self.lease_path = write_lease(
+                    self.digest_dir, self.lease, *self._modes, root=self.root
+                )
             self._check_peers()
         except OSError as exc:
             self.errors += 1

@@ -34,6 +34,7 @@ __all__ = [
     "Outcome",
     "StoreRefused",
     "Tally",
+    "VolumeFailed",
     "all_counter_keys",
     "failed",
 ]
@@ -74,6 +75,7 @@ class Failure(_CounterKeyEnum):
     QUEUE_FULL = "queue_full"  # store: max_pending_store_blocks were already waiting
     SPACE = "space"  # store: the space guard is tripped
     STALLED = "stalled"  # refused at submit: the volume is not answering
+    VOLUME_FAILED = "volume_failed"  # root_dir is gone or not the directory the tier started on
     DEADLINE = "deadline"  # the job passed job_timeout_s
     ERROR = "error"  # any other exception (logged, throttled)
     CANCELLED = "cancelled"  # never started: the engine shut down
@@ -119,6 +121,13 @@ class StoreRefused(BlockNotMoved):
     """A store block was not attempted (the space guard is tripped)."""
 
     failure = Failure.SPACE
+
+
+class VolumeFailed(BlockNotMoved):
+    """The block was not attempted, or stopped short of creating a
+    directory: root_dir is not the directory the tier started on."""
+
+    failure = Failure.VOLUME_FAILED
 
 
 def failed(exc: Exception) -> Failed:

@@ -8,6 +8,7 @@ they need, so modes are set explicitly with chmod after creation.
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import os
 import socket
@@ -22,6 +23,8 @@ __all__ = [
     "DEFAULT_FILE_MODE",
     "PROCESS_UMASK",
     "SHARED_FS_ATTEMPTS",
+    "PinnedRoot",
+    "RootGone",
     "create_in_dir",
     "is_transient",
     "make_dirs",
@@ -92,26 +95,98 @@ def _dir_race(exc: OSError) -> bool:
     return isinstance(exc, NotADirectoryError) or is_transient(exc)
 
 
-def make_dirs(path: str, dir_mode: int = DEFAULT_DIR_MODE) -> None:
+class RootGone(OSError):
+    """The cache root is missing, or is no longer the directory the tier
+    started on (the volume was unmounted, or the directory replaced).
+    Deliberately not a FileNotFoundError: callers retry those by creating
+    the parent, and the root is the one directory never created while
+    running."""
+
+
+@dataclasses.dataclass(frozen=True)
+class PinnedRoot:
+    """The root directory as found when the tier started: its path and
+    ``(st_dev, st_ino)``. Directory creation while running stops below it
+    (``make_dirs``), so an unmounted volume never becomes a fresh cache on
+    the disk underneath the mount point. Immutable; any thread may use it."""
+
+    path: str
+    ident: tuple[int, int]
+
+    @classmethod
+    def pin(cls, path: str) -> PinnedRoot:
+        st = os.stat(path)
+        return cls(path, (st.st_dev, st.st_ino))
+
+    def is_current(self) -> bool:
+        """Whether ``path`` still names the pinned directory (one stat: may
+        block on a network filesystem; call it off the scheduler thread)."""
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            return False
+        return (st.st_dev, st.st_ino) == self.ident
+
+    def check(self) -> None:
+        """Raise RootGone unless ``path`` still names the pinned directory."""
+        if not self.is_current():
+            raise RootGone(
+                errno.ENOENT,
+                "root_dir is missing or is no longer the directory the tier started "
+                "on (volume unmounted?); not recreated",
+                self.path,
+            )
+
+    def levels(self, path: str) -> list[str]:
+        """The directories from the root's child down to ``path`` (which must
+        lie strictly below the root), shallowest first."""
+        top = self.path.rstrip("/")
+        if not path.startswith(top + "/"):
+            raise ValueError(f"{path!r} is not below the root {self.path!r}")
+        parts = [p for p in path[len(top) :].split("/") if p not in ("", ".")]
+        if not parts or ".." in parts:
+            raise ValueError(f"{path!r} is not strictly below the root {self.path!r}")
+        return [f"{top}/{'/'.join(parts[: i + 1])}" for i in range(len(parts))]
+
+
+def _ancestry(path: str) -> list[str]:
+    # ``path`` and every ancestor, shallowest first (no root: may reach "/").
+    chain = [path]
+    while (parent := os.path.dirname(chain[-1])) != chain[-1]:
+        chain.append(parent)
+    return chain[::-1]
+
+
+def make_dirs(path: str, dir_mode: int = DEFAULT_DIR_MODE, root: PinnedRoot | None = None) -> None:
     """``os.makedirs(path, exist_ok=True)``, giving every directory it creates
     exactly ``dir_mode``. Tries the leaf first (on a young cache the parent
     usually exists: one mkdir, plus a chmod if the umask strips bits) and
     walks up only on ENOENT. Safe against a concurrent creator or remover of
     any level: a level that appears meanwhile is fine, one removed meanwhile
-    (gc pruning empty directories) is created again."""
+    (gc pruning empty directories) is created again.
+
+    With ``root`` (a running tier) only directories below the root are
+    created: the walk stops there, and raises RootGone when the root is
+    missing or is not the pinned directory any more (checked before a child
+    of the root is created, which a running tier almost never needs)."""
+    levels = _ancestry(path) if root is None else root.levels(path)
     try:
         # Nothing to repair between attempts: the next one walks up again.
-        retry_transient(lambda: _make_dir_chain(path, dir_mode), lambda _exc: None, _dir_race)
+        retry_transient(
+            lambda: _make_dir_chain(levels, dir_mode, root), lambda _exc: None, _dir_race
+        )
     except OSError as exc:
-        if not _dir_race(exc):
+        if root is not None or not _dir_race(exc):
             raise
         os.makedirs(path, dir_mode, exist_ok=True)  # raise the real error
 
 
-def _make_dir_chain(path: str, dir_mode: int) -> None:
-    missing = []
-    probe = path
+def _make_dir_chain(levels: list[str], dir_mode: int, root: PinnedRoot | None) -> None:
+    index = len(levels) - 1
     while True:
+        probe = levels[index]
+        if index == 0 and root is not None:
+            root.check()
         try:
             os.mkdir(probe, dir_mode)
         except FileExistsError:
@@ -119,16 +194,16 @@ def _make_dir_chain(path: str, dir_mode: int) -> None:
                 raise NotADirectoryError(probe) from None
             break
         except FileNotFoundError:
-            parent = os.path.dirname(probe)
-            if parent == probe:
+            if index == 0:
+                if root is not None:
+                    root.check()  # gone since the check above: say so
                 raise
-            missing.append(probe)
-            probe = parent
+            index -= 1
             continue
         if needs_chmod(dir_mode):
             os.chmod(probe, dir_mode)
         break
-    for directory in reversed(missing):
+    for directory in levels[index + 1 :]:
         try:
             os.mkdir(directory, dir_mode)
         except FileExistsError:
@@ -138,20 +213,26 @@ def _make_dir_chain(path: str, dir_mode: int) -> None:
 
 
 def create_in_dir(
-    path: str, flags: int, file_mode: int, dir_mode: int, replace_leftover: bool = False
+    path: str,
+    flags: int,
+    file_mode: int,
+    dir_mode: int,
+    replace_leftover: bool = False,
+    root: PinnedRoot | None = None,
 ) -> int:
     """``os.open(path, flags, file_mode)``, creating the parent directories
     (``make_dirs``) first if needed. Retries when the parent is missing or
     stale right after it was made (see SHARED_FS_ATTEMPTS). With
     ``replace_leftover`` the name is this writer's own, so a file already
-    there (O_EXCL) is a dead predecessor's and is removed first."""
+    there (O_EXCL) is a dead predecessor's and is removed first. ``root``:
+    see make_dirs."""
     directory = os.path.dirname(path)
 
     def recover(exc: OSError) -> None:
         if isinstance(exc, FileExistsError):
             os.unlink(path)
         else:
-            make_dirs(directory, dir_mode)
+            make_dirs(directory, dir_mode, root)
 
     def transient(exc: OSError) -> bool:
         return is_transient(exc) or (replace_leftover and isinstance(exc, FileExistsError))
@@ -165,10 +246,12 @@ def write_file_atomically(
     file_mode: int = DEFAULT_FILE_MODE,
     dir_mode: int = DEFAULT_DIR_MODE,
     durable: bool = True,
+    root: PinnedRoot | None = None,
 ) -> None:
     """Publish ``data`` at ``path`` by temp file + rename: readers see the old
     file or the whole new one. The temp name carries host and pid so gc can
-    tell a crashed writer's leftover from a live one's."""
+    tell a crashed writer's leftover from a live one's. ``root``: see
+    make_dirs."""
     nonce = uuid.uuid4().hex[:12]  # unique even for two writers in one process
     tmp = temp_path(path, socket.gethostname(), os.getpid(), nonce)
     fd = create_in_dir(
@@ -176,6 +259,7 @@ def write_file_atomically(
         os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
         file_mode,
         dir_mode,
+        root=root,
     )
     try:
         if needs_chmod(file_mode):

@@ -20,7 +20,12 @@ from typing import Any
 
 import xxhash
 
-from llmkv_fs.layout.files import DEFAULT_DIR_MODE, DEFAULT_FILE_MODE, write_file_atomically
+from llmkv_fs.layout.files import (
+    DEFAULT_DIR_MODE,
+    DEFAULT_FILE_MODE,
+    PinnedRoot,
+    write_file_atomically,
+)
 from llmkv_fs.layout.names import lease_dir, lease_file_name, parse_lease_file_name
 
 __all__ = [
@@ -121,11 +126,14 @@ def write_lease(
     lease: Lease,
     file_mode: int = DEFAULT_FILE_MODE,
     dir_mode: int = DEFAULT_DIR_MODE,
+    root: PinnedRoot | None = None,
 ) -> str:
+    """Publish ``lease`` under ``digest_dir``; returns its path. ``root``:
+    directories are created only below it (see make_dirs)."""
     path = f"{lease_dir(digest_dir)}/{lease.file_name}"
     # Not fsynced: a lease lost in a power cut only makes gc see the digest
     # as unleased, and gc still requires its blocks to be old.
-    write_file_atomically(path, lease.as_json(), file_mode, dir_mode, durable=False)
+    write_file_atomically(path, lease.as_json(), file_mode, dir_mode, durable=False, root=root)
     return path
 
 

@@ -12,7 +12,7 @@ import os
 import stat
 import time
 
-from llmkv_fs.layout.files import make_dirs
+from llmkv_fs.layout.files import PinnedRoot, make_dirs
 from llmkv_fs.layout.names import quarantine_dir, quarantine_path
 
 __all__ = ["file_ident", "make_quarantine_dir", "move_to_quarantine"]
@@ -23,19 +23,22 @@ def file_ident(st: os.stat_result) -> tuple[int, int]:
     return st.st_dev, st.st_ino
 
 
-def make_quarantine_dir(rank_dir: str, dir_mode: int | None = None) -> str:
+def make_quarantine_dir(
+    rank_dir: str, dir_mode: int | None = None, root: PinnedRoot | None = None
+) -> str:
     """Create ``rank_dir``'s quarantine directory if needed; returns its
     path. ``dir_mode`` None (the ops tools, which have no settings): the
     rank directory's mode and, when we are root, its owner, so the tiers
-    that share the volume can still write there."""
+    that share the volume can still write there. ``root`` (a running tier):
+    directories are created only below it (see make_dirs)."""
     qdir = quarantine_dir(rank_dir)
     if dir_mode is not None:
-        make_dirs(qdir, dir_mode)
+        make_dirs(qdir, dir_mode, root)
         return qdir
     if os.path.isdir(qdir):
         return qdir
     st = os.stat(rank_dir)
-    make_dirs(qdir, stat.S_IMODE(st.st_mode))
+    make_dirs(qdir, stat.S_IMODE(st.st_mode), root)
     if os.geteuid() == 0:
         os.chown(qdir, st.st_uid, st.st_gid)
     return qdir
@@ -47,6 +50,7 @@ def move_to_quarantine(
     reason: str,
     ident: tuple[int, int] | None = None,
     dir_mode: int | None = None,
+    root: PinnedRoot | None = None,
 ) -> str | None:
     """Move the block file at ``path`` to ``<name>.<reason>.<ns>`` in
     ``rank_dir``'s quarantine -- only while ``path`` still names ``ident``
@@ -63,7 +67,7 @@ def move_to_quarantine(
         return None
     if stat.S_ISDIR(st.st_mode):
         raise IsADirectoryError(errno.EISDIR, "a directory is never moved aside", path)
-    make_quarantine_dir(rank_dir, dir_mode)
+    make_quarantine_dir(rank_dir, dir_mode, root)
     target = quarantine_path(rank_dir, os.path.basename(path), reason, time.time_ns())
     os.rename(path, target)
     if file_ident(os.lstat(target)) != file_ident(st):

@@ -13,7 +13,12 @@ import json
 import time
 from typing import Any
 
-from llmkv_fs.layout.files import DEFAULT_DIR_MODE, DEFAULT_FILE_MODE, write_file_atomically
+from llmkv_fs.layout.files import (
+    DEFAULT_DIR_MODE,
+    DEFAULT_FILE_MODE,
+    PinnedRoot,
+    write_file_atomically,
+)
 from llmkv_fs.layout.paths import CacheLayout
 
 __all__ = ["RunConfigMismatch", "ensure_run_config", "render_run_config"]
@@ -38,14 +43,18 @@ def _read_json(path: str) -> Any:
 
 
 def ensure_run_config(
-    layout: CacheLayout, file_mode: int = DEFAULT_FILE_MODE, dir_mode: int = DEFAULT_DIR_MODE
+    layout: CacheLayout,
+    file_mode: int = DEFAULT_FILE_MODE,
+    dir_mode: int = DEFAULT_DIR_MODE,
+    root: PinnedRoot | None = None,
 ) -> str:
     """Make sure ``config.json`` of ``layout`` holds our run config.
 
     Returns "created", "matched" or "repaired" (an unparsable file was
     replaced). Raises RunConfigMismatch when the file parses but describes
     something else -- another tool's data under our digest must never be
-    silently overwritten.
+    silently overwritten. ``root``: directories are created only below it
+    (see make_dirs).
     """
     path = layout.config_path
     wanted = layout.run_config
@@ -54,7 +63,7 @@ def ensure_run_config(
         try:
             existing = _read_json(path)
         except FileNotFoundError:
-            write_file_atomically(path, render_run_config(wanted), file_mode, dir_mode)
+            write_file_atomically(path, render_run_config(wanted), file_mode, dir_mode, root=root)
             return "created"
         except OSError as exc:
             # Another client of a network filesystem replaced it just now.
@@ -65,7 +74,7 @@ def ensure_run_config(
             if time.monotonic() < deadline:
                 time.sleep(0.05)  # another writer may still be mid-write
                 continue
-            write_file_atomically(path, render_run_config(wanted), file_mode, dir_mode)
+            write_file_atomically(path, render_run_config(wanted), file_mode, dir_mode, root=root)
             return "repaired"
         if existing == wanted:
             return "matched"

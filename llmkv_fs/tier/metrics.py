@@ -90,14 +90,14 @@ METRICS = {
             "store_failures",
             "counter",
             "Store blocks not published, by reason: queue_full, space (space guard or "
-            "ENOSPC), stalled, deadline, error, cancelled.",
+            "ENOSPC), stalled, volume_failed, deadline, error, cancelled.",
             "reason",
         ),
         _m(
             "load_failures",
             "counter",
             "Load blocks not delivered, by reason: missing, corrupt, deadline, "
-            "stalled, error, cancelled.",
+            "stalled, volume_failed, error, cancelled.",
             "reason",
         ),
         _m(
@@ -128,6 +128,12 @@ METRICS = {
             "Blocks still inside a syscall after their job's deadline (volume stalled).",
         ),
         _m("space_guard_tripped", "gauge", "1 while the space guard refuses stores."),
+        _m(
+            "volume_failed",
+            "gauge",
+            "1 while root_dir is missing or not the directory the tier started on "
+            "(volume unmounted): stores and loads refused, lookups miss.",
+        ),
         _m("volume_used_bytes", "gauge", "Used bytes of the volume (statvfs, sampled)."),
         _m("volume_free_bytes", "gauge", "Bytes available on the volume (statvfs, sampled)."),
     )
@@ -150,6 +156,7 @@ _GAUGES: dict[str, tuple[str, tuple[str, ...]]] = {
     "busy_threads": ("busy_threads", ()),
     "stuck_blocks": ("stuck_blocks", ()),
     "space_guard_tripped": ("space_guard_tripped", ()),
+    "volume_failed": ("volume_failed", ()),
     "volume_used_bytes": ("volume_used_bytes", ()),
     "volume_free_bytes": ("volume_free_bytes", ()),
     "queued_store_blocks": ("queued_blocks", ("store",)),
