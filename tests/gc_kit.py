@@ -147,9 +147,10 @@ def files_under(root: str) -> set[str]:
 
 def snapshot(root: str) -> dict[str, tuple]:
     """Every entry (dirs included) with type, size, inode and times, except
-    gc's own lock file. The atime of lease files is left out: gc reads them
-    (and relatime stamps the read); block atimes are in -- they are the LRU
-    clock, and gc must never touch them."""
+    gc's own lock file. The atime of lease files and config.json is left
+    out: gc reads them (a config.json proves a digest ours) and relatime
+    stamps the read; block atimes are in -- they are the LRU clock, and gc
+    must never touch them."""
     out = {}
     for directory, dirs, files in os.walk(root):
         for name in dirs + files:
@@ -158,7 +159,7 @@ def snapshot(root: str) -> dict[str, tuple]:
             if rel == ".llmkv-gc.lock":
                 continue
             st = os.lstat(path)
-            read_by_gc = os.path.isdir(path) or "/leases/" in f"/{rel}"
+            read_by_gc = os.path.isdir(path) or "/leases/" in f"/{rel}" or name == "config.json"
             out[rel] = (
                 st.st_mode,
                 st.st_size,

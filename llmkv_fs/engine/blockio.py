@@ -40,6 +40,7 @@ from llmkv_fs.layout.files import (
     DEFAULT_DIR_MODE,
     DEFAULT_FILE_MODE,
     PinnedRoot,
+    create_exclusive,
     create_in_dir,
     needs_chmod,
 )
@@ -78,13 +79,18 @@ class IoOptions:
 
 def probe_o_direct(directory: str) -> bool:
     """Whether an aligned O_DIRECT write works in ``directory`` (tmpfs before
-    6.6, overlayfs and some FUSE/NFS mounts refuse it with EINVAL)."""
+    6.6, overlayfs and some FUSE/NFS mounts refuse it with EINVAL).
+
+    The probe's name carries host and pid, which every lease publishes, so
+    it is created new (``create_exclusive``: no link followed, nothing
+    truncated); what already has the name -- a dead predecessor's probe or a
+    planted link -- is unlinked itself, never written through."""
     if not O_DIRECT:
         return False
     path = probe_path(directory, socket.gethostname(), os.getpid())
     page = mmap.mmap(-1, _PAGE)
     try:
-        fd = os.open(path, os.O_CREAT | os.O_WRONLY | os.O_TRUNC | O_DIRECT, 0o600)
+        fd = create_exclusive(path, os.O_WRONLY | O_DIRECT, 0o600, replace_leftover=True)
         try:
             os.write(fd, page)
         finally:
@@ -94,6 +100,8 @@ def probe_o_direct(directory: str) -> bool:
         return False
     finally:
         page.close()
+        # Also when open() failed: a filesystem refusing O_DIRECT may do so
+        # after creating the file. unlink never follows a link.
         with contextlib.suppress(OSError):
             os.unlink(path)
 

@@ -9,7 +9,11 @@ Threading: one daemon thread owns the lease file, stats the root, calls
 callable from the engine). It alone writes ``root_lost`` (a bool the owner
 reads without a lock: the stat that may hang on a dead network volume never
 runs on the scheduler thread). The owner only calls ``set_lease`` (hands a
-Lease over, returns at once) and ``stop`` (joins; removes the lease).
+Lease over, returns at once) and ``stop`` (joins; removes the lease). The
+thread never dies of an exception: each round's failure is counted in
+``errors``, logged (throttled) and the next round runs as usual -- a dead
+thread would mean no lease refresh, no access stamps and a space guard that
+never lifts.
 """
 
 from __future__ import annotations
@@ -29,6 +33,9 @@ __all__ = ["Housekeeping"]
 logger = logging.getLogger("vllm.llmkv_fs.housekeeping")
 
 SPACE_SAMPLE_INTERVAL_S = 1.0
+# One traceback per this many seconds at most: a failure that repeats every
+# round must not flood the log.
+ERROR_LOG_INTERVAL_S = 60.0
 
 
 class Housekeeping:
@@ -59,6 +66,7 @@ class Housekeeping:
         self.other_fingerprints: frozenset[str] = frozenset()
         self._warned: frozenset[str] = frozenset()
         self.errors = 0
+        self._last_error_log = -ERROR_LOG_INTERVAL_S
         self._sample_space()  # the guard starts with a real answer
         self._thread = threading.Thread(target=self._run, name="llmkv_fs_housekeeping", daemon=True)
         self._thread.start()
@@ -72,7 +80,7 @@ class Housekeeping:
         self._stopping = True
         self._wake.set()
         self._thread.join()
-        self._apply_stamps()  # never raises: a failed stamp is skipped
+        self._guarded(self._apply_stamps)  # a failed stamp is skipped
         if self.lease_path is not None:
             if not remove_lease(self.lease_path):
                 logger.warning(
@@ -92,11 +100,11 @@ class Housekeeping:
                 return
             if not self._root_is_ours():
                 continue  # nothing below touches a volume that is not ours
-            self._sample_space()
-            self._apply_stamps()
+            for step in (self._sample_space, self._apply_stamps):
+                self._guarded(step)
             now = time.monotonic()
             if self._pending_lease is not None or (self.lease is not None and now >= next_lease):
-                self._tend_lease()
+                self._guarded(self._tend_lease)
                 next_lease = now + self.lease_interval_s
 
     def _root_is_ours(self) -> bool:
@@ -122,6 +130,24 @@ class Housekeeping:
                 "llmkv_fs: root_dir %s is back; the volume is in use again", self.root.path
             )
         return current
+
+    def _guarded(self, step: Callable[[], object]) -> None:
+        """``step()``; any exception is counted and logged (throttled), never
+        fatal to the thread."""
+        try:
+            step()
+        except Exception:
+            self.errors += 1
+            now = time.monotonic()
+            if now - self._last_error_log >= ERROR_LOG_INTERVAL_S:
+                self._last_error_log = now
+                logger.exception(
+                    "llmkv_fs: housekeeping step %s failed (%d errors so far; "
+                    "logged at most every %.0fs); carrying on",
+                    getattr(step, "__name__", step),
+                    self.errors,
+                    ERROR_LOG_INTERVAL_S,
+                )
 
     def _apply_stamps(self) -> None:
         if self._stamp is not None:

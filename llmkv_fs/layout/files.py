@@ -1,9 +1,17 @@
 """Creating files and directories on the shared volume with the configured
-modes, whatever the process umask is.
+modes, whatever the process umask is; and opening what others put there.
 
 Replicas of one deployment may run as different users of one group (a
 Kubernetes fsGroup); a umask of 022 would silently strip the group write bit
 they need, so modes are set explicitly with chmod after creation.
+
+Everything on the volume is untrusted: anyone who can write it may plant a
+symlink at a name we are about to create (our names carry host and pid,
+which every lease publishes) or a FIFO where we expect a small file. So every
+file we create is created new (``O_CREAT|O_EXCL|O_NOFOLLOW``, never
+``O_TRUNC``: ``create_exclusive``, ``create_in_dir``), and every small file
+we read by name is opened without following a link and without blocking,
+then checked to be a regular file of a sane size (``read_small_regular_file``).
 """
 
 from __future__ import annotations
@@ -12,6 +20,7 @@ import dataclasses
 import errno
 import os
 import socket
+import stat
 import uuid
 from collections.abc import Callable
 from typing import TypeVar
@@ -23,12 +32,16 @@ __all__ = [
     "DEFAULT_FILE_MODE",
     "PROCESS_UMASK",
     "SHARED_FS_ATTEMPTS",
+    "SMALL_FILE_LIMIT",
     "PinnedRoot",
     "RootGone",
+    "UnsafeFileError",
+    "create_exclusive",
     "create_in_dir",
     "is_transient",
     "make_dirs",
     "needs_chmod",
+    "read_small_regular_file",
     "retry_transient",
     "write_file_atomically",
 ]
@@ -42,6 +55,14 @@ DEFAULT_DIR_MODE = 0o770
 # (docs/reliability.md, bug 2: 16 processes x 8 fresh directories through two
 # clients) without looping forever on a real error.
 SHARED_FS_ATTEMPTS = 8
+# Leases and config.json are a few KiB; a bigger file at such a name is not ours.
+SMALL_FILE_LIMIT = 1 << 20
+# Flags every file we create is opened with: a new inode or an error, never
+# an existing file (or what a planted link points to) opened for writing.
+_CREATE_FLAGS = os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+# O_NONBLOCK: a FIFO planted at the name must not hang open() (it is then
+# refused by the fstat check); it changes nothing for a regular file.
+_READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
 _T = TypeVar("_T")
 
@@ -212,6 +233,34 @@ def _make_dir_chain(levels: list[str], dir_mode: int, root: PinnedRoot | None) -
             os.chmod(directory, dir_mode)
 
 
+class UnsafeFileError(OSError):
+    """A name on the volume holds something other than the regular file of
+    a sane size we expected there: a symlink (never followed), a FIFO, a
+    socket, a device, a directory, or a file too large to be ours."""
+
+
+def _safe_create_flags(flags: int) -> int:
+    return (flags & ~os.O_TRUNC) | _CREATE_FLAGS
+
+
+def create_exclusive(path: str, flags: int, file_mode: int, replace_leftover: bool = False) -> int:
+    """Create ``path`` as a new file: ``os.open`` with ``flags`` plus
+    ``O_CREAT|O_EXCL|O_NOFOLLOW|O_CLOEXEC`` (``O_TRUNC`` dropped). Whatever
+    already has the name -- a file, or a symlink planted there -- is never
+    opened, so nothing is truncated and no link is followed
+    (FileExistsError). With ``replace_leftover`` the name is this writer's
+    own (host and pid in it): the entry there is unlinked -- a symlink
+    itself, never its target -- and the create tried once more."""
+    flags = _safe_create_flags(flags)
+    try:
+        return os.open(path, flags, file_mode)
+    except FileExistsError:
+        if not replace_leftover:
+            raise
+    os.unlink(path)
+    return os.open(path, flags, file_mode)
+
+
 def create_in_dir(
     path: str,
     flags: int,
@@ -220,13 +269,14 @@ def create_in_dir(
     replace_leftover: bool = False,
     root: PinnedRoot | None = None,
 ) -> int:
-    """``os.open(path, flags, file_mode)``, creating the parent directories
-    (``make_dirs``) first if needed. Retries when the parent is missing or
-    stale right after it was made (see SHARED_FS_ATTEMPTS). With
-    ``replace_leftover`` the name is this writer's own, so a file already
-    there (O_EXCL) is a dead predecessor's and is removed first. ``root``:
-    see make_dirs."""
+    """``create_exclusive(path, flags, file_mode)`` (always a new file,
+    never through a link), creating the parent directories (``make_dirs``)
+    first if needed. Retries when the parent is missing or stale right after
+    it was made (see SHARED_FS_ATTEMPTS). With ``replace_leftover`` the name
+    is this writer's own, so an entry already there is a dead predecessor's
+    (or a planted link) and is unlinked first. ``root``: see make_dirs."""
     directory = os.path.dirname(path)
+    flags = _safe_create_flags(flags)
 
     def recover(exc: OSError) -> None:
         if isinstance(exc, FileExistsError):
@@ -238,6 +288,54 @@ def create_in_dir(
         return is_transient(exc) or (replace_leftover and isinstance(exc, FileExistsError))
 
     return retry_transient(lambda: os.open(path, flags, file_mode), recover, transient)
+
+
+def _kind(mode: int) -> str:
+    for test, name in (
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISDIR, "a directory"),
+    ):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+def read_small_regular_file(
+    path: str, limit: int = SMALL_FILE_LIMIT
+) -> tuple[bytes, os.stat_result]:
+    """The content and fstat of the regular file at ``path``, read without
+    following a symlink, without blocking on a FIFO, and only if it holds
+    at most ``limit`` bytes. Raises UnsafeFileError for anything else at
+    the name, FileNotFoundError when nothing is there, OSError otherwise."""
+    try:
+        fd = os.open(path, _READ_FLAGS)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise UnsafeFileError(errno.ELOOP, "a symlink, not followed", path) from None
+        if exc.errno == errno.ENXIO:  # a socket (or a FIFO on some systems)
+            raise UnsafeFileError(errno.ENXIO, "not a regular file", path) from None
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise UnsafeFileError(errno.EINVAL, _kind(st.st_mode), path)
+        if st.st_size > limit:
+            raise UnsafeFileError(errno.EFBIG, f"{st.st_size} bytes, over {limit}", path)
+        chunks, size = [], 0
+        while size <= limit:
+            chunk = os.read(fd, limit + 1 - size)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+        if size > limit:  # grew after the fstat
+            raise UnsafeFileError(errno.EFBIG, f"over {limit} bytes", path)
+    finally:
+        os.close(fd)
+    return b"".join(chunks), st
 
 
 def write_file_atomically(
@@ -254,13 +352,7 @@ def write_file_atomically(
     make_dirs."""
     nonce = uuid.uuid4().hex[:12]  # unique even for two writers in one process
     tmp = temp_path(path, socket.gethostname(), os.getpid(), nonce)
-    fd = create_in_dir(
-        tmp,
-        os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-        file_mode,
-        dir_mode,
-        root=root,
-    )
+    fd = create_in_dir(tmp, os.O_WRONLY, file_mode, dir_mode, root=root)
     try:
         if needs_chmod(file_mode):
             os.fchmod(fd, file_mode)

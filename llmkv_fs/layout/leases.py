@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import socket
+import stat
 import time
 from typing import Any
 
@@ -24,15 +26,21 @@ from llmkv_fs.layout.files import (
     DEFAULT_DIR_MODE,
     DEFAULT_FILE_MODE,
     PinnedRoot,
+    read_small_regular_file,
     write_file_atomically,
 )
 from llmkv_fs.layout.names import lease_dir, lease_file_name, parse_lease_file_name
 
 __all__ = [
+    "LEASE_FILE_LIMIT",
     "STALE_AFTER_INTERVALS",
+    "BadLease",
     "Lease",
+    "LeaseDir",
     "lease_for",
+    "parse_lease",
     "pid_alive",
+    "read_lease_dir",
     "read_leases",
     "refresh_lease",
     "remove_lease",
@@ -43,6 +51,8 @@ __all__ = [
 # A lease not refreshed for this many intervals belongs to a dead process
 # (a stalled NFS server may delay a refresh or two; four is not a hiccup).
 STALE_AFTER_INTERVALS = 4
+# A lease is a few hundred bytes; anything much larger at a lease name is not one.
+LEASE_FILE_LIMIT = 64 * 1024
 
 
 def seed_fingerprint(hash_algo: str, seed: str | None) -> str:
@@ -138,10 +148,14 @@ def write_lease(
 
 
 def refresh_lease(path: str) -> bool:
-    """Bump the heartbeat. False when the lease file is gone (gc removed a
-    lease it judged dead, e.g. after a long stall): the caller rewrites it."""
+    """Bump the heartbeat. False when no lease file of ours is there: gc
+    removed a lease it judged dead (e.g. after a long stall), or something
+    else took the name (a planted symlink is never stamped through); the
+    caller rewrites it, and the rename replaces whatever is there."""
     try:
-        os.utime(path)
+        if not stat.S_ISREG(os.lstat(path).st_mode):
+            return False
+        os.utime(path, follow_symlinks=False)
     except FileNotFoundError:
         return False
     return True
@@ -159,34 +173,117 @@ def remove_lease(path: str) -> bool:
     return True
 
 
-def _parse(path: str, name: str) -> Lease | None:
-    if parse_lease_file_name(name) is None:
-        return None
-    try:
-        with open(path, "rb") as f:
-            fields: dict[str, Any] = json.loads(f.read())
-        refreshed = os.stat(path).st_mtime
-    except (OSError, ValueError):
-        return None
-    known = {f.name for f in dataclasses.fields(Lease)} - {"refreshed", "path"}
-    try:
-        values = {k: v for k, v in fields.items() if k in known}
-        return Lease(**values, refreshed=refreshed, path=path)
-    except TypeError:
-        return None
+@dataclasses.dataclass(frozen=True)
+class BadLease:
+    """A file at a lease name that is not a lease we can use, and why.
+    ``mtime`` (its lstat's, 0.0 if unknown): gc takes it as a sign of use,
+    since a replica may be alive behind a lease it cannot read."""
+
+    path: str
+    why: str
+    mtime: float = 0.0
 
 
-def read_leases(digest_dir: str) -> list[Lease]:
-    """Every parsable lease of a digest, live or not; [] when there are none
-    (or the digest was written by vLLM's built-in tier)."""
+@dataclasses.dataclass(frozen=True)
+class LeaseDir:
+    """What one ``leases/`` directory holds: the valid leases and the bad ones."""
+
+    leases: list[Lease]
+    bad: list[BadLease]
+
+
+# Field name -> accepted JSON types (bool is an int in Python: refused apart).
+_FIELD_TYPES: dict[str, tuple[type, ...]] = {
+    "host": (str,),
+    "pid": (int,),
+    "started_ns": (int,),
+    "hash_algo": (str,),
+    "seed_fingerprint": (str,),
+    "interval_s": (int, float),
+    "vllm_version": (str,),
+    "llmkv_fs_version": (str,),
+}
+_REQUIRED = ("host", "pid", "started_ns", "hash_algo", "seed_fingerprint", "interval_s")
+
+
+def parse_lease(name: str, data: bytes, refreshed: float, path: str) -> Lease | str:
+    """The Lease a file called ``name`` holding ``data`` describes, or why
+    it is not one. Untrusted input: every field's type and range is checked,
+    and host, pid and start time must agree with the file name."""
+    named = parse_lease_file_name(name)
+    if named is None:
+        return "name is not <host>~<pid>~<started_ns>.json"
+    try:
+        fields: Any = json.loads(data)
+    except (ValueError, UnicodeDecodeError) as exc:
+        return f"not JSON: {exc}"
+    if not isinstance(fields, dict):
+        return f"a JSON {type(fields).__name__}, not an object"
+    missing = [k for k in _REQUIRED if k not in fields]
+    if missing:
+        return f"missing {', '.join(missing)}"
+    values: dict[str, Any] = {}
+    for key, types in _FIELD_TYPES.items():
+        if key not in fields:
+            continue
+        value = fields[key]
+        if isinstance(value, bool) or not isinstance(value, types):
+            return f"{key} is a JSON {type(value).__name__}"
+        values[key] = value
+    interval = values["interval_s"]
+    if not (math.isfinite(interval) and interval > 0):
+        return f"interval_s {interval!r} is not a positive finite number"
+    if values["pid"] <= 0 or values["started_ns"] < 0:
+        return "pid or started_ns out of range"
+    if (values["host"], values["pid"], values["started_ns"]) != (
+        named.host,
+        named.pid,
+        named.started_ns,
+    ):
+        return "host, pid or started_ns differ from the file name"
+    return Lease(**values, refreshed=refreshed, path=path)
+
+
+def _read_one(path: str, name: str) -> Lease | str | None:
+    """A lease, why the file at ``path`` is not one, or None when it is gone."""
+    try:
+        data, st = read_small_regular_file(path, LEASE_FILE_LIMIT)
+    except FileNotFoundError:
+        return None  # removed meanwhile (a clean shutdown, gc)
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    return parse_lease(name, data, st.st_mtime, path)
+
+
+def read_lease_dir(digest_dir: str) -> LeaseDir:
+    """Every lease of a digest, live or not, and every bad file at a lease
+    name (a visible ``*.json``: a symlink, a FIFO, a file of the wrong
+    shape). Hidden names (our temp files) are skipped. Never blocks on a
+    FIFO, never follows a link, never raises for what the files hold."""
     directory = lease_dir(digest_dir)
     try:
         names = os.listdir(directory)
     except (FileNotFoundError, NotADirectoryError):
-        return []
-    leases = []
+        return LeaseDir([], [])
+    leases, bad = [], []
     for name in sorted(names):
-        lease = _parse(f"{directory}/{name}", name)
-        if lease is not None:
-            leases.append(lease)
-    return leases
+        if name.startswith(".") or not name.endswith(".json"):
+            continue
+        path = f"{directory}/{name}"
+        found = _read_one(path, name)
+        if isinstance(found, Lease):
+            leases.append(found)
+        elif found is not None:
+            try:
+                mtime = os.lstat(path).st_mtime
+            except OSError:
+                mtime = 0.0
+            bad.append(BadLease(path, found, mtime))
+    return LeaseDir(leases, bad)
+
+
+def read_leases(digest_dir: str) -> list[Lease]:
+    """Every valid lease of a digest, live or not; [] when there are none
+    (or the digest was written by vLLM's built-in tier). Bad files are
+    skipped (``read_lease_dir`` reports them)."""
+    return read_lease_dir(digest_dir).leases

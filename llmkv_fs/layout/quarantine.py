@@ -33,9 +33,12 @@ def make_quarantine_dir(
     directories are created only below it (see make_dirs)."""
     qdir = quarantine_dir(rank_dir)
     if dir_mode is not None:
-        make_dirs(qdir, dir_mode, root)
+        try:
+            make_dirs(qdir, dir_mode, root)
+        except (NotADirectoryError, FileExistsError):
+            pass  # something else holds the name: the caller's open says what
         return qdir
-    if os.path.isdir(qdir):
+    if os.path.lexists(qdir):
         return qdir
     st = os.stat(rank_dir)
     make_dirs(qdir, stat.S_IMODE(st.st_mode), root)
@@ -67,12 +70,40 @@ def move_to_quarantine(
         return None
     if stat.S_ISDIR(st.st_mode):
         raise IsADirectoryError(errno.EISDIR, "a directory is never moved aside", path)
-    make_quarantine_dir(rank_dir, dir_mode, root)
-    target = quarantine_path(rank_dir, os.path.basename(path), reason, time.time_ns())
-    os.rename(path, target)
-    if file_ident(os.lstat(target)) != file_ident(st):
-        # A store published a fresh file between our lstat and rename.
-        # Names are content keys, so putting it back is always right.
-        os.rename(target, path)
-        return None
+    qfd = _open_quarantine_dir(rank_dir, dir_mode, root)
+    try:
+        # Relative to the directory's fd: a link planted at .quarantine
+        # meanwhile cannot redirect the move off the volume.
+        target = quarantine_path(rank_dir, os.path.basename(path), reason, time.time_ns())
+        name = os.path.basename(target)
+        os.rename(path, name, dst_dir_fd=qfd)
+        if file_ident(os.lstat(name, dir_fd=qfd)) != file_ident(st):
+            # A store published a fresh file between our lstat and rename.
+            # Names are content keys, so putting it back is always right.
+            os.rename(name, path, src_dir_fd=qfd)
+            return None
+    finally:
+        os.close(qfd)
     return target
+
+
+def _open_quarantine_dir(
+    rank_dir: str, dir_mode: int | None, root: PinnedRoot | None = None
+) -> int:
+    """An fd of the real quarantine directory, created if needed. Anything
+    else at its name (a planted symlink, a file) is unlinked -- never
+    followed -- and the directory made."""
+    qdir = quarantine_dir(rank_dir)
+    flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+    for _attempt in range(3):
+        make_quarantine_dir(rank_dir, dir_mode, root)
+        try:
+            return os.open(qdir, flags)
+        except FileNotFoundError:
+            continue  # removed meanwhile: make it again
+        except OSError as exc:
+            if exc.errno not in (errno.ELOOP, errno.ENOTDIR):
+                raise
+        if not stat.S_ISDIR(os.lstat(qdir).st_mode):
+            os.unlink(qdir)
+    return os.open(qdir, flags)

@@ -4,6 +4,10 @@ present.
 vLLM's built-in writes the file in place (a concurrent reader may see half of
 it); we write to a temp name and rename, with the same bytes vLLM would
 write, so either tier can own a digest first.
+
+The file is untrusted input: it is read without following a symlink or
+blocking on a FIFO, and only if it is a regular file of at most
+``CONFIG_FILE_LIMIT`` bytes (``read_run_config`` says why not otherwise).
 """
 
 from __future__ import annotations
@@ -16,12 +20,25 @@ from typing import Any
 from llmkv_fs.layout.files import (
     DEFAULT_DIR_MODE,
     DEFAULT_FILE_MODE,
+    SMALL_FILE_LIMIT,
     PinnedRoot,
+    UnsafeFileError,
+    read_small_regular_file,
     write_file_atomically,
 )
-from llmkv_fs.layout.paths import CacheLayout
+from llmkv_fs.layout.paths import CacheLayout, run_config_digest
 
-__all__ = ["RunConfigMismatch", "ensure_run_config", "render_run_config"]
+__all__ = [
+    "CONFIG_FILE_LIMIT",
+    "RunConfigMismatch",
+    "ensure_run_config",
+    "read_run_config",
+    "render_run_config",
+    "run_config_proves",
+]
+
+# vLLM's config of a 200-layer model is ~10 KiB; this leaves room to spare.
+CONFIG_FILE_LIMIT = SMALL_FILE_LIMIT
 
 # A config.json that does not parse may be another replica's half-written
 # file (vLLM's built-in writes in place); give it this long to complete.
@@ -38,8 +55,34 @@ def render_run_config(run_config: dict[str, Any]) -> bytes:
 
 
 def _read_json(path: str) -> Any:
-    with open(path, "rb") as f:
-        return json.loads(f.read().decode("utf-8"))
+    data, _st = read_small_regular_file(path, CONFIG_FILE_LIMIT)
+    return json.loads(data.decode("utf-8"))
+
+
+def read_run_config(path: str) -> tuple[dict[str, Any] | None, str]:
+    """``(config, "")`` when ``path`` holds a JSON object, else ``(None,
+    why)``: missing, not a regular file, too large, not JSON, not an
+    object. Never follows a link, never blocks, never raises."""
+    try:
+        config = _read_json(path)
+    except FileNotFoundError:
+        return None, "no config.json"
+    except OSError as exc:
+        return None, f"config.json: {exc.strerror or exc}"
+    except (ValueError, UnicodeDecodeError) as exc:
+        return None, f"config.json is not JSON ({exc})"
+    if not isinstance(config, dict):
+        return None, f"config.json holds a JSON {type(config).__name__}, not an object"
+    return config, ""
+
+
+def run_config_proves(config: dict[str, Any], digest: str) -> bool:
+    """Whether ``config`` hashes to ``digest`` (the directory's name says
+    it): then the directory is a cache digest, ours or vLLM's built-in's."""
+    try:
+        return run_config_digest(config) == digest
+    except (TypeError, ValueError):  # not JSON-serialisable back: not vLLM's
+        return False
 
 
 def ensure_run_config(
@@ -65,6 +108,12 @@ def ensure_run_config(
         except FileNotFoundError:
             write_file_atomically(path, render_run_config(wanted), file_mode, dir_mode, root=root)
             return "created"
+        except UnsafeFileError:
+            # A symlink, FIFO, device or huge file at the name: nobody is
+            # mid-write there. The rename replaces the entry itself (a link
+            # is never followed, its target never touched).
+            write_file_atomically(path, render_run_config(wanted), file_mode, dir_mode)
+            return "repaired"
         except OSError as exc:
             # Another client of a network filesystem replaced it just now.
             if exc.errno != errno.ESTALE or time.monotonic() >= deadline:

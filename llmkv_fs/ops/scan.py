@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import json
 import os
 import queue
 import stat
@@ -23,7 +22,7 @@ from collections.abc import Iterable, Iterator
 from typing import NamedTuple
 
 from llmkv_fs.layout.fsinfo import filesystem_type
-from llmkv_fs.layout.leases import Lease, read_leases
+from llmkv_fs.layout.leases import Lease, LeaseDir, read_lease_dir
 from llmkv_fs.layout.names import (
     CONFIG_FILENAME,
     LEASES_DIRNAME,
@@ -37,6 +36,7 @@ from llmkv_fs.layout.names import (
     parse_rank_dir_name,
     temp_writer,
 )
+from llmkv_fs.layout.run_config import read_run_config, run_config_proves
 
 __all__ = [
     "BLOCK",
@@ -87,15 +87,32 @@ class Digest:
         return f"{self.root}/{self.name}"
 
     def read_config(self) -> dict | None:
-        try:
-            with open(config_path(self.config_dir), "rb") as f:
-                config = json.loads(f.read())
-        except (OSError, ValueError):
-            return None
-        return config if isinstance(config, dict) else None
+        """config.json's object, or None (missing, not a regular file --
+        never followed, never blocked on --, not JSON, not an object)."""
+        return self.config_status()[0]
+
+    def config_status(self) -> tuple[dict | None, str]:
+        """(config.json's object or None, why not)."""
+        if not self.has_config_dir:
+            return None, "no config directory"
+        return read_run_config(config_path(self.config_dir))
+
+    def config_proves_ours(self) -> tuple[bool, str]:
+        """Whether config.json hashes to this directory's digest (then it is
+        a cache digest beyond doubt), and if not, why not."""
+        config, why = self.config_status()
+        if config is None:
+            return False, why
+        if not run_config_proves(config, self.digest):
+            return False, f"config.json does not hash to {self.digest}"
+        return True, ""
+
+    def lease_dir(self) -> LeaseDir:
+        """Valid leases and bad files at lease names (never raises)."""
+        return read_lease_dir(self.config_dir) if self.has_config_dir else LeaseDir([], [])
 
     def leases(self) -> list[Lease]:
-        return read_leases(self.config_dir) if self.has_config_dir else []
+        return self.lease_dir().leases
 
 
 @dataclasses.dataclass(frozen=True)

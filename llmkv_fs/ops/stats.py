@@ -176,9 +176,9 @@ def _digest_stats(d: scan.Digest, now: float, this_host: str, threads: int) -> d
                 if len(other) < _OTHER_LISTED:
                     other.append({"path": e.path, "type": _entry_type(e.st)})
     chunk = infer_chunk_size(probe)
-    leases = d.leases()
+    found = d.lease_dir()
     live, stale = [], []
-    for lease in leases:
+    for lease in found.leases:
         (live if lease.is_live(now, this_host) else stale).append(lease)
     fingerprints = sorted({lease.seed_fingerprint for lease in live})
     warnings = []
@@ -220,6 +220,7 @@ def _digest_stats(d: scan.Digest, now: float, this_host: str, threads: int) -> d
         "leases": {
             "live": [_lease_json(x, now) for x in live],
             "stale": [_lease_json(x, now) for x in stale],
+            "bad": [{"path": b.path, "why": b.why} for b in found.bad],
         },
         "seed_fingerprints": fingerprints,
         "seed_mismatch": len(fingerprints) > 1,
@@ -277,6 +278,7 @@ def volume_stats(
         "other": sum(p["other"]["count"] for p in per),
         "live_leases": sum(len(p["leases"]["live"]) for p in per),
         "stale_leases": sum(len(p["leases"]["stale"]) for p in per),
+        "bad_leases": sum(len(p["leases"]["bad"]) for p in per),
     }
     return {
         "root": root,
@@ -356,8 +358,10 @@ def _print_human(report: dict[str, Any], out) -> None:
             f"newest {format_duration(lu['newest_age_s'])} ago",
             file=out,
         )
-        live, stale = p["leases"]["live"], p["leases"]["stale"]
-        print(f"  leases     {len(live)} live, {len(stale)} stale", file=out)
+        live, stale, bad = p["leases"]["live"], p["leases"]["stale"], p["leases"]["bad"]
+        print(f"  leases     {len(live)} live, {len(stale)} stale, {len(bad)} bad", file=out)
+        for x in bad:
+            print(f"    bad   {x['path']}: {x['why']}", file=out)
         for state, leases in (("live", live), ("stale", stale)):
             for x in leases:
                 print(

@@ -35,47 +35,97 @@ def _trash_name(facts: DigestFacts, rank: int | None) -> str:
     return trash_path(facts.digest.root, facts.digest.digest, rank, os.getpid(), time.time_ns())
 
 
+# Directories below a trash top are opened relative to their parent's fd,
+# never by path: a directory swapped for a symlink meanwhile (the trash lies
+# in the root, which anyone with write access to the volume can change)
+# cannot send the deletion elsewhere. Our trees are 4 levels deep.
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_MAX_DEPTH = 32
+
+
 def delete_tree(path: str, errors: list[str]) -> tuple[int, bool]:
     """Delete a tree gc has renamed out of the live namespace, bottom-up.
-    Symlinks are unlinked, never followed. Returns (files removed, whether
-    the tree is entirely gone). Leftovers (e.g. NFS ``.nfsXXXX`` files of a
-    block another client still holds open) wait for the next run."""
+    Symlinks are unlinked, never followed (neither at the top nor below:
+    every directory is opened ``O_NOFOLLOW`` relative to its parent).
+    Returns (files removed, whether the tree is entirely gone). Leftovers
+    (e.g. NFS ``.nfsXXXX`` files of a block another client still holds
+    open) wait for the next run."""
+    try:
+        fd = os.open(path, _DIR_FLAGS)
+    except FileNotFoundError:
+        return 0, True
+    except OSError as exc:
+        if exc.errno not in (errno.ELOOP, errno.ENOTDIR):
+            errors.append(f"list {path}: {exc.strerror}")
+            return 0, False
+        try:  # not a directory: whatever took the trash name, itself
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        except OSError as unlink_exc:
+            errors.append(f"unlink {path}: {unlink_exc.strerror}")
+            return 0, False
+        return 1, True
+    try:
+        removed, complete = _delete_below(fd, path, errors, 0)
+    finally:
+        os.close(fd)
+    try:
+        os.rmdir(path)
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        complete = False
+        if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+            errors.append(f"rmdir {path}: {exc.strerror}")
+    return removed, complete
+
+
+def _delete_below(fd: int, where: str, errors: list[str], depth: int) -> tuple[int, bool]:
+    """Empty the directory open as ``fd`` (``where`` names it in errors)."""
     removed, complete = 0, True
-    stack: list[tuple[str, bool]] = [(path, False)]
-    while stack:
-        directory, listed = stack.pop()
-        if listed:
-            try:
-                os.rmdir(directory)
-            except FileNotFoundError:
-                pass
-            except OSError as exc:
-                complete = False
-                if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST):
-                    errors.append(f"rmdir {directory}: {exc.strerror}")
-            continue
-        stack.append((directory, True))
+    try:
+        with os.scandir(fd) as it:
+            entries = list(it)
+    except OSError as exc:
+        errors.append(f"list {where}: {exc.strerror}")
+        return 0, False
+    for entry in entries:
+        name, shown = entry.name, f"{where}/{entry.name}"
         try:
-            with os.scandir(directory) as it:
-                entries = list(it)
+            is_dir = entry.is_dir(follow_symlinks=False)
+        except OSError:
+            is_dir = False
+        try:
+            if not is_dir:
+                os.unlink(name, dir_fd=fd)
+                removed += 1
+                continue
+            if depth >= _MAX_DEPTH:
+                errors.append(f"not deleted, deeper than {_MAX_DEPTH} levels: {shown}")
+                complete = False
+                continue
+            try:
+                child = os.open(name, _DIR_FLAGS, dir_fd=fd)
+            except OSError as exc:
+                if exc.errno not in (errno.ELOOP, errno.ENOTDIR):
+                    raise
+                os.unlink(name, dir_fd=fd)  # swapped for a link or file: that itself
+                removed += 1
+                continue
+            try:
+                sub_removed, sub_complete = _delete_below(child, shown, errors, depth + 1)
+            finally:
+                os.close(child)
+            removed += sub_removed
+            complete = complete and sub_complete
+            os.rmdir(name, dir_fd=fd)
         except FileNotFoundError:
             continue
         except OSError as exc:
-            errors.append(f"list {directory}: {exc.strerror}")
             complete = False
-            continue
-        for entry in entries:
-            try:
-                if entry.is_dir(follow_symlinks=False):
-                    stack.append((entry.path, False))
-                    continue
-                os.unlink(entry.path)
-                removed += 1
-            except FileNotFoundError:
-                continue
-            except OSError as exc:
-                complete = False
-                errors.append(f"unlink {entry.path}: {exc.strerror}")
+            if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                errors.append(f"remove {shown}: {exc.strerror}")
     return removed, complete
 
 
@@ -85,7 +135,8 @@ def remove_digest(
     """Re-read the leases, re-judge, then trash and delete the digest's
     config directory and every rank directory. (removed?, why)."""
     digest = facts.digest
-    facts.leases = read_leases(digest.config_dir) if digest.has_config_dir else []
+    found = digest.lease_dir()
+    facts.leases, facts.bad_leases = found.leases, found.bad
     remove, why = digest_verdict(facts, now(), policy)
     if not remove or dry_run:
         return remove, why

@@ -19,7 +19,8 @@ from array import array
 from collections.abc import Callable
 
 from llmkv_fs.layout.blockfile import last_used
-from llmkv_fs.layout.leases import Lease
+from llmkv_fs.layout.leases import BadLease, Lease
+from llmkv_fs.layout.names import parse_block_path, parse_quarantine_name
 from llmkv_fs.ops import scan
 from llmkv_fs.ops.scan import Digest, FileEntry
 
@@ -38,6 +39,15 @@ class DigestFacts:
     selected: bool  # passes --model
     pinned: bool  # named by --keep
     leases: list[Lease] = dataclasses.field(default_factory=list)
+    bad_leases: list[BadLease] = dataclasses.field(default_factory=list)
+    # Whether config.json proves the directory a cache digest (checked
+    # before the scan); if not, why not, and what the scan found: files
+    # with our names, and anything else (``foreign``, first one named).
+    proven: bool = False
+    unproven_why: str = ""
+    ours: int = 0
+    foreign: int = 0
+    foreign_example: str = ""
     newest: float = 0.0  # newest sign of use: a block's last use, any other file's mtime
     newest_what: str = ""
     files: int = 0
@@ -52,6 +62,27 @@ class DigestFacts:
     def saw(self, when: float, what: str) -> None:
         if when > self.newest:
             self.newest, self.newest_what = when, what
+
+    def check_ownership(self) -> None:
+        """Set ``proven`` from config.json (a FIFO or link there is never
+        opened: it simply proves nothing)."""
+        self.proven, self.unproven_why = self.digest.config_proves_ours()
+
+    def provably_ours(self) -> tuple[bool, str]:
+        """gc deletes only what it can prove is a cache digest: config.json
+        hashes to the directory's digest, or -- its config directory gone,
+        e.g. a gc interrupted between its renames -- everything in it bears
+        our names (blocks, temp files, leases, quarantined files) and there
+        is at least one such file. (ours?, why not)."""
+        if self.proven:
+            return True, ""
+        if self.foreign:
+            return False, (
+                f"{self.unproven_why}; {self.foreign} entries not ours, e.g. {self.foreign_example}"
+            )
+        if not self.ours:
+            return False, f"{self.unproven_why}; nothing of ours in it"
+        return True, ""
 
 
 @dataclasses.dataclass
@@ -140,6 +171,8 @@ def take_inventory(
                 inv.errors.append(f"cannot list {listing.path}: {listing.error}")
                 continue
             _fold(inv, facts, digest_index, listing)
+            if not facts.proven:
+                _judge_names(facts, listing, tops[listing.top][0], tops[listing.top][1])
             if progress is not None:
                 progress(inv)
             if stop is not None and stop():
@@ -166,7 +199,8 @@ def _empty_digest_age(facts: DigestFacts) -> None:
 
 
 def _fold(inv: Inventory, facts: DigestFacts, digest_index: int, listing: scan.Listing) -> None:
-    lru_ok = facts.selected and not facts.pinned
+    # Never evict from a digest config.json does not prove ours.
+    lru_ok = facts.selected and not facts.pinned and facts.proven
     for entry in listing.files:
         st, kind = entry.st, entry.kind
         inv.files += 1
@@ -197,3 +231,27 @@ def _fold(inv: Inventory, facts: DigestFacts, digest_index: int, listing: scan.L
             if kind == scan.QUARANTINED:
                 facts.quarantined += 1
             facts.saw(st.st_mtime, entry.path)
+
+
+def _is_our_name(entry: FileEntry, top: str, area: str) -> bool:
+    kind = entry.kind
+    if kind in (scan.TEMP, scan.LEASE):
+        return True
+    if kind == scan.QUARANTINED:
+        return parse_quarantine_name(os.path.basename(entry.path)) is not None
+    if kind == scan.BLOCK and area == scan.RANK_AREA:
+        return parse_block_path(top, entry.path) is not None
+    # A config.json that does not prove the digest, a symlink, anything else.
+    return False
+
+
+def _judge_names(facts: DigestFacts, listing: scan.Listing, top: str, area: str) -> None:
+    """Count ``listing``'s files of a digest config.json does not prove as
+    ours or foreign (``DigestFacts.provably_ours``)."""
+    for entry in listing.files:
+        if _is_our_name(entry, top, area):
+            facts.ours += 1
+        else:
+            facts.foreign += 1
+            if not facts.foreign_example:
+                facts.foreign_example = os.path.relpath(entry.path, facts.digest.root)

@@ -50,6 +50,8 @@ class Report:
     dirs_pruned: int = 0
     trash_removed: int = 0
     symlinks: list[str] = dataclasses.field(default_factory=list)
+    # Files at lease names that are not usable leases ({"path", "why"}).
+    bad_leases: list[dict[str, str]] = dataclasses.field(default_factory=list)
     errors: list[str] = dataclasses.field(default_factory=list)
     interrupted: bool = False
 
@@ -57,6 +59,8 @@ class Report:
         out = dataclasses.asdict(self)
         out["symlink_count"] = len(self.symlinks)
         out["symlinks"] = self.symlinks[:_LIST_LIMIT]
+        out["bad_lease_count"] = len(self.bad_leases)
+        out["bad_leases"] = self.bad_leases[:_LIST_LIMIT]
         out["error_count"] = len(self.errors)
         out["errors"] = self.errors[:_LIST_LIMIT]
         removed = [d for d in self.digests if d["removed"]]
@@ -129,6 +133,12 @@ class Report:
             lines.append(
                 f"symlinks left alone (never followed): {len(self.symlinks)}, "
                 f"e.g. {self.symlinks[0]}"
+            )
+        if self.bad_leases:
+            first = self.bad_leases[0]
+            lines.append(
+                f"bad lease files skipped (their mtime counts as use): {len(self.bad_leases)}, "
+                f"e.g. {first['path']}: {first['why']}"
             )
         if abs(self.clock_skew_s) > 5:
             lines.append(

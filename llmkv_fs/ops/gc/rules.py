@@ -63,16 +63,24 @@ def digest_verdict(facts: DigestFacts, now: float, policy: Policy) -> tuple[bool
     """(remove?, why) for one digest, from the scan's facts and its leases."""
     if facts.pinned:
         return False, "pinned by --keep"
+    ours, why_not = facts.provably_ours()
+    if not ours:
+        return False, f"not provably a cache digest ({why_not}); left alone"
     live = [lease for lease in facts.leases if lease.is_live(now, policy.lease_host)]
     if live:
         return False, "live lease " + ", ".join(f"{x.host}~{x.pid}" for x in live)
     if facts.unreadable_dirs:
         return False, f"{facts.unreadable_dirs} directories could not be read"
-    idle = now - facts.newest
+    # A replica may be alive behind a lease we cannot read: its mtime is a sign of use.
+    newest, newest_what = facts.newest, facts.newest_what
+    for bad in facts.bad_leases:
+        if bad.mtime > newest:
+            newest, newest_what = bad.mtime, bad.path
+    idle = now - newest
     if idle < policy.min_age:
         return False, f"used {idle:.0f}s ago"
     why = "stale leases only" if facts.leases else "no lease"
-    what = os.path.relpath(facts.newest_what, facts.digest.root) if facts.newest_what else "empty"
+    what = os.path.relpath(newest_what, facts.digest.root) if newest_what else "empty"
     return True, f"{why}, idle {format_duration(idle)} (newest: {what})"
 
 

@@ -84,7 +84,10 @@ def gc_pass(
     ]
     selected = [f for f in facts if f.selected]
     for f in selected:
-        f.leases = f.digest.leases()
+        found = f.digest.lease_dir()
+        f.leases, f.bad_leases = found.leases, found.bad
+        f.check_ownership()
+        report.bad_leases.extend({"path": b.path, "why": b.why} for b in found.bad)
 
     def show(inv: Inventory) -> None:
         progress.update(
@@ -113,6 +116,8 @@ def gc_pass(
 
     freed = 0
     gone: set[int] = set()
+    # Digests gc cannot prove are ours: reported, and nothing in them touched.
+    foreign = {i for i, f in enumerate(selected) if not f.provably_ours()[0]}
     for index, f in enumerate(selected):
         if stop():
             report.interrupted = True
@@ -129,6 +134,7 @@ def gc_pass(
                 "blocks": f.blocks,
                 "pinned": f.pinned,
                 "leases": len(f.leases),
+                "bad_leases": len(f.bad_leases),
                 "idle_s": round(now - f.newest, 1) if f.newest else None,
             }
         )
@@ -139,7 +145,7 @@ def gc_pass(
     emptied: set[int] = set()
     if not report.interrupted:
         progress.update(f"temp files: {len(inv.temps)}", force=True)
-        inv.temps = [t for t in inv.temps if t[2] not in gone]
+        inv.temps = [t for t in inv.temps if t[2] not in gone and t[2] not in foreign]
         removed, temp_bytes, kept = actions.remove_temps(inv, policy, now, dry_run, emptied, errors)
         report.temps = {"removed": removed, "bytes": temp_bytes, "kept": kept}
         freed += temp_bytes
@@ -171,7 +177,7 @@ def gc_pass(
 
     if not report.interrupted:
         progress.update("removing empty directories", force=True)
-        prunable = set(range(len(selected))) - gone
+        prunable = set(range(len(selected))) - gone - foreign
         report.dirs_pruned = actions.prune_dirs(
             inv, prunable, emptied, now, policy.protect, dry_run, errors
         )
