@@ -8,6 +8,8 @@ import os
 import pytest
 from vllm.v1.kv_offload.base import LookupResult
 
+from llmkv_fs.engine import Direction, Failure
+
 from harness import Replica, make_keys, offloading_config, ours, payload_for
 
 
@@ -27,8 +29,9 @@ def test_full_disk_fails_stores_cleanly_and_reads_continue(small_tmpfs):
         assert 0 < len(files) < 10
         # The first ENOSPC trips the space guard: later blocks are dropped
         # without touching the volume, and stay dropped until space is freed.
-        assert counters["store_errors"] >= 1
-        assert counters["store_errors"] + counters["store_blocks_dropped_space"] == 10 - len(files)
+        errors = counters[Direction.STORE, Failure.ERROR]
+        assert errors >= 1
+        assert errors + counters[Direction.STORE, Failure.SPACE] == 10 - len(files)
         assert not replica.tier.engine.guard.allows_store()
         # Nothing torn under a final name, no temp file left behind.
         assert {os.path.getsize(f) for f in files} == {replica.row_bytes + 4096}
