@@ -8,6 +8,10 @@ key and what is valid, before any thread or file exists.
 Each setting is declared once, as a field of ``TierSettings`` (type, default,
 and in its metadata the doc, the check and whether vLLM's built-in fs tier
 takes the same key); ``SETTINGS`` is the table view derived from those fields.
+Every check says what it accepts (``Setting.valid``, e.g. the range of a
+number); the docs show it and a refused value's error quotes it. Numbers
+have ranges both ways: a value absurdly small (a lease interval of 1e-6 s
+makes an idle replica spin) is as much a mistake as one too large.
 ``docs/configuration.md`` is generated from ``SETTINGS`` (see
 ``llmkv-fs config-doc``) so the documentation cannot drift from the code.
 """
@@ -15,6 +19,7 @@ takes the same key); ``SETTINGS`` is the table view derived from those fields.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -36,6 +41,7 @@ class Setting:
     check: Callable[[str, Any], Any]
     required: bool = False
     vllm_builtin: bool = False  # accepted by vLLM's own fs tier with the same meaning
+    valid: str = ""  # what the check accepts, in words (shown in the docs)
 
 
 _DECLARED = "llmkv_fs.setting"  # the metadata key of a TierSettings field
@@ -48,24 +54,70 @@ class _Declared:
     vllm_builtin: bool
 
 
+_SHOWN_MAX = 80  # characters of a refused value quoted in the error
+
+
+def _shown(value: Any) -> str:
+    """``repr(value)``, shortened: a 400-digit number is quoted, not pasted
+    (and an int past Python's 4300-digit conversion limit cannot be)."""
+    try:
+        text = repr(value)
+    except ValueError:
+        return "an integer of thousands of digits"
+    if len(text) > _SHOWN_MAX:
+        return f"{text[: _SHOWN_MAX - 20]}... ({len(text)} characters)"
+    return text
+
+
 def _fail(key: str, value: Any, expected: str) -> TierConfigError:
     return TierConfigError(
-        f"llmkv_fs: bad value for secondary tier key {key!r}: {value!r} (expected {expected})"
+        f"llmkv_fs: bad value for secondary tier key {key!r}: {_shown(value)} (expected {expected})"
     )
 
 
+def _accepts(valid: str) -> Callable[[Callable], Callable]:
+    """Attach the words for what a check accepts (``Setting.valid``)."""
+
+    def attach(check: Callable) -> Callable:
+        check.valid = valid  # type: ignore[attr-defined]
+        return check
+
+    return attach
+
+
+def _is_number(value: Any) -> bool:
+    # bool is an int subclass; "true" threads is a config mistake, not 1.
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def _int_between(low: int, high: int) -> Callable[[str, Any], int]:
+    expected = f"an integer in [{low}, {high}]"
+
+    @_accepts(expected)
     def check(key: str, value: Any) -> int:
-        # bool is an int subclass; "true" threads is a config mistake, not 1.
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise _fail(key, value, f"an integer in [{low}, {high}]")
-        if not low <= value <= high:
-            raise _fail(key, value, f"an integer in [{low}, {high}]")
+        if not _is_number(value) or isinstance(value, float) or not low <= value <= high:
+            raise _fail(key, value, expected)
         return value
 
     return check
 
 
+def _number_between(low: float, high: float, what: str) -> Callable[[str, Any], float]:
+    """A float (or int) in [low, high]; NaN, infinities and bools refused."""
+    expected = f"{what}, a number in [{low:g}, {high:g}]"
+
+    @_accepts(expected)
+    def check(key: str, value: Any) -> float:
+        # Compared before float(): an int too large for a float fails the
+        # range instead of raising OverflowError; NaN fails every comparison.
+        if not _is_number(value) or not low <= value <= high or not math.isfinite(value):
+            raise _fail(key, value, expected)
+        return float(value)
+
+    return check
+
+
+@_accepts("true or false")
 def _boolean(key: str, value: Any) -> bool:
     if not isinstance(value, bool):
         raise _fail(key, value, "true or false")
@@ -73,15 +125,18 @@ def _boolean(key: str, value: Any) -> bool:
 
 
 def _one_of(*choices: str | None) -> Callable[[str, Any], Any]:
+    shown = ", ".join("null" if c is None else c for c in choices)
+
+    @_accepts(f"one of {shown}")
     def check(key: str, value: Any) -> Any:
         if value not in choices:
-            shown = ", ".join("null" if c is None else c for c in choices)
             raise _fail(key, value, f"one of {shown}")
         return value
 
     return check
 
 
+@_accepts("a non-empty directory path")
 def _root_dir(key: str, value: Any) -> str:
     if not isinstance(value, str) or not value.strip():
         raise _fail(key, value, "a non-empty directory path")
@@ -90,6 +145,7 @@ def _root_dir(key: str, value: Any) -> str:
     return value
 
 
+@_accepts("LOCAL, REMOTE or null")
 def _locality(key: str, value: Any) -> str | None:
     # Exactly what vLLM's Locality(value) takes: case-sensitive, unstripped.
     if value is None or value in ("LOCAL", "REMOTE"):
@@ -99,6 +155,7 @@ def _locality(key: str, value: Any) -> str | None:
 
 def _mode(required_bits: int, what: str) -> Callable[[str, Any], int]:
     # JSON has no octal literals; "0640" (a string) is what operators write.
+    @_accepts(f'an octal mode string such as "0640", within 0o7777, keeping {what}')
     def check(key: str, value: Any) -> int:
         if isinstance(value, str) and re.fullmatch(r"0?[0-7]{3,4}", value.strip()):
             mode = int(value.strip(), 8)
@@ -115,6 +172,10 @@ def _mode(required_bits: int, what: str) -> Callable[[str, Any], int]:
     return check
 
 
+_SIZE_RANGE = "a size from 0 to 2^63 - 1 bytes"
+
+
+@_accepts(_SIZE_RANGE)
 def _byte_size(key: str, value: Any) -> int:
     if isinstance(value, (str, int, float)):
         try:
@@ -129,31 +190,24 @@ def _byte_size(key: str, value: Any) -> int:
     )
 
 
-def _positive_seconds(high: float) -> Callable[[str, Any], float]:
-    def check(key: str, value: Any) -> float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise _fail(key, value, f"seconds, a number in (0, {high:g}]")
-        if not 0 < value <= high:
-            raise _fail(key, value, f"seconds, a number in (0, {high:g}]")
-        return float(value)
-
-    return check
+def _seconds(low: float, high: float) -> Callable[[str, Any], float]:
+    return _number_between(low, high, "seconds")
 
 
-def _percent(key: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 100:
-        raise _fail(key, value, "a percentage in (0, 100]")
-    return float(value)
+_percent = _number_between(1, 100, "a percentage")
+_MAX_NUMA_NODE = 1023  # Linux: MAX_NUMNODES is at most 1 << 10
+_NUMA_EXPECTED = f'"auto", "off" or a NUMA node id (an integer in [0, {_MAX_NUMA_NODE}])'
 
 
+@_accepts(_NUMA_EXPECTED)
 def _numa_node(key: str, value: Any) -> str | int:
     if isinstance(value, str) and value in ("auto", "off"):
         return value
     if value is None:
         return "off"
-    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= _MAX_NUMA_NODE:
         return value
-    raise _fail(key, value, '"auto", "off" or a NUMA node id (integer >= 0)')
+    raise _fail(key, value, _NUMA_EXPECTED)
 
 
 def _declare(
@@ -235,7 +289,12 @@ class TierSettings:
         default=True,
         metadata=_declare(
             "Write an xxh3-64 checksum of every block and verify it on load. "
-            "Off: the trailer still carries length and key, which are verified.",
+            "Off: the trailer still carries length and key, which are verified; "
+            "blocks are then counted unverified. A reader with checksum on never "
+            "serves a block without a checksum as verified: it refuses blocks "
+            "written with checksum off (load_failures reason no_checksum, the file "
+            "is left in place) unless accept_trailerless is on, which serves them "
+            "as unverified. Give every replica of a volume the same setting.",
             _boolean,
         ),
     )
@@ -246,7 +305,8 @@ class TierSettings:
             "fs tier writes), as unverified. Off by default: such a file carries no "
             "key or checksum, so a torn or damaged one would reach the CPU tier "
             "unchecked. Turn it on only for a volume shared with replicas running "
-            "vLLM's built-in tier.",
+            "vLLM's built-in tier. With checksum on, it also admits (as unverified) "
+            "blocks written with checksum off, which carry a key but no checksum.",
             _boolean,
         ),
     )
@@ -295,7 +355,7 @@ class TierSettings:
             "overdue the volume counts as stalled: new jobs fail at once and "
             "lookups miss, until the stuck calls return. A lookup check waits at "
             "most min(job_timeout_s, 5 s) before answering miss.",
-            _positive_seconds(86400),
+            _seconds(0.1, 86400),
         ),
     )
     max_usage_percent: float = dataclasses.field(
@@ -341,8 +401,22 @@ class TierSettings:
         default=30.0,
         metadata=_declare(
             "How often the tier refreshes its lease file under the digest "
-            "directory; gc treats a lease older than 4 intervals as dead.",
-            _positive_seconds(3600),
+            "directory; gc treats a lease older than 4 intervals as dead. The "
+            "housekeeping thread wakes twice per interval (at least once a "
+            "second); below 1 s is for tests.",
+            _seconds(0.1, 3600),
+        ),
+    )
+    failed_load_miss_s: float = dataclasses.field(
+        default=60.0,
+        metadata=_declare(
+            "How long a block whose load failed in a way that would repeat -- an "
+            "I/O error (EIO), a bad file that could not be moved to .quarantine/, "
+            "a file without the checksum this reader wants -- answers miss to new "
+            "lookups without being read again (at most 65536 such blocks are "
+            "remembered). Without it every new request would find the file, load "
+            "it and fail again. A repaired file is found again after this long.",
+            _seconds(1, 3600),
         ),
     )
 
@@ -374,14 +448,16 @@ def _table() -> tuple[Setting, ...]:
     for f in dataclasses.fields(TierSettings):
         declared: _Declared = f.metadata[_DECLARED]  # KeyError: a field without _declare()
         required = f.default is dataclasses.MISSING
+        valid = declared.check.valid  # type: ignore[attr-defined]  # see _accepts
         table.append(
             Setting(
                 f.name,
                 None if required else f.default,
-                declared.doc,
+                f"{declared.doc} Valid: {valid}.",
                 declared.check,
                 required=required,
                 vllm_builtin=declared.vllm_builtin,
+                valid=valid,
             )
         )
     return tuple(table)

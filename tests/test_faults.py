@@ -29,10 +29,9 @@ def test_full_disk_fails_stores_cleanly_and_reads_continue(small_tmpfs):
         assert 0 < len(files) < 10
         # The first ENOSPC trips the space guard: later blocks are dropped
         # without touching the volume, and stay dropped until space is freed.
-        assert counters[Direction.STORE, Failure.ERROR] >= 1
-        assert counters[Direction.STORE, Failure.ERROR] + counters[
-            Direction.STORE, Failure.SPACE
-        ] == 10 - len(files)
+        errors = counters[Direction.STORE, Failure.ERROR]
+        assert errors >= 1
+        assert errors + counters[Direction.STORE, Failure.SPACE] == 10 - len(files)
         assert not replica.tier.engine.guard.allows_store()
         # Nothing torn under a final name, no temp file left behind.
         assert {os.path.getsize(f) for f in files} == {replica.row_bytes + 4096}

@@ -122,7 +122,9 @@ def test_quarantined_load_yields_block_removed(disk_root, replicas):
         if key == keys[2]:
             os.unlink(b.tier.layout.block_path(key))
 
-    final = resolve(b, keys, vanish)
+    # Two requests, two load jobs: a job stops at its first failed block.
+    final = resolve(b, [keys[0], keys[3], keys[1]])
+    final.update(resolve(b, [keys[2]], vanish))
     assert final == {keys[0]: HIT, keys[1]: MISS, keys[2]: MISS, keys[3]: HIT}
     assert b.tier.engine.counters[Tally.QUARANTINED] == 1
     assert b.tier.engine.counters[Direction.LOAD, Failure.MISSING] == 1

@@ -166,7 +166,10 @@ def scenario(tmp_path_factory):
             if key == vanishing:  # found by the lookup, gone before the load runs
                 os.unlink(b.tier.layout.block_path(key))
 
-        final = resolve(b, keys[:4] + absent, remove_before_load)
+        # Two requests, so two load jobs: a job stops at its first failed
+        # block (vLLM's prefix rule), and each failure should be seen.
+        final = resolve(b, [keys[0], keys[3], keys[1], *absent])
+        final.update(resolve(b, [vanishing], remove_before_load))
         wait_until(lambda: not c.tier.engine.guard.allows_store(), "C's space guard to trip")
         c.store(make_keys(2, seed="metrics-refused"))
         replicas = (a, b, c)

@@ -18,7 +18,7 @@ import time
 import pytest
 
 from llmkv_fs.config import TierSettings
-from llmkv_fs.engine import Direction, Failure, Outcome
+from llmkv_fs.engine import Direction, Failure, Outcome, space
 from llmkv_fs.engine.space import SpaceGuard
 from llmkv_fs.layout.blockfile import TRAILER_SIZE
 from llmkv_fs.layout.fsinfo import VolumeUsage, volume_usage
@@ -124,9 +124,9 @@ def test_enospc_holds_until_free_space_grows_by_the_headroom(small_tmpfs):
     write_filler(f"{small_tmpfs}/b", MiB // 2)
     write_filler(f"{small_tmpfs}/c", MiB // 2)
 
-    guard.saw_enospc()
+    guard.saw_enospc()  # the baseline: what is free at the failure
     assert not guard.allows_store() and guard.reason == "ENOSPC"
-    guard.sample()  # the first sample after ENOSPC is the baseline
+    guard.sample()
     assert not guard.allows_store()
     guard.sample()
     assert not guard.allows_store()  # no room was made
@@ -145,7 +145,61 @@ def test_enospc_holds_until_free_space_grows_by_the_headroom(small_tmpfs):
     assert not guard.allows_store()
 
 
+def test_room_made_right_after_enospc_lifts_the_guard(small_tmpfs):
+    """gc (or anyone) frees space within the sample interval of an ENOSPC:
+    the baseline is what was free at the failure, so the freed room counts.
+    (Measured at the next sample, after the freeing, it would demand that
+    much again, and with nothing left to free the guard stayed tripped.)"""
+    guard = SpaceGuard(small_tmpfs, 100.0, 0, headroom_bytes=MiB)
+    guard.sample()
+    free = volume_usage(small_tmpfs).free_bytes
+    write_filler(f"{small_tmpfs}/fill", free)  # the volume is full now
+    with pytest.raises(OSError):  # a real ENOSPC
+        write_filler(f"{small_tmpfs}/more", MiB)
+    guard.saw_enospc()  # as the I/O thread that got it does
+    os.unlink(f"{small_tmpfs}/fill")  # room made before the next sample
+    guard.sample()
+    assert guard.allows_store() and guard.reason == "ok"
+
+
+def test_enospc_baseline_falls_back_to_the_next_sample(small_tmpfs, monkeypatch):
+    guard = SpaceGuard(small_tmpfs, 100.0, 0, headroom_bytes=MiB)
+
+    def unreadable(path):
+        raise OSError(5, "statvfs failed")
+
+    real = space.volume_usage
+    monkeypatch.setattr(space, "volume_usage", unreadable)
+    guard.saw_enospc()  # could not measure: the next sample is the baseline
+    monkeypatch.setattr(space, "volume_usage", real)
+    guard.sample()
+    assert not guard.allows_store()
+
+
 # -- through the engine ---------------------------------------------------------------------
+
+
+def test_engine_resumes_stores_when_room_is_made_right_after_enospc(small_tmpfs, engines):
+    bs = MiB
+    engine, _layout, primary = engines(
+        small_tmpfs,
+        n_blocks=2,
+        block_size=bs,
+        n_read_threads=1,
+        n_write_threads=1,
+        max_usage_percent=100,
+    )
+    for c in range(2):
+        fill(primary, c, pattern(c, bs), bs)
+    keys = [make_key(f"full{i}") for i in range(24)]
+    assert engine.submit_store(1, keys, [i % 2 for i in range(24)])
+    assert not wait_jobs(engine, [1])[1].success
+    assert engine.guard.reason == "ENOSPC"
+    for path in block_files(small_tmpfs):  # gc empties the volume at once
+        os.unlink(path)
+    wait_until(lambda: not tripped(engine), "the guard to lift", deadline_s=5.0)
+    assert engine.submit_store(2, [make_key("after")], [0])
+    assert wait_jobs(engine, [2])[2].success
 
 
 def test_watermark_drops_stores_loads_continue_and_gc_lifts_it(small_tmpfs, engines):

@@ -26,7 +26,7 @@ from collections.abc import Callable
 
 import xxhash
 
-from llmkv_fs.engine.outcomes import Abandoned, BlockMissing, Outcome
+from llmkv_fs.engine.outcomes import Abandoned, BlockMissing, NoChecksum, Outcome
 from llmkv_fs.layout.blockfile import (
     ACCESS_STAMP_INTERVAL_S,
     TRAILER_SIZE,
@@ -272,7 +272,9 @@ class BlockIO:
             raise BlockMissing(path) from exc
         except OSError as exc:
             if exc.errno == errno.ELOOP:  # a symlink planted at a block path
-                raise BlockFileError(Corruption.SYMLINK, path) from exc
+                link = BlockFileError(Corruption.SYMLINK, path)
+                link.left_because = "a symlink is never followed nor moved"
+                raise link from exc
             raise
         bad: BlockFileError | None = None
         try:
@@ -289,7 +291,14 @@ class BlockIO:
                 bad, ident = exc, file_ident(os.fstat(fd))
         finally:
             os.close(fd)
-        bad.quarantined_to = self.quarantine(path, bad.reason, ident)
+        try:
+            bad.quarantined_to = self.quarantine(path, bad.reason, ident)
+            if bad.quarantined_to is None:
+                bad.left_because = "the path names another file by now"
+        except OSError as exc:
+            # Still a bad file (counted as such); the engine remembers the
+            # key as a miss so new requests do not re-read it.
+            bad.left_because = f"could not be moved aside: {exc}"
         raise bad
 
     def _check(
@@ -297,8 +306,17 @@ class BlockIO:
     ) -> Outcome:
         opts = self.options
         if n == opts.block_size + TRAILER_SIZE:
-            verify_block(row, scratch[:TRAILER_SIZE], key, opts.checksum, digest)
-            return Outcome.VERIFIED
+            trailer = verify_block(row, scratch[:TRAILER_SIZE], key, opts.checksum, digest)
+            if not opts.checksum:
+                return Outcome.UNVERIFIED  # length and key checked, the payload not
+            if trailer.has_checksum:
+                return Outcome.VERIFIED
+            # Written with checksum: false. Without a checksum a flipped bit
+            # cannot be seen: like a trailer-less file, served only to a
+            # reader that accepts unverified blocks. Not corrupt: left alone.
+            if opts.accept_trailerless:
+                return Outcome.UNVERIFIED
+            raise NoChecksum(self.layout.block_path(key))
         if n == opts.block_size and opts.accept_trailerless:
             return Outcome.UNVERIFIED
         reason = Corruption.TRUNCATED if n < opts.block_size else Corruption.BAD_LENGTH

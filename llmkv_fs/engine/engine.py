@@ -34,6 +34,7 @@ from llmkv_fs.engine.housekeeping import Housekeeping
 from llmkv_fs.engine.lookup import AsyncExistence
 from llmkv_fs.engine.numa import PinningPlan, plan_pinning, read_topology
 from llmkv_fs.engine.outcomes import (
+    SKIPPED,
     BlockResult,
     CounterKey,
     Direction,
@@ -67,6 +68,24 @@ _LOOKUP_TIMEOUT_CAP_S = 5.0
 # (measured on tmpfs, 2 cores: the checksum's cost fell from ~15 % to ~5 %).
 _MEMORY_FS = frozenset(("tmpfs", "ramfs"))
 _HASH_CHUNK = 256 << 10
+
+
+# Load failures after which the key answers MISS for failed_load_miss_s:
+# the file is still there and would fail the same way (EIO, a bad file that
+# could not be moved aside, no checksum) for every new request.
+_KEEP_MISSING = frozenset((Failure.ERROR, Failure.NO_CHECKSUM))
+
+
+def _loaded_prefix(outcomes: list[BlockResult | None]) -> list[BlockResult | None]:
+    """A load job's outcomes as vLLM can use them: the successes before the
+    first failure, in key order (its built-in reports just that prefix).
+    Later successes -- read on another thread before the failure stopped the
+    job -- become SKIPPED; later failures keep their own reason."""
+    for cut, outcome in enumerate(outcomes):
+        if not isinstance(outcome, Outcome):
+            rest = [SKIPPED if isinstance(o, Outcome) else o for o in outcomes[cut + 1 :]]
+            return outcomes[: cut + 1] + rest
+    return outcomes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -206,6 +225,7 @@ class FsEngine:
             self.blockio.exists,
             settings.lookup_threads,
             timeout=min(settings.job_timeout_s, _LOOKUP_TIMEOUT_CAP_S),
+            miss_for_s=settings.failed_load_miss_s,
         )
         logger.info(
             "llmkv_fs engine: %s, %s I/O, %d read + %d write threads, durability=%s, "
@@ -337,10 +357,12 @@ class FsEngine:
         succeeded: list[bytes] = []
         failed: list[bytes] = []
         quarantined: list[bytes] = []
+        unreadable: list[bytes] = []  # failed loads whose file is still there
         count = self.counters
         direction = Direction.LOAD if job.is_load else Direction.STORE
         moved_blocks = 0
-        for key, outcome in zip(job.keys, job.outcomes):
+        outcomes = _loaded_prefix(job.outcomes) if job.is_load else job.outcomes
+        for key, outcome in zip(job.keys, outcomes):
             if isinstance(outcome, Outcome):  # the common case: a success
                 succeeded.append(key)
                 count[outcome] += 1
@@ -355,12 +377,25 @@ class FsEngine:
                 if error.quarantined_to:
                     count[Tally.QUARANTINED] += 1
                     quarantined.append(key)
-                # Rare and important: every bad file is named.
-                logger.warning(
-                    "llmkv_fs: bad block file (%s); moved to %s", error, error.quarantined_to
-                )
-            elif outcome.reason is Failure.ERROR:
+                    # Rare and important: every bad file is named.
+                    logger.warning(
+                        "llmkv_fs: bad block file (%s); moved to %s", error, error.quarantined_to
+                    )
+                else:
+                    unreadable.append(key)
+                    logger.warning(
+                        "llmkv_fs: bad block file (%s) left in place: %s; it answers miss for %gs",
+                        error,
+                        error.left_because,
+                        self.settings.failed_load_miss_s,
+                    )
+                continue
+            if outcome.reason in _KEEP_MISSING:
+                unreadable.append(key)
+            if outcome.reason is Failure.ERROR:
                 self._error_log.report(direction.value, error)
+        if unreadable and job.is_load:
+            self._lookups.remember_misses(unreadable)
         moved = moved_blocks * self.block_size
         count[Tally.BYTES_READ if job.is_load else Tally.BYTES_WRITTEN] += moved
         latency = time.monotonic() - job.submitted

@@ -8,11 +8,19 @@ first lookup applies. A key keeps its verdict while some request refers to
 it; ``set_verdict`` overrides it when a load fails or a store lands, so a
 failed promotion turns into MISS instead of being retried forever.
 
+A key whose load failed in a way that would repeat -- the file is still
+there but unreadable (EIO), bad and could not be moved aside, or carries no
+checksum -- is remembered (``remember_misses``) and answers MISS without a
+probe to every new lookup for ``miss_for_s`` seconds: otherwise each new
+request would find the file, load it and fail again. At most
+``_MAX_REMEMBERED_MISSES`` keys are remembered (oldest dropped first).
+
 Threading rules
 ---------------
-* ``lookup``, ``end_step``, ``set_verdict``, ``forget_request`` and
-  ``shutdown`` belong to the owner (one caller at a time: vLLM's manager
-  lock). They touch ``_states`` without a lock.
+* ``lookup``, ``end_step``, ``set_verdict``, ``remember_misses``,
+  ``forget_request`` and ``shutdown`` belong to the owner (one caller at a
+  time: vLLM's manager lock). They touch ``_states`` and ``_misses``
+  without a lock.
 * The background thread sees only the batches it is handed (key and
   generation) and answers through a SimpleQueue; it never touches
   ``_states``. A generation number lets the owner drop answers for states
@@ -42,6 +50,8 @@ logger = logging.getLogger("vllm.llmkv_fs.lookup")
 # Below this many keys a batch is checked inline on the lookup thread:
 # handing tiny batches to the executor costs more than it saves.
 _PARALLEL_MIN_KEYS = 8
+# Bound of the remembered misses: ~100 bytes a key, so at most ~6 MiB.
+_MAX_REMEMBERED_MISSES = 1 << 16
 
 
 class _State:
@@ -62,9 +72,14 @@ class AsyncExistence:
         n_threads: int,
         name: str = "llmkv_fs",
         timeout: float = 5.0,
+        miss_for_s: float = 60.0,
     ):
         self._exists = exists
         self._timeout = timeout
+        self._miss_for_s = miss_for_s
+        # key -> monotonic time its remembered miss ends; insertion order is
+        # expiry order (one duration for all), so the oldest is first.
+        self._misses: collections.OrderedDict[bytes, float] = collections.OrderedDict()
         self._batch_ids = itertools.count()
         # Posted, unanswered batches in posting order: [id, posted, batch, expired].
         self._unanswered: collections.deque[list] = collections.deque()
@@ -98,7 +113,10 @@ class AsyncExistence:
             state = _State(self._next_generation)
             self._next_generation += 1
             self._states[key] = state
-            self._batch.append((key, state.generation))
+            if self._misses and self._remembered_miss(key):
+                state.verdict = False  # no probe: the file would fail again
+            else:
+                self._batch.append((key, state.generation))
         if request_id not in state.requests:
             state.requests.add(request_id)
             self._request_keys.setdefault(request_id, set()).add(key)
@@ -149,12 +167,47 @@ class AsyncExistence:
         now = time.monotonic() if now is None else now
         return bool(self._unanswered) and self._unanswered[0][1] + self._timeout <= now
 
+    def remember_misses(self, keys: Iterable[bytes], now: float | None = None) -> None:
+        """These keys' loads failed and would fail again: MISS, without a
+        probe, for ``miss_for_s`` seconds (see the module doc)."""
+        keys = list(keys)
+        self.set_verdict(keys, False)
+        until = (time.monotonic() if now is None else now) + self._miss_for_s
+        misses = self._misses
+        for key in keys:
+            misses.pop(key, None)
+            misses[key] = until
+        while len(misses) > _MAX_REMEMBERED_MISSES:
+            misses.popitem(last=False)
+
+    def _remembered_miss(self, key: bytes) -> bool:
+        until = self._misses.get(key)
+        if until is None:
+            return False
+        now = time.monotonic()
+        if until > now:
+            return True
+        # Expired: drop it and every older entry (they expired first).
+        misses = self._misses
+        while misses:
+            oldest, oldest_until = next(iter(misses.items()))
+            if oldest_until > now:
+                break
+            del misses[oldest]
+        return False
+
+    def remembered_misses(self) -> int:
+        return len(self._misses)
+
     def set_verdict(self, keys: Iterable[bytes], verdict: bool) -> None:
         """Force what the next lookups of these keys say (a load failed: False;
-        a store landed: True). Keys nobody is looking up are ignored."""
+        a store landed: True, except for a remembered miss: a store finds the
+        unreadable file present). Keys nobody is looking up are ignored."""
         for key in keys:
             state = self._states.get(key)
             if state is None:
+                continue
+            if verdict and self._misses and self._remembered_miss(key):
                 continue
             if state.in_flight:
                 state.override = verdict

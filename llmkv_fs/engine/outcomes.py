@@ -22,6 +22,7 @@ from llmkv_fs.layout.blockfile import BlockFileError, Corruption
 __all__ = [
     "CANCELLED",
     "DEADLINE",
+    "SKIPPED",
     "Abandoned",
     "BlockMissing",
     "BlockNotMoved",
@@ -31,6 +32,7 @@ __all__ = [
     "Failed",
     "Failure",
     "LookupAnswer",
+    "NoChecksum",
     "Outcome",
     "StoreRefused",
     "Tally",
@@ -58,8 +60,11 @@ class Outcome(_CounterKeyEnum):
 
     WRITTEN = "written"  # store: published a new file
     PRESENT = "present"  # store: a valid-sized file was already there
-    VERIFIED = "verified"  # load: trailer, length, key and checksum checked
-    UNVERIFIED = "unverified"  # load: trailer-less file (vLLM's built-in wrote it)
+    VERIFIED = "verified"  # load: trailer, length, key and payload checksum checked
+    # load: served without a checksum check -- a trailer-less file (vLLM's
+    # built-in wrote it), a file written with checksum: false, or this reader
+    # has checksum: false. Never counted as verified.
+    UNVERIFIED = "unverified"
 
     @property
     def direction(self) -> Direction:
@@ -79,6 +84,13 @@ class Failure(_CounterKeyEnum):
     DEADLINE = "deadline"  # the job passed job_timeout_s
     ERROR = "error"  # any other exception (logged, throttled)
     CANCELLED = "cancelled"  # never started: the engine shut down
+    # load: the file has no payload checksum (written with checksum: false)
+    # and this reader wants one; refused without accept_trailerless, left in place
+    NO_CHECKSUM = "no_checksum"
+    # load: an earlier block of the same job failed. vLLM can use only the
+    # blocks before the first failure (its built-in stops there), so the rest
+    # is not read, or, if already in flight on another thread, not delivered
+    SKIPPED = "skipped"
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -95,6 +107,7 @@ BlockResult: TypeAlias = Outcome | Failed
 # Shared results of blocks failed without running (no allocation per block).
 CANCELLED = Failed(Failure.CANCELLED)
 DEADLINE = Failed(Failure.DEADLINE)
+SKIPPED = Failed(Failure.SKIPPED)
 
 
 class BlockNotMoved(Exception):
@@ -115,6 +128,13 @@ class Abandoned(BlockNotMoved):
     the temp file was removed instead of published."""
 
     failure = Failure.DEADLINE
+
+
+class NoChecksum(BlockNotMoved):
+    """The block file carries no payload checksum and the reader wants one
+    (see ``accept_trailerless``). Not corrupt: it stays where it is."""
+
+    failure = Failure.NO_CHECKSUM
 
 
 class StoreRefused(BlockNotMoved):

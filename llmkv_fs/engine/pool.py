@@ -15,6 +15,15 @@ Threading rules
   writer) and append the job to the finished deque after its last block.
 * ``drain`` and ``shutdown`` block the caller; they are for reset and exit.
 
+A failed load block ends its job
+--------------------------------
+vLLM can use only the blocks of a load job before the first one that failed,
+in key order (its built-in fs tier stops reading there). So when a load block
+fails, the job's blocks no thread has taken yet are not read: they finish at
+once as SKIPPED. Blocks already in flight on other threads run to the end
+(a read cannot be cut short); the owner decides from the outcomes, in key
+order, which of them count as loaded (engine.py).
+
 Deadlines
 ---------
 ``expire_overdue`` (owner side) fails a job that has passed its deadline:
@@ -37,7 +46,7 @@ from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 from llmkv_fs.engine.numa import pin_current_thread
-from llmkv_fs.engine.outcomes import CANCELLED, DEADLINE, BlockResult, Failed, failed
+from llmkv_fs.engine.outcomes import CANCELLED, DEADLINE, SKIPPED, BlockResult, Failed, failed
 
 __all__ = ["IoJob", "IoPool", "QueueFull"]
 
@@ -347,6 +356,8 @@ class IoPool:
                 outcome = self._execute(job, index)
             except Exception as exc:  # recorded per block; never kills the thread
                 outcome = failed(_without_tracebacks(exc))
+            if job.is_load and isinstance(outcome, Failed):
+                self._skip_rest(job)
             finishes, was_stuck = job._block_done(index, outcome)
             with self._cond:
                 self._busy_threads -= 1
@@ -355,6 +366,17 @@ class IoPool:
             if finishes:
                 self._publish(job)
             del job, outcome
+
+    def _skip_rest(self, job: IoJob) -> None:
+        """A load block failed: the blocks of ``job`` no thread has taken
+        (all after the failed one: blocks are taken in key order) finish as
+        SKIPPED, unread. The caller's own block is still counted as running,
+        so this never reports the job."""
+        with self._cond:
+            skipped = self._unqueue(job)
+            if skipped:
+                with job._lock:
+                    job._fail(skipped, SKIPPED)
 
     def _publish(self, job: IoJob) -> None:
         self._finished.append(job)

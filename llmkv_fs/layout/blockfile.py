@@ -7,6 +7,12 @@ vLLM's reader reads only the first ``block_size`` bytes, so our files stay
 readable by it; a file of exactly ``block_size`` bytes (written by vLLM) is
 accepted by ours as *unverified*.
 
+A writer with ``checksum: false`` writes the same trailer with flags 0 and a
+zero checksum field: length and key are still there, the payload is not
+protected. A reader never counts such a block as verified; one that wants
+checksums refuses it unless it accepts unverified blocks
+(``accept_trailerless``).
+
 Trailer (little-endian, rest of the page zero)::
 
     0   8s  magic  b"LLMKVFS\\x00"
@@ -78,6 +84,8 @@ class BlockFileError(Exception):
         super().__init__(f"{reason}: {detail}")
         self.reason = reason
         self.quarantined_to: str | None = None  # set by whoever moved the file aside
+        # Why it was not moved aside, when it was not (for the log).
+        self.left_because = "not moved aside"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -193,11 +193,12 @@ def check_block(rank_dir: str, path: str, lst: os.stat_result, chunk: int) -> Re
         n = result.nbytes = read_all(fd, [payload, scratch])
         if n == chunk + TRAILER_SIZE:
             try:
-                verify_block(payload, scratch[:TRAILER_SIZE], key, verify_checksum=True)
+                trailer = verify_block(payload, scratch[:TRAILER_SIZE], key, verify_checksum=True)
             except BlockFileError as exc:
                 result.reason, result.detail = exc.reason, str(exc)
                 return result
-            result.status = VERIFIED
+            # Written with checksum: false: key and length only, never "verified".
+            result.status = VERIFIED if trailer.has_checksum else UNVERIFIED
         elif n == chunk:
             result.status = UNVERIFIED  # vLLM's built-in tier wrote it
         else:

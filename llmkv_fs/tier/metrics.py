@@ -83,7 +83,9 @@ METRICS = {
             "loaded_blocks",
             "counter",
             "Blocks loaded into the CPU tier, by verification: verified (trailer and "
-            "checksum) or unverified (trailer-less file of vLLM's built-in tier).",
+            "checksum) or unverified (no checksum checked: a trailer-less file of "
+            "vLLM's built-in tier, a block written with checksum off, or this reader "
+            "has checksum off).",
             "verification",
         ),
         _m(
@@ -96,8 +98,9 @@ METRICS = {
         _m(
             "load_failures",
             "counter",
-            "Load blocks not delivered, by reason: missing, corrupt, deadline, "
-            "stalled, volume_failed, error, cancelled.",
+            "Load blocks not delivered, by reason: missing, corrupt, no_checksum, "
+            "skipped (an earlier block of the job failed), deadline, stalled, "
+            "volume_failed, error, cancelled.",
             "reason",
         ),
         _m(

@@ -1,0 +1,140 @@
+"""A load job delivers only the blocks before its first failure, in key
+order, as vLLM's built-in fs tier does (its batch load stops at the first
+bad block and reports the ones before it as ``successful_keys``): blocks no
+thread has started are not read, blocks read anyway on another thread are
+not delivered and not counted as read bytes.
+"""
+
+import os
+import threading
+
+import pytest
+from vllm.v1.kv_offload.base import LookupResult
+
+from llmkv_fs.engine import Direction, Failure, Outcome, Tally
+from llmkv_fs.layout.blockfile import Corruption
+
+from engine_kit import BS, pattern, row, store_blocks, wait_jobs, wait_until
+from engine_kit import make_key as engine_key
+from harness import Replica, builtin, make_keys, offloading_config, ours, payload_for
+from matrix_kit import lookup_until, served
+
+HIT, MISS, HIT_PENDING = LookupResult.HIT, LookupResult.MISS, LookupResult.HIT_PENDING
+
+
+def flip_bit(path: str, offset: int = 12345) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)[0]
+        f.seek(offset)
+        f.write(bytes([byte ^ 0x10]))
+
+
+def test_engine_stops_a_load_job_at_its_first_bad_block(disk_root, engines, gate_for):
+    # Two I/O threads. Blocks 2 (bad) and 3 are held on their threads until
+    # both are in flight; block 2 then fails while 3 is still being read.
+    engine, layout, primary = engines(disk_root, n_blocks=16, n_read_threads=1, n_write_threads=1)
+    ids = list(range(6))
+    store_blocks(engine, primary, 1, ids, ids)
+    keys = [engine_key(i) for i in ids]
+    flip_bit(layout.block_path(keys[2]))
+    primary[:] = bytes(len(primary))
+
+    gate = gate_for(engine)
+    hold_bad, hold_next = threading.Event(), threading.Event()
+    gate.extra_wait = {keys[2]: hold_bad, keys[3]: hold_next}
+    gate.open()
+    assert engine.submit_load(2, keys, [10, 11, 12, 13, 14, 15])
+    gate.wait_entered(4)  # blocks 0-3 taken; both threads busy on 2 and 3
+    hold_bad.set()
+    # The failure took blocks 4 and 5 off the queue, unread.
+    wait_until(lambda: engine.gauges()["queued_load_blocks"] == 0, "the rest to be skipped")
+    hold_next.set()
+    job = wait_jobs(engine, [2])[2]
+
+    loaded = [k for _thread, kind, k in gate.entries if kind == "load"]
+    assert sorted(loaded) == sorted(keys[:4])  # 4 and 5 never read
+    assert job.succeeded == keys[:2] and job.failed == keys[2:]
+    assert job.nbytes == 2 * BS and not job.success
+    assert row(primary, 10) == pattern(0) and row(primary, 11) == pattern(1)
+    c = engine.counters
+    assert c[Outcome.VERIFIED] == 2  # block 3 was read and verified, but not delivered
+    assert c[Tally.BYTES_READ] == 2 * BS
+    assert c[Direction.LOAD, Failure.CORRUPT] == 1 and c[Corruption.BAD_CHECKSUM] == 1
+    assert c[Direction.LOAD, Failure.SKIPPED] == 3  # 3 (read, discarded), 4 and 5 (unread)
+    assert job.quarantined == [keys[2]]
+    assert not os.path.lexists(layout.block_path(keys[2]))
+    for key in (keys[0], keys[1], keys[3], keys[4], keys[5]):
+        assert os.path.exists(layout.block_path(key))  # skipped blocks are not bad
+
+
+def test_a_later_failure_in_the_job_keeps_its_own_reason(disk_root, engines):
+    # One thread: blocks run in key order; the failure stops the job at once.
+    engine, _layout, primary = engines(disk_root, n_blocks=8, n_read_threads=1, n_write_threads=1)
+    store_blocks(engine, primary, 1, [0, 2], [0, 2])
+    keys = [engine_key(i) for i in range(4)]  # 1 and 3 were never stored
+    assert engine.submit_load(2, keys, [4, 5, 6, 7])
+    job = wait_jobs(engine, [2])[2]
+    assert job.succeeded == keys[:1] and job.failed == keys[1:]
+    c = engine.counters
+    assert c[Direction.LOAD, Failure.MISSING] + c[Direction.LOAD, Failure.SKIPPED] == 3
+    assert c[Direction.LOAD, Failure.MISSING] >= 1
+    assert c[Tally.BYTES_READ] == BS
+
+
+def _start(replicas, tier):
+    replica = Replica(offloading_config(tiers=[tier]))
+    replicas.append(replica)
+    return replica
+
+
+@pytest.mark.parametrize("tier", ["builtin", "ours"])
+def test_a_block_gone_mid_job_keeps_only_the_prefix_like_vllms_builtin(disk_root, replicas, tier):
+    """The same request through vLLM's TieringOffloadingManager, with vLLM's
+    own fs tier and with ours: one file of four vanishes between the lookup
+    and the load. Both keep exactly the block before it."""
+    make = builtin if tier == "builtin" else ours
+    writer = _start(replicas, make(disk_root))
+    keys = make_keys(4, seed=f"prefix-{tier}")
+    writer.store(keys)
+    reader = _start(replicas, make(disk_root))
+    ctx = reader.new_request()
+    assert set(lookup_until(reader, keys, ctx).values()) == {HIT_PENDING}
+    tier_obj = writer.tier
+    gone = (
+        tier_obj.file_mapper.get_file_name(keys[1])
+        if tier == "builtin"
+        else tier_obj.layout.block_path(keys[1])
+    )
+    os.unlink(gone)
+
+    final, _ = reader.find(keys, ctx)
+    assert final == {keys[0]: HIT, keys[1]: MISS, keys[2]: MISS, keys[3]: MISS}
+    assert served(reader, keys, final, ctx) == (1, 0)
+    if tier == "ours":
+        c = reader.tier.engine.counters
+        assert c[Direction.LOAD, Failure.MISSING] == 1
+        assert c[Direction.LOAD, Failure.SKIPPED] == 2
+        assert c[Outcome.VERIFIED] == 1
+        assert c[Tally.BYTES_READ] == reader.row_bytes
+
+
+def test_bit_flip_mid_job_through_vllm_keeps_the_prefix(disk_root, replicas):
+    writer = _start(replicas, ours(disk_root))
+    keys = make_keys(4, seed="prefix-flip")
+    writer.store(keys)
+    flip_bit(writer.tier.layout.block_path(keys[1]))
+    reader = _start(replicas, ours(disk_root))
+    ctx = reader.new_request()
+    final, _ = reader.find(keys, ctx)
+    assert final == {keys[0]: HIT, keys[1]: MISS, keys[2]: MISS, keys[3]: MISS}
+    assert reader.read_primary(keys[0], ctx) == payload_for(keys[0], reader.row_bytes)
+    c = reader.tier.engine.counters
+    assert c[Corruption.BAD_CHECKSUM] == 1
+    assert c[Direction.LOAD, Failure.SKIPPED] == 2
+    assert c[Tally.BYTES_READ] == reader.row_bytes
+    # The skipped blocks are fine: once that request is gone (its verdicts
+    # go with it), a fresh one finds and loads them.
+    reader.finish_request(ctx)
+    final, _ = reader.find(keys[2:])
+    assert final == {keys[2]: HIT, keys[3]: HIT}
