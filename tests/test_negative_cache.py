@@ -1,11 +1,12 @@
 """A key whose load failed in a way that would repeat answers MISS to new
 requests for ``failed_load_miss_s``, without being read again: a bad file
-that could not be moved aside (its quarantine directory cannot be created)
+that could not be moved aside (its quarantine directory is read-only)
 and a file the kernel answers with EIO. Real files, a real loop-mounted
 ext4 shut down under the engine.
 """
 
 import os
+import subprocess
 import time
 
 from llmkv_fs.config import SETTINGS
@@ -57,16 +58,23 @@ def test_bad_file_that_cannot_be_quarantined_is_a_miss_for_a_while(disk_root, en
     store_blocks(engine, primary, 0, ["bad"], [0])
     key = make_key("bad")
     flip_bit(layout.block_path(key))
-    with open(layout.quarantine_dir, "w") as f:  # a file where the directory must go
-        f.write("planted")
-    loaded = count_loads(engine, monkeypatch)
+    # The quarantine directory is a read-only mount of its own: the move
+    # aside fails (EXDEV/EROFS) the way it does on a volume gone read-only.
+    qdir = layout.quarantine_dir
+    os.makedirs(qdir)
+    subprocess.run(["mount", "--bind", qdir, qdir], check=True)
+    try:
+        subprocess.run(["mount", "-o", "remount,bind,ro", qdir], check=True)
+        loaded = count_loads(engine, monkeypatch)
 
-    fails_then_misses(engine, key, loaded)
-    c = engine.counters
-    assert c[Direction.LOAD, Failure.CORRUPT] == 1 and c[Corruption.BAD_CHECKSUM] == 1
-    assert c[Direction.LOAD, Failure.ERROR] == 0  # still a bad file, not an I/O error
-    assert os.path.exists(layout.block_path(key))  # left in place
-    assert os.path.isfile(layout.quarantine_dir)
+        fails_then_misses(engine, key, loaded)
+        c = engine.counters
+        assert c[Direction.LOAD, Failure.CORRUPT] == 1 and c[Corruption.BAD_CHECKSUM] == 1
+        assert c[Direction.LOAD, Failure.ERROR] == 0  # still a bad file, not an I/O error
+        assert os.path.exists(layout.block_path(key))  # left in place
+        assert os.listdir(qdir) == []
+    finally:
+        subprocess.run(["umount", "-l", qdir], check=False)
 
 
 def test_a_block_answering_eio_is_a_miss_for_a_while(tmp_path, engines, monkeypatch):
