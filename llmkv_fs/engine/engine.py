@@ -61,10 +61,13 @@ _SPACE_ERRNOS = frozenset((errno.ENOSPC, errno.EDQUOT))
 # Lookups are one metadata call each; one that waits this long (or the job
 # deadline, if shorter) means the volume is not answering.
 _LOOKUP_TIMEOUT_CAP_S = 5.0
-# Memory-backed volumes, where a load is a memcpy: hash in L2-sized pieces
-# (measured on tmpfs, 2 cores: the checksum's cost fell from ~15 % to ~5 %).
+# Memory-backed volumes, where a load is a memcpy: hash each piece while it
+# is still in cache (measured on tmpfs, 2 cores: the checksum's cost fell
+# from ~15 % to ~5 % with 256 KiB pieces). 1 MiB pieces (half an L2 of the
+# 2-core VM and of an H100 host's cores) keep that and make a 2 MiB load
+# 4 syscalls instead of 11 (issue 12; docs/benchmarks.md).
 _MEMORY_FS = frozenset(("tmpfs", "ramfs"))
-_HASH_CHUNK = 256 << 10
+_HASH_CHUNK = 1 << 20
 
 
 @dataclasses.dataclass(frozen=True)
