@@ -349,6 +349,9 @@ class BlockIO:
         self._stamped[path] = now
         self._stamp_queue.append(path)
 
+    def has_queued_stamps(self) -> bool:
+        return bool(self._stamp_queue)
+
     def apply_access_stamps(self) -> int:
         """Set atime and mtime of every queued path to now (housekeeping
         thread). atime under relatime/noatime says nothing, hence explicit.

@@ -44,6 +44,8 @@ from llmkv_fs.engine.outcomes import (
     Tally,
 )
 from llmkv_fs.engine.pool import IoJob, IoPool, QueueFull
+from llmkv_fs.engine.procpool import ProcPool, WorkerSpec, resolve_io_workers
+from llmkv_fs.engine.region import NoHandover, find_handover
 from llmkv_fs.engine.space import SpaceGuard
 from llmkv_fs.engine.volume import EngineError, prepare_volume
 from llmkv_fs.layout.blockfile import BlockFileError
@@ -183,7 +185,9 @@ class FsEngine:
         self.job_latencies: dict[Direction, list[float]] = {d: [] for d in Direction}
         self._rejected: list[FinishedJob] = []
         self._stalled = False  # as of the last stalled() (lookups read this)
-        self._pool = IoPool(
+        self._handover = None
+        self.io_workers = 0  # worker processes in use (0: I/O threads)
+        self._pool: IoPool | ProcPool = self._start_workers() or IoPool(
             self._execute,
             settings.n_read_threads,
             settings.n_write_threads,
@@ -196,12 +200,12 @@ class FsEngine:
             timeout=min(settings.job_timeout_s, _LOOKUP_TIMEOUT_CAP_S),
         )
         logger.info(
-            "llmkv_fs engine: %s, %s I/O, %d read + %d write threads, durability=%s, "
-            "checksum=%s, numa: %s",
+            "llmkv_fs engine: %s, %s I/O, %s, durability=%s, checksum=%s, numa: %s",
             layout.rank_dir,
             "O_DIRECT" if self.use_o_direct else "buffered",
-            settings.n_read_threads,
-            settings.n_write_threads,
+            f"{self.io_workers} worker processes"
+            if self.io_workers
+            else f"{settings.n_read_threads} read + {settings.n_write_threads} write threads",
             settings.durability,
             settings.checksum,
             self.pinning.reason,
@@ -230,7 +234,41 @@ class FsEngine:
             )
         return works
 
+    # -- worker processes (issue 12) ---------------------------------------------------
+
+    def _start_workers(self) -> ProcPool | None:
+        """A ProcPool when io_workers asks for processes and the primary can
+        be handed over; else None (threads), with the reason logged once."""
+        wanted = resolve_io_workers(self.settings.io_workers)
+        if not wanted:
+            return None
+        try:
+            self._handover = find_handover(self._flat)
+            pool = ProcPool(
+                WorkerSpec(self._handover, self.layout, self.blockio.options, self.pinning.cpus),
+                wanted,
+                self.settings.max_pending_store_blocks,
+                self._admit_store,
+                self._note_error,
+            )
+        except (NoHandover, OSError, RuntimeError) as exc:
+            if self._handover is not None:
+                self._handover.close()
+                self._handover = None
+            logger.warning("llmkv_fs: I/O worker processes not used (%s); using threads", exc)
+            return None
+        self.io_workers = wanted
+        return pool
+
     # -- I/O threads -----------------------------------------------------------------
+
+    def _admit_store(self) -> None:
+        if not self.guard.allows_store():
+            raise StoreRefused(self.guard.reason)
+
+    def _note_error(self, exc: BaseException) -> None:
+        if isinstance(exc, OSError) and exc.errno in _SPACE_ERRNOS:
+            self.guard.saw_enospc()
 
     def _execute(self, job: IoJob, index: int) -> BlockResult:
         chunk = job.chunks[index]
@@ -241,13 +279,11 @@ class FsEngine:
         row = self._flat[start : start + self.block_size]
         if job.is_load:
             return self.blockio.load(job.keys[index], row)
-        if not self.guard.allows_store():
-            raise StoreRefused(self.guard.reason)
+        self._admit_store()
         try:
             return self.blockio.store(job.keys[index], row, job.still_wanted)
         except OSError as exc:
-            if exc.errno in _SPACE_ERRNOS:
-                self.guard.saw_enospc()
+            self._note_error(exc)
             raise
 
     # -- owner side --------------------------------------------------------------------
@@ -399,6 +435,8 @@ class FsEngine:
         started = time.monotonic()
         self._lookups.shutdown()
         self._pool.shutdown()
+        if self._handover is not None:
+            self._handover.close()
         self.housekeeping.stop()
         # Our view pins the primary mmap; vLLM unmaps it right after us.
         self._flat.release()
