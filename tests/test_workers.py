@@ -266,6 +266,24 @@ def test_a_load_past_its_deadline_waits_for_its_held_blocks(root):
         engine.shutdown()
 
 
+def test_a_load_stops_at_its_first_failed_block(root):
+    primary = memfd_primary()
+    engine = start(root, primary, workers=1)  # one worker holds at most 2 blocks
+    try:
+        ids = [i for i in range(10) if i != 2]
+        assert not store_all(engine, primary, ids).failed
+        keys = [make_key(i) for i in range(10)]
+        engine.submit_load(2, keys, list(range(10)))
+        job = wait_jobs(engine, [2])[2]
+        # Block 2 is missing; when its failure came back the worker held at
+        # most block 3 as well, so blocks 4.. were never read.
+        assert {keys[2], *keys[4:]} <= set(job.failed) <= {keys[2], *keys[3:]}
+        assert engine.counters[Direction.LOAD, Failure.MISSING] == 1
+        assert engine.counters[Direction.LOAD, Failure.CANCELLED] >= 6
+    finally:
+        engine.shutdown()
+
+
 def test_workers_die_with_their_engine_process(root):
     script = textwrap.dedent(
         f"""

@@ -30,6 +30,7 @@ Threading: single-threaded.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import mmap
@@ -151,7 +152,8 @@ def _run(blockio, board, op, slot, key, primary, chunk, block_size) -> bytes:
     except Exception as exc:  # reported per block; never ends the worker
         return _encode(slot, exc)
     finally:
-        row.release()
+        with contextlib.suppress(BufferError):  # a view still exported: freed with it
+            row.release()
     return RESULT.pack(slot, OUTCOME_CODES.index(outcome), 0, 0, 0)
 
 
