@@ -45,7 +45,7 @@ from llmkv_fs.engine.outcomes import (
 )
 from llmkv_fs.engine.pool import IoJob, IoPool, QueueFull
 from llmkv_fs.engine.procpool import ProcPool, WorkerSpec, resolve_io_workers
-from llmkv_fs.engine.region import NoHandover, find_handover
+from llmkv_fs.engine.region import NoHandover, RegionHandover, find_handover
 from llmkv_fs.engine.space import SpaceGuard
 from llmkv_fs.engine.volume import EngineError, prepare_volume
 from llmkv_fs.layout.blockfile import BlockFileError
@@ -185,7 +185,7 @@ class FsEngine:
         self.job_latencies: dict[Direction, list[float]] = {d: [] for d in Direction}
         self._rejected: list[FinishedJob] = []
         self._stalled = False  # as of the last stalled() (lookups read this)
-        self._handover = None
+        self._handover: RegionHandover | None = None
         self.io_workers = 0  # worker processes in use (0: I/O threads)
         self._pool: IoPool | ProcPool = self._start_workers() or IoPool(
             self._execute,
@@ -243,9 +243,9 @@ class FsEngine:
         if not wanted:
             return None
         try:
-            self._handover = find_handover(self._flat)
+            self._handover = handover = find_handover(self._flat)
             pool = ProcPool(
-                WorkerSpec(self._handover, self.layout, self.blockio.options, self.pinning.cpus),
+                WorkerSpec(handover, self.layout, self.blockio.options, self.pinning.cpus),
                 wanted,
                 self.settings.max_pending_store_blocks,
                 self._admit_store,

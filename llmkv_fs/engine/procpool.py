@@ -527,7 +527,7 @@ class ProcPool:
                     worker.held[slot] = None
                     self._held_blocks -= 1
                     if held is not None:
-                        self._block_done(*held, outcome)
+                        self._block_done(held[0], held[1], outcome)
         return True
 
     def _block_done(self, job: IoJob, index: int, outcome: BlockResult) -> None:

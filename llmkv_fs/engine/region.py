@@ -103,7 +103,7 @@ def _read_maps() -> list[_Mapping]:
 
 
 def _held_fds() -> dict[tuple[int, int], int]:
-    held = {}
+    held: dict[tuple[int, int], int] = {}
     for name in os.listdir("/proc/self/fd"):
         with contextlib.suppress(OSError, ValueError):
             st = os.fstat(int(name))
