@@ -8,7 +8,7 @@
 # engine.json / engine.txt (threads vs worker processes, 1-16 per side, idle
 # and with the scheduler stand-in, plus the C reference at each point),
 # engine_nochecksum.* (8 per side, checksums off, both modes and C),
-# memory.json (worker page tables and start-up time against region size).
+# memory.json (worker page tables and start-up time against region size: 1, 4, 8 GiB).
 set -euo pipefail
 OUT=${OUT:?set OUT to a directory}
 mkdir -p "$OUT"
@@ -28,6 +28,6 @@ timeout 60 $PY tools/bench_engine.py --dir "$MEDIUM" --mode threads --mode worke
     --numa auto --per-side 8 --blocks 512 --rounds 2 --no-checksum \
     --reference "$OUT/ref_blockio" --json "$OUT/engine_nochecksum.json" \
     | tee "$OUT/engine_nochecksum.txt"
-timeout 90 $PY tools/worker_memory.py --dir "$MEDIUM" --gib 1 --gib 4 --gib 16 \
+timeout 90 $PY tools/worker_memory.py --dir "$MEDIUM" --gib 1 --gib 4 --gib 8 \
     --json "$OUT/memory.json" | tee "$OUT/memory.txt"
 rm -rf "$MEDIUM"
