@@ -210,6 +210,18 @@ def _numa_node(key: str, value: Any) -> str | int:
     raise _fail(key, value, _NUMA_EXPECTED)
 
 
+IO_WORKERS_MAX = 256
+
+
+@_accepts(f'"auto" or an integer in [0, {IO_WORKERS_MAX}]')
+def _io_workers(key: str, value: Any) -> str | int:
+    if value == "auto":
+        return value
+    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= IO_WORKERS_MAX:
+        return value
+    raise _fail(key, value, f'"auto" or an integer in [0, {IO_WORKERS_MAX}]')
+
+
 def _declare(
     doc: str, check: Callable[[str, Any], Any], *, vllm_builtin: bool = False
 ) -> dict[str, _Declared]:
@@ -325,6 +337,22 @@ class TierSettings:
             "primary buffer (multi-node machines only); an integer: that node; "
             '"off": never pin.',
             _numa_node,
+        ),
+    )
+    io_workers: str | int = dataclasses.field(
+        default="auto",
+        metadata=_declare(
+            "Where blocks are moved. 0: on n_read_threads + n_write_threads threads "
+            "inside vLLM's engine-core process (sharing its GIL). N: in N worker "
+            "processes that map the CPU tier themselves (half of them load-first, "
+            "half store-first; the thread counts are then unused); each costs "
+            "about 2 MiB of page tables per GiB of CPU tier it touches. auto: "
+            "processes when the process may use at least 6 CPUs (that many minus 2, "
+            "for the scheduler and the conductor thread; at most 16; see "
+            "docs/benchmarks.md), else threads. Processes need the "
+            "CPU tier as shared memory (vLLM's is); otherwise threads are used and "
+            "the log says why.",
+            _io_workers,
         ),
     )
     max_pending_store_blocks: int = dataclasses.field(

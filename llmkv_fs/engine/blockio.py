@@ -54,6 +54,7 @@ __all__ = ["Abandoned", "BlockIO", "BlockMissing", "IoOptions", "Outcome", "prob
 O_DIRECT = getattr(os, "O_DIRECT", 0)
 _PAGE = mmap.PAGESIZE
 _STAMP_MEMORY = 1 << 16  # paths remembered for stamp rate limiting
+_KNOWN_DIRS_MAX = 1 << 16  # fan-out directories remembered (a few MiB at most)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,19 +109,24 @@ def probe_o_direct(directory: str) -> bool:
 
 def _read_hashing(fd: int, row: memoryview, scratch: memoryview, piece: int) -> tuple[int, int]:
     """Read the payload into ``row`` ``piece`` bytes at a time, hashing each
-    piece right after its read, then the trailer pages into ``scratch``.
-    Returns (bytes read, xxh3-64 of the payload); a short payload stops the
-    read (the caller judges the length, the digest is then meaningless)."""
+    piece right after its read; the trailer pages ride along with the last
+    piece (one syscall fewer). Returns (bytes read, xxh3-64 of the payload);
+    a short read stops it (the caller judges the length, the digest is then
+    meaningless)."""
     hasher = xxhash.xxh3_64()
     done = 0
     size = row.nbytes
     while done < size:
-        n = os.preadv(fd, [row[done : done + piece]], done)
+        end = done + piece
+        if end >= size:
+            n = os.preadv(fd, [row[done:], scratch], done)
+            hasher.update(row[done : min(size, done + n)])
+            return done + n, hasher.intdigest()
+        n = os.preadv(fd, [row[done:end]], done)
         if n == 0:
             return done, hasher.intdigest()
         hasher.update(row[done : done + n])
         done += n
-    done += os.preadv(fd, [scratch], size)
     return done, hasher.intdigest()
 
 
@@ -134,6 +140,12 @@ class BlockIO:
         trailerless = (options.block_size,) if options.accept_trailerless else ()
         self._valid_sizes = frozenset((options.block_size + TRAILER_SIZE, *trailerless))
         self._chmod_files = needs_chmod(options.file_mode)
+        self._chmod_dirs = needs_chmod(options.dir_mode)
+        # Fan-out directories this process created or wrote into: a store
+        # there opens its temp file at once. Shared by the I/O threads (set
+        # operations are atomic under the GIL); a stale entry (gc pruned the
+        # directory) costs one failed open, then the careful path.
+        self._known_dirs: set[str] = set()
         self._hash_while_reading = bool(
             options.checksum
             and options.hash_chunk
@@ -157,6 +169,9 @@ class BlockIO:
         if scratch is None:
             scratch = memoryview(mmap.mmap(-1, 2 * _PAGE))
             self._local.pages = scratch
+            # The temp-name nonce: threading.get_native_id() is a gettid
+            # syscall on every call, so it is taken once per thread.
+            self._local.nonce = f"{threading.get_native_id():x}"
         return scratch
 
     def _open_flags(self, base: int) -> int:
@@ -199,7 +214,7 @@ class BlockIO:
         trailer = self._scratch()[:TRAILER_SIZE]
         checksum = payload_checksum(row) if opts.checksum else None
         pack_trailer(trailer, key, row.nbytes, checksum, time.time_ns())
-        tmp = temp_path(path, self._host, self._pid, f"{threading.get_native_id():x}")
+        tmp = temp_path(path, self._host, self._pid, self._local.nonce)
         fd = self._create_temp(tmp)
         try:
             try:
@@ -226,17 +241,32 @@ class BlockIO:
         return Outcome.WRITTEN
 
     def _create_temp(self, tmp: str) -> int:
-        # replace_leftover: a file under our own temp name was left by a
-        # previous process that had our pid and died mid-write. Nobody else
-        # can own it.
-        fd = create_in_dir(
-            tmp,
-            self._open_flags(os.O_WRONLY | os.O_CREAT | os.O_EXCL),
-            self.options.file_mode,
-            self.options.dir_mode,
-            replace_leftover=True,
-            root=self.options.root,
-        )
+        flags = self._open_flags(os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+        directory = tmp[: tmp.rindex("/")]
+        fd = -1
+        if directory in self._known_dirs:
+            # The common case once a fan-out directory exists: one open.
+            with contextlib.suppress(FileNotFoundError, FileExistsError):
+                fd = os.open(tmp, flags, self.options.file_mode)
+        elif self._make_leaf(directory):
+            with contextlib.suppress(FileNotFoundError, FileExistsError):
+                fd = os.open(tmp, flags, self.options.file_mode)
+        if fd < 0:
+            # A directory gc pruned meanwhile, a missing parent, a leftover
+            # under our own temp name (a dead predecessor with our pid):
+            # the careful path. replace_leftover: nobody else owns the name.
+            self._known_dirs.discard(directory)
+            fd = create_in_dir(
+                tmp,
+                flags,
+                self.options.file_mode,
+                self.options.dir_mode,
+                replace_leftover=True,
+                root=self.options.root,
+            )
+        if len(self._known_dirs) >= _KNOWN_DIRS_MAX:
+            self._known_dirs.clear()
+        self._known_dirs.add(directory)
         if self._chmod_files:
             try:
                 os.fchmod(fd, self.options.file_mode)
@@ -244,6 +274,30 @@ class BlockIO:
                 os.close(fd)
                 raise
         return fd
+
+    def _make_leaf(self, directory: str) -> bool:
+        """Make a block's fan-out directory ``<hhh>/<hh>_g<g>`` without a
+        failing call: its parent first unless known, then the leaf (in a
+        young cache most stores open a new leaf; trying the open first cost
+        a failing open and a failing mkdir). False if the rank directory
+        itself is gone (the caller takes the careful path)."""
+        parent = directory[: directory.rindex("/")]
+        if parent not in self._known_dirs:
+            if not self._mkdir(parent):
+                return False
+            self._known_dirs.add(parent)
+        return self._mkdir(directory)
+
+    def _mkdir(self, directory: str) -> bool:
+        try:
+            os.mkdir(directory, self.options.dir_mode)
+        except FileExistsError:
+            return True
+        except OSError:
+            return False
+        if self._chmod_dirs:
+            os.chmod(directory, self.options.dir_mode)
+        return True
 
     @staticmethod
     def _fsync_dir(directory: str) -> None:
@@ -334,6 +388,9 @@ class BlockIO:
             self._stamped.clear()
         self._stamped[path] = now
         self._stamp_queue.append(path)
+
+    def has_queued_stamps(self) -> bool:
+        return bool(self._stamp_queue)
 
     def apply_access_stamps(self) -> int:
         """Set atime and mtime of every queued path to now (housekeeping

@@ -46,6 +46,8 @@ from llmkv_fs.engine.outcomes import (
     VolumeFailed,
 )
 from llmkv_fs.engine.pool import IoJob, IoPool, QueueFull
+from llmkv_fs.engine.procpool import ProcPool, WorkerSpec, resolve_io_workers
+from llmkv_fs.engine.region import NoHandover, RegionHandover, find_handover
 from llmkv_fs.engine.space import SpaceGuard
 from llmkv_fs.engine.volume import EngineError, prepare_volume
 from llmkv_fs.layout.blockfile import BlockFileError
@@ -64,10 +66,13 @@ _SPACE_ERRNOS = frozenset((errno.ENOSPC, errno.EDQUOT))
 # Lookups are one metadata call each; one that waits this long (or the job
 # deadline, if shorter) means the volume is not answering.
 _LOOKUP_TIMEOUT_CAP_S = 5.0
-# Memory-backed volumes, where a load is a memcpy: hash in L2-sized pieces
-# (measured on tmpfs, 2 cores: the checksum's cost fell from ~15 % to ~5 %).
+# Memory-backed volumes, where a load is a memcpy: hash each piece while it
+# is still in cache (measured on tmpfs, 2 cores: the checksum's cost fell
+# from ~15 % to ~5 % with 256 KiB pieces). 1 MiB pieces (half an L2 of the
+# 2-core VM and of an H100 host's cores) keep that and make a 2 MiB load
+# 4 syscalls instead of 11 (issue 12; docs/benchmarks.md).
 _MEMORY_FS = frozenset(("tmpfs", "ramfs"))
-_HASH_CHUNK = 256 << 10
+_HASH_CHUNK = 1 << 20
 
 
 # Load failures after which the key answers MISS for failed_load_miss_s:
@@ -214,7 +219,9 @@ class FsEngine:
         self._rejected: list[FinishedJob] = []
         self._stalled = False  # as of the last stalled() (lookups read this)
         self._volume_failed = False  # as of the last end_step() (lookups read this)
-        self._pool = IoPool(
+        self._handover: RegionHandover | None = None
+        self.io_workers = 0  # worker processes in use (0: I/O threads)
+        self._pool: IoPool | ProcPool = self._start_workers() or IoPool(
             self._execute,
             settings.n_read_threads,
             settings.n_write_threads,
@@ -228,12 +235,12 @@ class FsEngine:
             miss_for_s=settings.failed_load_miss_s,
         )
         logger.info(
-            "llmkv_fs engine: %s, %s I/O, %d read + %d write threads, durability=%s, "
-            "checksum=%s, numa: %s",
+            "llmkv_fs engine: %s, %s I/O, %s, durability=%s, checksum=%s, numa: %s",
             layout.rank_dir,
             "O_DIRECT" if self.use_o_direct else "buffered",
-            settings.n_read_threads,
-            settings.n_write_threads,
+            f"{self.io_workers} worker processes"
+            if self.io_workers
+            else f"{settings.n_read_threads} read + {settings.n_write_threads} write threads",
             settings.durability,
             settings.checksum,
             self.pinning.reason,
@@ -262,7 +269,41 @@ class FsEngine:
             )
         return works
 
+    # -- worker processes (issue 12) ---------------------------------------------------
+
+    def _start_workers(self) -> ProcPool | None:
+        """A ProcPool when io_workers asks for processes and the primary can
+        be handed over; else None (threads), with the reason logged once."""
+        wanted = resolve_io_workers(self.settings.io_workers)
+        if not wanted:
+            return None
+        try:
+            self._handover = handover = find_handover(self._flat)
+            pool = ProcPool(
+                WorkerSpec(handover, self.layout, self.blockio.options, self.pinning.cpus),
+                wanted,
+                self.settings.max_pending_store_blocks,
+                self._admit_store,
+                self._note_error,
+            )
+        except (NoHandover, OSError, RuntimeError) as exc:
+            if self._handover is not None:
+                self._handover.close()
+                self._handover = None
+            logger.warning("llmkv_fs: I/O worker processes not used (%s); using threads", exc)
+            return None
+        self.io_workers = wanted
+        return pool
+
     # -- I/O threads -----------------------------------------------------------------
+
+    def _admit_store(self) -> None:
+        if not self.guard.allows_store():
+            raise StoreRefused(self.guard.reason)
+
+    def _note_error(self, exc: BaseException) -> None:
+        if isinstance(exc, OSError) and exc.errno in _SPACE_ERRNOS:
+            self.guard.saw_enospc()
 
     def _execute(self, job: IoJob, index: int) -> BlockResult:
         chunk = job.chunks[index]
@@ -275,15 +316,13 @@ class FsEngine:
             raise VolumeFailed(self.layout.root_dir)
         if job.is_load:
             return self.blockio.load(job.keys[index], row)
-        if not self.guard.allows_store():
-            raise StoreRefused(self.guard.reason)
+        self._admit_store()
         try:
             return self.blockio.store(job.keys[index], row, job.still_wanted)
         except RootGone as exc:
             raise VolumeFailed(self.layout.root_dir) from exc
         except OSError as exc:
-            if exc.errno in _SPACE_ERRNOS:
-                self.guard.saw_enospc()
+            self._note_error(exc)
             raise
 
     # -- owner side --------------------------------------------------------------------
@@ -463,6 +502,8 @@ class FsEngine:
         started = time.monotonic()
         self._lookups.shutdown()
         self._pool.shutdown()
+        if self._handover is not None:
+            self._handover.close()
         self.housekeeping.stop()
         # Our view pins the primary mmap; vLLM unmaps it right after us.
         self._flat.release()

@@ -90,6 +90,12 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="ours: fsync policy (the built-in never fsyncs)",
     )
     p.add_argument(
+        "--io-workers",
+        default=None,
+        help='ours: the io_workers setting ("auto", 0 = threads, N processes; default: the '
+        "tier's default)",
+    )
+    p.add_argument(
         "--mixed",
         action="store_true",
         help="also time small loads submitted during a store backlog",
@@ -136,6 +142,12 @@ def _pct(values: list[float], p: float) -> float | None:
     return ordered[max(0, min(len(ordered) - 1, -(-len(ordered) * p // 100) - 1))]
 
 
+def _io_workers(text: str | None) -> dict:
+    if text is None:
+        return {}
+    return {"io_workers": text if text == "auto" else int(text)}
+
+
 class _Bench:
     """Both tiers over one Replica for one (medium, block size, threads)."""
 
@@ -154,7 +166,11 @@ class _Bench:
         cfg = driver.offloading_config(
             tiers=[
                 driver.ours(
-                    self.roots["ours"], checksum=args.checksum, durability=args.durability, **t
+                    self.roots["ours"],
+                    checksum=args.checksum,
+                    durability=args.durability,
+                    **t,
+                    **_io_workers(args.io_workers),
                 ),
                 driver.builtin(self.roots["builtin"], **t),
             ],

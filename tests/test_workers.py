@@ -1,0 +1,333 @@
+"""I/O worker processes (io_workers > 0): the region handed over by fd, real
+SIGKILLs and SIGSTOPs of workers, deadlines through the cancel board, and no
+process left behind. No vLLM; real processes, real files."""
+
+from __future__ import annotations
+
+import ctypes
+import glob
+import mmap
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from llmkv_fs.config import TierConfigError, TierSettings
+from llmkv_fs.engine import Direction, Failure, FsEngine
+from llmkv_fs.engine.procpool import ProcPool, resolve_io_workers
+from llmkv_fs.engine.region import NoHandover, find_handover
+from llmkv_fs.layout.blockfile import verify_block
+from llmkv_fs.layout.paths import CacheLayout
+from tests.engine_kit import BS, IDENTITY, fill, make_key, pattern, row, wait_jobs, wait_until
+
+CHUNKS = 32
+
+
+def memfd_primary(size: int = CHUNKS * BS) -> mmap.mmap:
+    fd = os.memfd_create("llmkv_test_primary", os.MFD_CLOEXEC)
+    os.ftruncate(fd, size)
+    primary = mmap.mmap(fd, size)
+    os.close(fd)  # like vLLM after start-up: only the mapping is left
+    return primary
+
+
+@pytest.fixture
+def root(tmp_path):
+    return str(tmp_path / "vol")
+
+
+def start(root, primary, workers=2, **extra) -> FsEngine:
+    os.makedirs(root, exist_ok=True)
+    settings = TierSettings.from_mapping({"root_dir": root, "io_workers": workers, **extra})
+    engine = FsEngine(settings, CacheLayout.for_identity(root, IDENTITY), primary, BS)
+    assert engine.io_workers == workers
+    return engine
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def pool(engine: FsEngine) -> ProcPool:
+    assert isinstance(engine._pool, ProcPool)
+    return engine._pool
+
+
+def store_all(engine, primary, ids, job_id=1):
+    for i in ids:
+        fill(primary, i, pattern(i))
+    engine.submit_store(job_id, [make_key(i) for i in ids], list(ids))
+    return wait_jobs(engine, [job_id])[job_id]
+
+
+def test_round_trip_in_workers_and_nothing_left_behind(root):
+    primary = memfd_primary()
+    engine = start(root, primary)
+    pids = pool(engine).worker_pids()
+    assert len(pids) == 2 and all(alive(p) for p in pids)
+    assert not store_all(engine, primary, range(8)).failed
+    primary[:] = bytes(len(primary))
+    engine.submit_load(2, [make_key(i) for i in range(8)], list(range(8)))
+    assert not wait_jobs(engine, [2])[2].failed
+    assert all(row(primary, i) == pattern(i) for i in range(8))
+    assert engine.counters[Failure.ERROR] == 0
+    engine.shutdown()
+    assert not any(alive(p) for p in pids)
+
+
+def test_a_private_primary_falls_back_to_threads(root, caplog):
+    os.makedirs(root)
+    settings = TierSettings.from_mapping({"root_dir": root, "io_workers": 2})
+    engine = FsEngine(settings, CacheLayout.for_identity(root, IDENTITY), bytearray(4 * BS), BS)
+    try:
+        assert engine.io_workers == 0
+        assert "I/O worker processes not used" in caplog.text
+    finally:
+        engine.shutdown()
+    with pytest.raises(NoHandover):
+        find_handover(memoryview(bytearray(4 * BS)))
+
+
+def _segmented_primary(tmp_name: str, segments: int) -> tuple[mmap.mmap, int]:
+    """vLLM's multi-segment layout: /dev/shm files mapped back to back with
+    MAP_FIXED, names unlinked, only the first segment's fd kept open."""
+    length = CHUNKS * BS // segments
+    reserve = mmap.mmap(-1, CHUNKS * BS, flags=mmap.MAP_PRIVATE)
+    base = ctypes.addressof(ctypes.c_char.from_buffer(reserve))
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int]
+    libc.mmap.argtypes += [ctypes.c_int, ctypes.c_long]
+    libc.mmap.restype = ctypes.c_void_p
+    first_fd = -1
+    for i in range(segments):
+        path = f"/dev/shm/{tmp_name}.{i}"
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        os.ftruncate(fd, length)
+        got = libc.mmap(base + i * length, length, 3, mmap.MAP_SHARED | 0x10, fd, 0)
+        assert got == base + i * length
+        os.unlink(path)
+        if i:
+            os.close(fd)
+        else:
+            first_fd = fd
+    return reserve, first_fd
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="later segments need /proc/self/map_files (root)")
+def test_multi_segment_region_unlinked_like_vllms(root):
+    primary, first_fd = _segmented_primary(f"llmkv_test_{os.getpid()}", 4)
+    try:
+        handover = find_handover(memoryview(primary))
+        assert len(handover.fds) == 4 and len(handover.segments) == 4
+        assert "fd" in handover.how and "map_files" in handover.how
+        handover.close()
+        engine = start(root, primary)
+        try:
+            ids = range(CHUNKS)  # every segment
+            assert not store_all(engine, primary, ids).failed
+            primary[:] = bytes(len(primary))
+            engine.submit_load(2, [make_key(i) for i in ids], list(ids))
+            assert not wait_jobs(engine, [2])[2].failed
+            assert all(row(primary, i) == pattern(i) for i in ids)
+        finally:
+            engine.shutdown()
+    finally:
+        os.close(first_fd)
+
+
+def _hold_all(engine, count):
+    """SIGSTOP every worker; returns their pids (resume with _resume)."""
+    pids = pool(engine).worker_pids()
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    return pids
+
+
+def _resume(pids):
+    for pid in pids:
+        if alive(pid):
+            os.kill(pid, signal.SIGCONT)
+
+
+def test_sigkill_fails_exactly_the_killed_workers_blocks_and_is_replaced(root):
+    primary = memfd_primary()
+    engine = start(root, primary)
+    try:
+        assert not store_all(engine, primary, range(4)).failed
+        primary[:] = bytes(len(primary))
+        procs = pool(engine)
+        pids = _hold_all(engine, 2)
+        keys = [make_key(i) for i in range(4)]
+        engine.submit_load(2, keys, list(range(4)))
+        # 2 workers x 2 places: every block is held by a stopped worker.
+        wait_until(lambda: procs.busy_threads() == 4, "all blocks dispatched")
+        victim = procs._workers[0]
+        victim_keys = {keys[held[1]] for held in victim.held if held is not None}
+        assert len(victim_keys) == 2
+        os.kill(victim.proc.pid, signal.SIGKILL)
+        _resume(pids)
+        job = wait_jobs(engine, [2])[2]
+        # Exactly the victim's two blocks fail as errors; as a load keeps only
+        # the prefix before its first failure, the blocks after it that other
+        # workers did read are reported not loaded (skipped), never served.
+        first = min(keys.index(k) for k in victim_keys)
+        assert job.succeeded == keys[:first]
+        assert set(job.failed) == set(keys[first:])
+        assert engine.counters[Direction.LOAD, Failure.ERROR] == 2
+        assert engine.counters[Direction.LOAD, Failure.SKIPPED] == len(keys) - first - 2
+        for i in range(first):
+            assert row(primary, i) == pattern(i)
+        wait_until(lambda: len(procs.worker_pids()) == 2, "a replacement worker")
+        assert pids[0] not in procs.worker_pids() and procs.workers_died == 1
+        # The tier keeps serving.
+        engine.submit_load(3, keys, list(range(4)))
+        assert not wait_jobs(engine, [3])[3].failed
+    finally:
+        engine.shutdown()
+
+
+def test_sigkill_under_load_never_publishes_a_bad_file_or_hangs(root):
+    primary = memfd_primary()
+    engine = start(root, primary, workers=3)
+    try:
+        for i in range(CHUNKS):
+            fill(primary, i, pattern(i))
+        procs = pool(engine)
+        killed, jobs, keys_of = 0, 0, {}
+        # Keep a stream of store jobs going; whenever a worker holds a block,
+        # SIGKILL it (it may be mid-write, mid-rename or between blocks).
+        while killed < 3 and jobs < 200:
+            ids = [(jobs * 5 + i) % CHUNKS for i in range(5)]
+            keys = [make_key((jobs, i)) for i in range(5)]
+            keys_of.update({engine.layout.block_path(k): k for k in keys})
+            engine.submit_store(jobs, keys, ids)
+            jobs += 1
+            victim = None
+            while victim is None and procs._jobs_in > procs._jobs_out:
+                victim = next((w for w in procs._workers if w.ready and any(w.held)), None)
+                time.sleep(0.0002)  # let the conductor run; not a synchronization
+            if victim is not None and victim.proc is not None:
+                os.kill(victim.proc.pid, signal.SIGKILL)
+                killed += 1
+        assert killed == 3
+        finished = wait_jobs(engine, range(jobs))
+        failures = [k for j in finished.values() for k in j.failed]
+        assert len(failures) <= killed * 2  # at most what the victims held
+        assert engine.counters[Direction.STORE, Failure.ERROR] == len(failures)
+        for path in glob.glob(f"{engine.layout.rank_dir}/*/*/*.bin"):
+            with open(path, "rb") as f:
+                data = memoryview(f.read())
+            verify_block(data[:BS], data[BS:], keys_of[path], True)
+    finally:
+        engine.shutdown()
+
+
+def test_a_store_past_its_deadline_is_never_published(root):
+    primary = memfd_primary()
+    engine = start(root, primary, job_timeout_s=0.2)
+    procs = pool(engine)
+    pids = _hold_all(engine, 2)
+    try:
+        for i in range(2):
+            fill(primary, i, pattern(i))
+        keys = [make_key(("late", i)) for i in range(2)]
+        engine.submit_store(1, keys, [0, 1])
+        wait_until(lambda: procs.busy_threads() == 2, "blocks dispatched")
+        job = wait_jobs(engine, [1])[1]  # reported at the deadline, workers still stopped
+        assert set(job.failed) == set(keys)
+        assert engine.stalled()
+        _resume(pids)
+        wait_until(lambda: procs.busy_threads() == 0, "the cancelled blocks came back")
+        assert not engine.stalled()
+        assert not any(os.path.exists(engine.layout.block_path(k)) for k in keys)
+        assert not glob.glob(f"{engine.layout.rank_dir}/*/*/.*.tmp")
+    finally:
+        _resume(pids)
+        engine.shutdown()
+
+
+def test_a_load_past_its_deadline_waits_for_its_held_blocks(root):
+    primary = memfd_primary()
+    engine = start(root, primary, job_timeout_s=0.2)
+    procs = pool(engine)
+    try:
+        assert not store_all(engine, primary, range(2)).failed
+        pids = _hold_all(engine, 2)
+        engine.submit_load(2, [make_key(0), make_key(1)], [0, 1])
+        wait_until(lambda: procs.busy_threads() == 2, "blocks dispatched")
+        wait_until(lambda: engine.take_finished() == [] and engine.stalled(), "the stall")
+        assert procs.busy()  # not reported while a worker may still write the rows
+        _resume(pids)
+        job = wait_jobs(engine, [2])[2]
+        assert job.failed  # cancelled in the worker before it started
+    finally:
+        engine.shutdown()
+
+
+def test_a_load_stops_at_its_first_failed_block(root):
+    primary = memfd_primary()
+    engine = start(root, primary, workers=1)  # one worker holds at most 2 blocks
+    try:
+        ids = [i for i in range(10) if i != 2]
+        assert not store_all(engine, primary, ids).failed
+        keys = [make_key(i) for i in range(10)]
+        engine.submit_load(2, keys, list(range(10)))
+        job = wait_jobs(engine, [2])[2]
+        # Block 2 is missing; when its failure came back the worker held at
+        # most block 3 as well, so blocks 4.. were never read.
+        assert {keys[2], *keys[4:]} <= set(job.failed) <= {keys[2], *keys[3:]}
+        assert engine.counters[Direction.LOAD, Failure.MISSING] == 1
+        assert engine.counters[Direction.LOAD, Failure.SKIPPED] >= 6
+    finally:
+        engine.shutdown()
+
+
+def test_workers_die_with_their_engine_process(root):
+    script = textwrap.dedent(
+        f"""
+        import mmap, os, sys
+        from llmkv_fs.config import TierSettings
+        from llmkv_fs.engine import FsEngine
+        from llmkv_fs.layout.paths import CacheLayout
+        from tests.engine_kit import BS, IDENTITY
+        os.makedirs({root!r}, exist_ok=True)
+        fd = os.memfd_create("p"); os.ftruncate(fd, 8 * BS)
+        primary = mmap.mmap(fd, 8 * BS)
+        settings = TierSettings.from_mapping({{"root_dir": {root!r}, "io_workers": 2}})
+        engine = FsEngine(settings, CacheLayout.for_identity({root!r}, IDENTITY), primary, BS)
+        print(*engine._pool.worker_pids(), flush=True)
+        sys.stdin.read()
+        """
+    )
+    env = dict(os.environ, PYTHONPATH=os.getcwd())
+    owner = subprocess.Popen(
+        [sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env
+    )
+    try:
+        pids = [int(p) for p in owner.stdout.readline().split()]
+        assert len(pids) == 2 and all(alive(p) for p in pids)
+        owner.kill()
+        owner.wait()
+        wait_until(lambda: not any(alive(p) for p in pids), "workers to die with the owner")
+    finally:
+        owner.kill()
+        owner.wait()
+
+
+def test_io_workers_setting():
+    assert resolve_io_workers("auto", cpus=2) == 0
+    assert resolve_io_workers("auto", cpus=16) == 14
+    assert resolve_io_workers("auto", cpus=128) == 16
+    assert resolve_io_workers(3, cpus=2) == 3
+    assert TierSettings.from_mapping({"root_dir": "/x"}).io_workers == "auto"
+    for bad in (-1, 257, "many", True, 1.5):
+        with pytest.raises(TierConfigError, match="io_workers"):
+            TierSettings.from_mapping({"root_dir": "/x", "io_workers": bad})
