@@ -137,7 +137,9 @@ def dead_pid() -> int:
     return proc.pid
 
 
-def files_under(root: str) -> set[str]:
+def cache_entries(root: str) -> set[str]:
+    """What gc may act on below ``root``, relative to it: files and links
+    to directories, without gc's own lock file."""
     out = set()
     for directory, dirs, files in os.walk(root):
         for name in files + [d for d in dirs if os.path.islink(os.path.join(directory, d))]:
@@ -210,11 +212,3 @@ def gc_run(root: str, *args: str, timeout: float = 120) -> subprocess.CompletedP
         env=gc_env(),
         timeout=timeout,
     )
-
-
-def wait_until(predicate, what: str, deadline_s: float = DEADLINE_S) -> None:
-    deadline = time.monotonic() + deadline_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {deadline_s}s waiting for {what}")
-        time.sleep(0.005)

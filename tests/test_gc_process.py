@@ -17,10 +17,12 @@ import pytest
 
 from llmkv_fs.ops.gc import EXIT_BUSY
 
+from engine_kit import wait_until
 from gc_kit import (
     DAY,
+    DEADLINE_S,
+    cache_entries,
     dead_pid,
-    files_under,
     gc,
     gc_env,
     gc_process,
@@ -30,7 +32,6 @@ from gc_kit import (
     put_block,
     put_lease,
     put_temp,
-    wait_until,
 )
 
 OLD = 8 * DAY
@@ -157,7 +158,7 @@ def test_concurrent_gc_runs_do_not_fight(volume):
     statuses = sorted(r[0] for r in results)
     assert set(statuses) <= {0, EXIT_BUSY} and statuses[0] == 0, results
     # Whoever ran, the outcome is one clean gc: all gone, no errors, no trash.
-    assert files_under(live[0].rank_dir) == set()
+    assert cache_entries(live[0].rank_dir) == set()
     assert not os.path.exists(orphan[0].base_path)
     for status, out, err in results:
         if status == 0:
@@ -196,7 +197,11 @@ def test_watch_loops_until_sigterm_and_exits_zero(disk_root):
         # It keeps going: a temp file of a dead writer planted now is removed
         # by a later pass.
         late = put_temp(live[0], key(1, "late"), dead_pid())
-        wait_until(lambda: not os.path.exists(late), "a later pass to remove the temp file")
+        wait_until(
+            lambda: not os.path.exists(late),
+            "a later pass to remove the temp file",
+            deadline_s=DEADLINE_S,
+        )
         watcher.send_signal(signal.SIGTERM)
         assert watcher.wait(timeout=30) == 0
     finally:

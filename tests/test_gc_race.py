@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 
+from engine_kit import wait_until
 from gc_kit import (
     DAY,
     PAYLOAD,
@@ -24,7 +25,6 @@ from gc_kit import (
     gc_run,
     make_digest,
     put_block,
-    wait_until,
 )
 
 WRITER = r"""

@@ -27,7 +27,6 @@ from matrix_kit import (
     RETRY,
     Forked,
     TierClock,
-    block_files,
     block_problem,
     ext4_shutdown,
     gluster_dirs,
@@ -37,18 +36,18 @@ from matrix_kit import (
     record,
     remount,
     served,
-    temp_files,
     temp_owner,
 )
+from volume_kit import block_files, temp_files
 
 # One lookup round trip on the lookup thread; the test polls every ~2 ms, so
 # this is a time bound of a second or two on a busy machine, not a tight one.
 MAX_STEPS_TO_MISS = 500
 
 
-def start(replicas, root, **tier):
-    replica = Replica(offloading_config(tiers=[ours(root, **tier)]))
-    replicas.append(replica)
+def start_clocked(replicas, root, **tier):
+    """A replica over ``root`` and the clock that times its tier's calls."""
+    replica = start_clocked(replicas, ours(root, **tier))
     return replica, TierClock(replica.tier)
 
 
@@ -71,7 +70,7 @@ def test_damaged_files_are_never_served(shared_volume, replicas, when):
     once read, counted by reason; good blocks: HIT, byte exact (vLLM's
     partial success). Replica A writes and damages through its mount, B reads
     through its own."""
-    writer, _ = start(replicas, shared_volume.a)
+    writer, _ = start_clocked(replicas, shared_volume.a)
     good = make_keys(4, seed=f"good-{when}")
     bad = dict(zip(DAMAGES, make_keys(len(DAMAGES), seed=f"bad-{when}")))
     keys = good + list(bad.values())
@@ -82,7 +81,7 @@ def test_damaged_files_are_never_served(shared_volume, replicas, when):
         for name, key in bad.items():
             DAMAGES[name][0](writer.tier.layout.block_path(key), donor)
 
-    reader, clock = start(replicas, shared_volume.b)
+    reader, clock = start_clocked(replicas, shared_volume.b)
     ctx = reader.new_request()
     if when == "before-lookup":
         damage()
@@ -141,10 +140,10 @@ def test_damaged_files_are_never_served(shared_volume, replicas, when):
 
 
 def test_file_deleted_between_hit_and_load_fails_only_that_key(shared_volume, replicas):
-    writer, _ = start(replicas, shared_volume.a)
+    writer, _ = start_clocked(replicas, shared_volume.a)
     keys = make_keys(4, seed="deleted")
     writer.store(keys)
-    reader, clock = start(replicas, shared_volume.b)
+    reader, clock = start_clocked(replicas, shared_volume.b)
     ctx = reader.new_request()
     assert set(lookup_until(reader, keys, ctx).values()) == {HIT_PENDING}
     os.unlink(writer.tier.layout.block_path(keys[1]))  # another replica's gc, say
@@ -187,10 +186,10 @@ def test_eio_fails_loads_and_stores_cleanly(tmp_path, replicas):
     """A loop-mounted ext4 shut down under a running replica (EXT4_IOC_SHUTDOWN):
     every read, write, create and rename now gets EIO from the kernel."""
     with loop_ext4(tmp_path / "eio") as root:
-        writer, _ = start(replicas, root)
+        writer, _ = start_clocked(replicas, root)
         keys = make_keys(4, seed="eio")
         writer.store(keys)
-        reader, clock = start(replicas, root)
+        reader, clock = start_clocked(replicas, root)
         ctx = reader.new_request()
         assert set(lookup_until(reader, keys, ctx).values()) == {HIT_PENDING}
         ext4_shutdown(root)
@@ -282,7 +281,7 @@ def _nobody_reads_and_writes(root: str, keys_hex: list[str], fresh_hex: list[str
 
 def test_eacces_as_nobody_fails_loads_and_stores_cleanly(open_root, replicas):
     fs, root = open_root
-    owner, _ = start(replicas, root, file_mode=0o600, dir_mode=0o755)
+    owner, _ = start_clocked(replicas, root, file_mode=0o600, dir_mode=0o755)
     keys = make_keys(4, seed="eacces")
     owner.store(keys)
     os.chmod(root, 0o777)  # nobody may start a tier here...
@@ -327,8 +326,8 @@ def test_read_only_remount_mid_run_fails_stores_loads_continue(
             if kind == "tmpfs"
             else stack.enter_context(loop_ext4(tmp_path / "ro-ext4"))
         )
-        writer, wclock = start(replicas, root)
-        reader, rclock = start(replicas, root)
+        writer, wclock = start_clocked(replicas, root)
+        reader, rclock = start_clocked(replicas, root)
         before = make_keys(4, seed="ro-before")
         writer.store(before)
         racing = make_keys(8, seed="ro-racing")

@@ -46,7 +46,7 @@ from llmkv_fs.engine.outcomes import (
 from llmkv_fs.engine.pool import IoJob, IoPool, QueueFull
 from llmkv_fs.engine.space import SpaceGuard
 from llmkv_fs.engine.volume import EngineError, prepare_volume
-from llmkv_fs.layout.blockfile import BlockFileError
+from llmkv_fs.layout.blockfile import BlockFileError, Buffer
 from llmkv_fs.layout.fsinfo import filesystem_type
 from llmkv_fs.layout.leases import Lease
 from llmkv_fs.layout.paths import CacheLayout
@@ -126,7 +126,7 @@ class FsEngine:
         self,
         settings: TierSettings,
         layout: CacheLayout,
-        primary,
+        primary: Buffer,
         block_size: int,
     ):
         # "created", "matched" or "repaired": what became of config.json.
@@ -379,6 +379,12 @@ class FsEngine:
             "volume_used_bytes": usage.used_bytes if usage else 0,
             "volume_free_bytes": usage.free_bytes if usage else 0,
         }
+
+    @property
+    def lookups(self) -> AsyncExistence:
+        """The existence checks behind lookup(): tests read how many keys
+        it tracks and drive its deadlines with an explicit clock."""
+        return self._lookups
 
     def forget_request(self, request_id: str) -> None:
         self._lookups.forget_request(request_id)
