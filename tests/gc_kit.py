@@ -4,14 +4,17 @@ No vLLM, no torch."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import mmap
 import os
+import signal
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 
 from llmkv_fs.cli import main as cli_main
 from llmkv_fs.layout.blockfile import TRAILER_SIZE, pack_trailer, payload_checksum
@@ -202,6 +205,26 @@ def gc_process(root: str, *args: str, **popen) -> subprocess.Popen:
         env=gc_env(),
         **popen,
     )
+
+
+@contextlib.contextmanager
+def running(proc: subprocess.Popen) -> Iterator[subprocess.Popen]:
+    """``proc``, killed on the way out if it is still running (a failed test)."""
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def stop_watch(watcher: subprocess.Popen) -> list[dict]:
+    """SIGTERM a ``--watch --json`` gc: it must exit 0. The reports of the
+    passes it printed since it was last read."""
+    watcher.send_signal(signal.SIGTERM)
+    out, err = watcher.communicate(timeout=60)
+    assert watcher.returncode == 0, err
+    return [json.loads(line) for line in out.splitlines() if line.strip()]
 
 
 def gc_run(root: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:

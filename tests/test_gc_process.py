@@ -2,6 +2,7 @@
 volume lock, --watch and SIGTERM, the progress line on a terminal, and
 watermark eviction on a real, small tmpfs."""
 
+import contextlib
 import fcntl
 import json
 import os
@@ -12,6 +13,7 @@ import struct
 import subprocess
 import sys
 import termios
+from collections.abc import Iterator
 
 import pytest
 
@@ -32,6 +34,7 @@ from gc_kit import (
     put_block,
     put_lease,
     put_temp,
+    running,
 )
 
 OLD = 8 * DAY
@@ -117,17 +120,24 @@ sys.stdin.read()
 """
 
 
-def test_second_gc_is_refused_or_waits(disk_root):
-    orphan, _live, _paths, _temps = build_tree(disk_root, blocks=5)
+@contextlib.contextmanager
+def lock_held(root: str) -> Iterator[subprocess.Popen]:
+    """Another process holds the volume's gc lock until its stdin closes."""
     holder = subprocess.Popen(
-        [sys.executable, "-c", HOLDER, disk_root],
+        [sys.executable, "-c", HOLDER, root],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
         env=gc_env(),
     )
-    try:
+    with running(holder):
         assert read_line(holder.stdout) == "locked\n"
+        yield holder
+
+
+def test_second_gc_is_refused_or_waits(disk_root):
+    orphan, _live, _paths, _temps = build_tree(disk_root, blocks=5)
+    with lock_held(disk_root) as holder:
         busy = gc_run(disk_root, "--high", "off")
         assert busy.returncode == EXIT_BUSY
         assert "another gc holds" in busy.stderr and f"pid={holder.pid}" in busy.stderr
@@ -143,9 +153,6 @@ def test_second_gc_is_refused_or_waits(disk_root):
         out, err = waiting.communicate(timeout=60)
         assert waiting.returncode == 0, err
         assert json.loads(out)["digests_removed"] == 1
-    finally:
-        holder.kill()
-        holder.wait()
 
 
 def test_concurrent_gc_runs_do_not_fight(volume):
@@ -190,8 +197,7 @@ def test_concurrent_gc_runs_do_not_fight(volume):
 
 def test_watch_loops_until_sigterm_and_exits_zero(disk_root):
     _orphan, live, _paths, _temps = build_tree(disk_root, blocks=5)
-    watcher = gc_process(disk_root, "--watch", "0.05", "--json", "--high", "off")
-    try:
+    with running(gc_process(disk_root, "--watch", "0.05", "--json", "--high", "off")) as watcher:
         first = json.loads(read_line(watcher.stdout))
         assert first["digests_removed"] == 1
         # It keeps going: a temp file of a dead writer planted now is removed
@@ -204,29 +210,14 @@ def test_watch_loops_until_sigterm_and_exits_zero(disk_root):
         )
         watcher.send_signal(signal.SIGTERM)
         assert watcher.wait(timeout=30) == 0
-    finally:
-        watcher.kill()
-        watcher.wait()
 
 
 def test_sigterm_while_waiting_for_the_lock_exits_zero(disk_root):
-    holder = subprocess.Popen(
-        [sys.executable, "-c", HOLDER, disk_root],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-        env=gc_env(),
-    )
-    try:
-        assert read_line(holder.stdout) == "locked\n"
-        watcher = gc_process(disk_root, "--watch", "1h", "--wait")
+    with lock_held(disk_root), running(gc_process(disk_root, "--watch", "1h", "--wait")) as watcher:
         with pytest.raises(subprocess.TimeoutExpired):
             watcher.wait(timeout=1.0)  # blocked on the lock
         watcher.send_signal(signal.SIGTERM)
         assert watcher.wait(timeout=30) == 0
-    finally:
-        holder.kill()
-        holder.wait()
 
 
 # -- progress on a terminal -------------------------------------------------------------

@@ -5,11 +5,10 @@ exception -- and a fresh store of it works."""
 
 import json
 import os
-import signal
 
 from vllm.v1.kv_offload.base import LookupResult
 
-from gc_kit import age, cache_entries, gc_process, gc_run
+from gc_kit import age, cache_entries, gc_process, gc_run, running, stop_watch
 from harness import make_keys, ours, payload_for, start, wait_until
 
 HIT, MISS, RETRY, HIT_PENDING = (
@@ -104,9 +103,8 @@ def test_loads_race_a_gc_that_evicts_continuously(volume, replicas):
     second one looks up and loads: every HIT is byte exact, the rest MISS."""
     writer = start(replicas, ours(volume))
     reader = start(replicas, ours(volume))
-    watcher = gc_process(volume, *EVICT_ALL, "--watch", "0", "--json")
     outcomes = {HIT: 0, MISS: 0}
-    try:
+    with running(gc_process(volume, *EVICT_ALL, "--watch", "0", "--json")) as watcher:
         first = watcher.stdout.readline()  # its first pass is done: it is running
         assert first, watcher.stderr.read()
         for round_ in range(8):
@@ -120,14 +118,7 @@ def test_loads_race_a_gc_that_evicts_continuously(volume, replicas):
                 if verdict is HIT:
                     assert reader.read_primary(key, ctx) == payload_for(key, reader.row_bytes)
             reader.finish_request(ctx)
-        watcher.send_signal(signal.SIGTERM)
-        out, err = watcher.communicate(timeout=60)
-        assert watcher.returncode == 0, err
-    finally:
-        if watcher.poll() is None:
-            watcher.kill()
-            watcher.wait()
-    passes = [json.loads(line) for line in [first, *out.splitlines()] if line.strip()]
+        passes = [json.loads(first), *stop_watch(watcher)]
     assert sum(p["capacity"]["evicted_blocks"] for p in passes) > 0
     assert all(p["error_count"] == 0 for p in passes), [p["errors"] for p in passes]
     assert outcomes[HIT] + outcomes[MISS] == 32

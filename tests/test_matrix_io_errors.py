@@ -60,6 +60,18 @@ def assert_no_livelock(history) -> None:
     assert len(history) <= MAX_STEPS_TO_MISS
 
 
+def assert_fresh_requests_miss(reader, clock, keys, requests: int = 1) -> None:
+    """Fresh requests for ``keys``: each a plain MISS, no load submitted again,
+    nothing raised into the scheduler."""
+    loads_before = clock.calls["submit_load"]
+    for _ in range(requests):
+        verdict, history = reader.find(keys)
+        assert verdict == dict.fromkeys(keys, MISS)
+        assert_no_livelock(history)
+    assert clock.calls["submit_load"] == loads_before
+    assert clock.errors == []
+
+
 # -- damaged block files -------------------------------------------------------------------
 
 
@@ -119,12 +131,7 @@ def test_damaged_files_are_never_served(shared_volume, replicas, when):
 
     # A fresh request: MISS at once, no second load, no livelock.
     reader.finish_request(ctx)
-    loads_before = clock.calls["submit_load"]
-    again, history = reader.find(list(bad.values()))
-    assert again == dict.fromkeys(bad.values(), MISS)
-    assert_no_livelock(history)
-    assert clock.calls["submit_load"] == loads_before
-    assert clock.errors == []
+    assert_fresh_requests_miss(reader, clock, list(bad.values()))
     record(
         "damaged_files",
         fs=shared_volume.fs,
@@ -160,13 +167,8 @@ def test_file_deleted_between_hit_and_load_fails_only_that_key(shared_volume, re
     assert counters[Tally.QUARANTINED] == 0
 
     reader.finish_request(ctx)
-    loads = clock.calls["submit_load"]
-    for _ in range(20):  # fresh requests keep asking: a bounded MISS every time
-        verdict, history = reader.find([keys[1]])
-        assert verdict == {keys[1]: MISS}
-        assert_no_livelock(history)
-    assert clock.calls["submit_load"] == loads
-    assert clock.errors == []
+    # Fresh requests keep asking: a bounded MISS every time.
+    assert_fresh_requests_miss(reader, clock, [keys[1]], requests=20)
     record(
         "deleted_after_hit",
         fs=shared_volume.fs,
