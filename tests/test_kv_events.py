@@ -73,6 +73,7 @@ def test_stores_dropped_by_the_queue_bound_yield_no_event(disk_root, replicas):
             n_write_threads=1,
             max_pending_store_blocks=4,
         ),
+        enable_kv_events=True,
     )
     # Hold the volume "slow" while the burst is submitted: the two I/O threads
     # take one block each, the queue holds at most 4 more, the rest is refused.
