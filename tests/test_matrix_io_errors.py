@@ -18,7 +18,7 @@ import pytest
 from llmkv_fs.engine import Direction, EngineError, Failure, Outcome, Tally
 from llmkv_fs.layout.blockfile import Corruption
 
-from harness import Replica, make_keys, offloading_config, ours, wait_until
+from harness import Replica, make_keys, offloading_config, ours, start, wait_until
 from matrix_kit import (
     DAMAGES,
     HIT,
@@ -47,7 +47,7 @@ MAX_STEPS_TO_MISS = 500
 
 def start_clocked(replicas, root, **tier):
     """A replica over ``root`` and the clock that times its tier's calls."""
-    replica = start_clocked(replicas, ours(root, **tier))
+    replica = start(replicas, ours(root, **tier))
     return replica, TierClock(replica.tier)
 
 
