@@ -22,7 +22,7 @@ import dataclasses
 import math
 import re
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, TypeVar
 
 from llmkv_fs.units import UnitError, parse_size
 
@@ -75,10 +75,13 @@ def _fail(key: str, value: Any, expected: str) -> TierConfigError:
     )
 
 
-def _accepts(valid: str) -> Callable[[Callable], Callable]:
+_Check = TypeVar("_Check", bound=Callable[..., Any])
+
+
+def _accepts(valid: str) -> Callable[[_Check], _Check]:
     """Attach the words for what a check accepts (``Setting.valid``)."""
 
-    def attach(check: Callable) -> Callable:
+    def attach(check: _Check) -> _Check:
         check.valid = valid  # type: ignore[attr-defined]
         return check
 
@@ -97,7 +100,7 @@ def _int_between(low: int, high: int) -> Callable[[str, Any], int]:
     def check(key: str, value: Any) -> int:
         if not _is_number(value) or isinstance(value, float) or not low <= value <= high:
             raise _fail(key, value, expected)
-        return value
+        return int(value)
 
     return check
 
@@ -149,7 +152,7 @@ def _root_dir(key: str, value: Any) -> str:
 def _locality(key: str, value: Any) -> str | None:
     # Exactly what vLLM's Locality(value) takes: case-sensitive, unstripped.
     if value is None or value in ("LOCAL", "REMOTE"):
-        return value
+        return None if value is None else str(value)
     raise _fail(key, value, "LOCAL, REMOTE (upper case, as vLLM requires) or null")
 
 
@@ -216,7 +219,7 @@ IO_WORKERS_MAX = 256
 @_accepts(f'"auto" or an integer in [0, {IO_WORKERS_MAX}]')
 def _io_workers(key: str, value: Any) -> str | int:
     if value == "auto":
-        return value
+        return "auto"
     if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= IO_WORKERS_MAX:
         return value
     raise _fail(key, value, f'"auto" or an integer in [0, {IO_WORKERS_MAX}]')

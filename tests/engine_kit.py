@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import hashlib
 import mmap
-import os
 import threading
 import time
 
@@ -31,8 +30,9 @@ IDENTITY = RunIdentity(
 )
 
 
-def make_key(i, group: int = 0) -> bytes:
-    return hashlib.sha256(f"block-{i}".encode()).digest() + group.to_bytes(4, "big")
+def make_key(i, group: int = 0, *, hash_len: int = 32) -> bytes:
+    """An OffloadKey: a block hash of ``hash_len`` bytes and the KV group index."""
+    return hashlib.sha256(f"block-{i}".encode()).digest()[:hash_len] + group.to_bytes(4, "big")
 
 
 def pattern(i, size: int = BS) -> bytes:
@@ -84,13 +84,6 @@ def settle(engine: FsEngine, key: bytes, request: str) -> bool:
             pytest.fail(f"no lookup verdict for {key.hex()[:12]} after {DEADLINE_S}s")
         engine.end_step()
         time.sleep(0.002)
-
-
-def files_under(directory: str) -> list[str]:
-    found = []
-    for parent, _dirs, names in os.walk(directory):
-        found.extend(os.path.join(parent, n) for n in names)
-    return found
 
 
 class Gate:

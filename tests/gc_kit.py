@@ -4,14 +4,17 @@ No vLLM, no torch."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import mmap
 import os
+import signal
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 
 from llmkv_fs.cli import main as cli_main
 from llmkv_fs.layout.blockfile import TRAILER_SIZE, pack_trailer, payload_checksum
@@ -137,7 +140,9 @@ def dead_pid() -> int:
     return proc.pid
 
 
-def files_under(root: str) -> set[str]:
+def cache_entries(root: str) -> set[str]:
+    """What gc may act on below ``root``, relative to it: files and links
+    to directories, without gc's own lock file."""
     out = set()
     for directory, dirs, files in os.walk(root):
         for name in files + [d for d in dirs if os.path.islink(os.path.join(directory, d))]:
@@ -203,6 +208,26 @@ def gc_process(root: str, *args: str, **popen) -> subprocess.Popen:
     )
 
 
+@contextlib.contextmanager
+def running(proc: subprocess.Popen) -> Iterator[subprocess.Popen]:
+    """``proc``, killed on the way out if it is still running (a failed test)."""
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def stop_watch(watcher: subprocess.Popen) -> list[dict]:
+    """SIGTERM a ``--watch --json`` gc: it must exit 0. The reports of the
+    passes it printed since it was last read."""
+    watcher.send_signal(signal.SIGTERM)
+    out, err = watcher.communicate(timeout=60)
+    assert watcher.returncode == 0, err
+    return [json.loads(line) for line in out.splitlines() if line.strip()]
+
+
 def gc_run(root: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "llmkv_fs", "gc", root, *args],
@@ -211,11 +236,3 @@ def gc_run(root: str, *args: str, timeout: float = 120) -> subprocess.CompletedP
         env=gc_env(),
         timeout=timeout,
     )
-
-
-def wait_until(predicate, what: str, deadline_s: float = DEADLINE_S) -> None:
-    deadline = time.monotonic() + deadline_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {deadline_s}s waiting for {what}")
-        time.sleep(0.005)

@@ -24,6 +24,14 @@ def builtin(root: str, **extra: Any) -> dict[str, Any]:
     return driver.builtin(root, **{"n_read_threads": 2, "n_write_threads": 2, **extra})
 
 
+def start(replicas: list[Replica], *tiers: dict[str, Any], **config: Any) -> Replica:
+    """A Replica over ``tiers`` (``config``: offloading_config's other
+    keywords), put on the ``replicas`` fixture's list so teardown closes it."""
+    replica = Replica(offloading_config(tiers=list(tiers), **config))
+    replicas.append(replica)
+    return replica
+
+
 def resolve(replica, keys, on_hit_pending=None) -> dict:
     """A fresh request looks ``keys`` up until each is HIT or MISS (see
     Replica.find for ``on_hit_pending``), then finishes."""

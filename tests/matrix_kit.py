@@ -137,18 +137,6 @@ def lookup_until(
 # -- files on the volume -----------------------------------------------------------------
 
 
-def files_under(root: str) -> list[str]:
-    return sorted(os.path.join(d, n) for d, _, names in os.walk(root) for n in names)
-
-
-def temp_files(root: str) -> list[str]:
-    return [p for p in files_under(root) if p.endswith(".tmp")]
-
-
-def block_files(root: str) -> list[str]:
-    return [p for p in files_under(root) if p.endswith(".bin") and "/.quarantine/" not in p]
-
-
 def read_listed(path: str, deadline_s: float = 10.0) -> bytes:
     """The bytes of a file a directory listing just showed. A GlusterFS
     client may still hold the entry of an inode another client's rename

@@ -3,7 +3,6 @@ writes. No vLLM, no torch."""
 
 from __future__ import annotations
 
-import hashlib
 import mmap
 import os
 import random
@@ -26,25 +25,13 @@ from llmkv_fs.layout.blockfile import (
     unpack_trailer,
     verify_block,
 )
-from llmkv_fs.layout.paths import CacheLayout, RunIdentity
+from llmkv_fs.layout.paths import CacheLayout
 
-BS = 64 * 1024
+from engine_kit import BS, IDENTITY, make_key
+
 HEAD = 42  # magic..key length, see the format table in blockfile.py
-IDENTITY = RunIdentity(
-    model_name="m/x",
-    dtype="bfloat16",
-    tokens_per_hash=16,
-    blocks_per_file=1,
-    kv_cache_groups=((16, ("l0",)),),
-)
-
-
-def make_key(name: str, hash_len: int = 32, group: int = 0) -> bytes:
-    return hashlib.sha256(name.encode()).digest()[:hash_len] + group.to_bytes(4, "big")
-
-
-KEY36 = make_key("long", 32)
-KEY20 = make_key("short", 16)
+KEY36 = make_key("long", hash_len=32)
+KEY20 = make_key("short", hash_len=16)
 
 
 def payload(seed: int = 1, size: int = BS) -> bytearray:

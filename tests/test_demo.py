@@ -31,6 +31,8 @@ import uuid
 
 import pytest
 
+from volume_kit import block_files, quarantined
+
 pytest.importorskip("vllm")
 
 DOCS, DOC_CHUNKS, SUFFIX, REQUESTS = 2, 4, 1, 2
@@ -83,14 +85,6 @@ def tallies(stdout: str) -> dict[str, dict[str, float]]:
         out[m.group(1)] = dict(zip(names, (*map(int, m.groups()[1:-1]), float(m.group(8)))))
     assert set(out) == {"r1", "r2", "r3"}, stdout
     return out
-
-
-def block_files(root: str) -> list[str]:
-    return glob.glob(f"{root}/*_r0/*/*/*.bin")
-
-
-def quarantined(root: str) -> list[str]:
-    return glob.glob(f"{root}/*_r0/.quarantine/*")
 
 
 def test_replicas_share_prefixes_and_a_restarted_replica_finds_them(tmpfs_root):

@@ -9,7 +9,6 @@ the owner see the deadline: the order of events never depends on timing.
 
 from __future__ import annotations
 
-import glob
 import os
 import threading
 import time
@@ -17,6 +16,7 @@ import time
 import pytest
 
 from llmkv_fs.engine import Direction, Failure, LookupAnswer, Outcome, Tally
+from llmkv_fs.engine import blockio as blockio_module
 from llmkv_fs.engine.blockio import BlockIO
 
 from engine_kit import (
@@ -33,12 +33,9 @@ from engine_kit import (
     wait_jobs,
     wait_until,
 )
+from volume_kit import temp_files
 
 TIMEOUT_S = 0.5
-
-
-def temp_files(root: str) -> list[str]:
-    return glob.glob(f"{root}/**/.*.tmp", recursive=True)
 
 
 def take_until(engine, predicate, what: str) -> list:
@@ -55,16 +52,16 @@ def take_until(engine, predicate, what: str) -> list:
     return results
 
 
-def record_temp_names(engine, monkeypatch) -> list[str]:
+def record_temp_names(monkeypatch) -> list[str]:
     """Spy on the temp files a store creates (to check each is gone later)."""
     made = []
-    real = engine.blockio._create_temp
+    real = blockio_module.temp_path
 
-    def spy(tmp):
-        made.append(tmp)
-        return real(tmp)
+    def spy(*args):
+        made.append(real(*args))
+        return made[-1]
 
-    monkeypatch.setattr(engine.blockio, "_create_temp", spy)
+    monkeypatch.setattr(blockio_module, "temp_path", spy)
     return made
 
 
@@ -86,7 +83,7 @@ def test_stuck_store_fails_at_deadline_and_is_never_published(
         n_write_threads=1,
         job_timeout_s=TIMEOUT_S,
     )
-    temps = record_temp_names(engine, monkeypatch)
+    temps = record_temp_names(monkeypatch)
     gate = gate_for(engine)
     for c in range(5):
         fill(primary, c, pattern(f"s{c}"))
@@ -318,7 +315,7 @@ def test_lookup_deadline_is_job_timeout_capped_at_5s(
     release = threading.Event()
     monkeypatch.setattr(BlockIO, "exists", lambda self, key: release.wait(GATE_TIMEOUT_S))
     engine, _, _ = engines(disk_root, n_blocks=4, job_timeout_s=job_timeout_s)
-    lookups = engine._lookups  # driven with an explicit clock instead of waiting 5 s
+    lookups = engine.lookups  # driven with an explicit clock instead of waiting 5 s
     try:
         assert engine.lookup(make_key("k"), "r") is None
         before = time.monotonic()

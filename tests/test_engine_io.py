@@ -22,6 +22,7 @@ from llmkv_fs.engine import (
     Tally,
     prepare_volume,
 )
+from llmkv_fs.engine.blockio import BlockIO
 from llmkv_fs.layout.blockfile import TRAILER_SIZE, Corruption, unpack_trailer
 from llmkv_fs.layout.paths import CacheLayout
 
@@ -266,7 +267,7 @@ def test_lookup_verdicts_follow_loads_and_stores(disk_root, engines):
     assert engine.lookup(here, "req") is None  # not answered before end_step
     assert settle(engine, here, "req") is True
     assert settle(engine, absent, "req") is False
-    assert engine._lookups.tracked_keys() == 2
+    assert engine.lookups.tracked_keys() == 2
 
     # The file disappears; a load fails and the held verdict flips to False.
     os.unlink(layout.block_path(here))
@@ -281,12 +282,12 @@ def test_lookup_verdicts_follow_loads_and_stores(disk_root, engines):
     assert engine.lookup(absent, "req") is True
 
     engine.forget_request("req")
-    assert engine._lookups.tracked_keys() == 0
+    assert engine.lookups.tracked_keys() == 0
     # A new request asks again from scratch.
     assert engine.lookup(absent, "req2") is None
     assert settle(engine, absent, "req2") is True
     engine.forget_request("req2")
-    assert engine._lookups.tracked_keys() == 0
+    assert engine.lookups.tracked_keys() == 0
 
 
 def test_lookup_batch_over_parallel_threshold(disk_root, engines):
@@ -297,7 +298,7 @@ def test_lookup_batch_over_parallel_threshold(disk_root, engines):
     verdicts = [settle(engine, k, "r") for k in keys]
     assert verdicts == [True] * 6 + [False] * 6
     engine.forget_request("r")
-    assert engine._lookups.tracked_keys() == 0
+    assert engine.lookups.tracked_keys() == 0
 
 
 def test_key_shared_by_two_requests_survives_one_forget(disk_root, engines):
@@ -306,10 +307,10 @@ def test_key_shared_by_two_requests_survives_one_forget(disk_root, engines):
     assert settle(engine, make_key(0), "a") is True
     assert engine.lookup(make_key(0), "b") is True  # verdict shared
     engine.forget_request("a")
-    assert engine._lookups.tracked_keys() == 1
+    assert engine.lookups.tracked_keys() == 1
     assert engine.lookup(make_key(0), "b") is True
     engine.forget_request("b")
-    assert engine._lookups.tracked_keys() == 0
+    assert engine.lookups.tracked_keys() == 0
 
 
 def test_planted_symlink_is_not_a_block(disk_root, engines, tmp_path):
@@ -401,14 +402,13 @@ def test_chunk_outside_buffer_fails_that_block_only(disk_root, engines, caplog, 
         assert os.path.exists(layout.block_path(keys[3]))
 
 
-def test_a_crashing_existence_check_answers_miss_not_retry_forever(disk_root, engines):
-    engine, _, primary = engines(disk_root, n_blocks=2)
-    store_blocks(engine, primary, 1, [0], [0])
-
-    def broken(key):
+def test_a_crashing_existence_check_answers_miss_not_retry_forever(disk_root, engines, monkeypatch):
+    def broken(self, key):
         raise RuntimeError("bug in a check")
 
-    engine._lookups._exists = broken  # a non-OSError escapes _check
+    monkeypatch.setattr(BlockIO, "exists", broken)  # a non-OSError escapes the check
+    engine, _, primary = engines(disk_root, n_blocks=2)
+    store_blocks(engine, primary, 1, [0], [0])
     assert settle(engine, make_key(0), "req") is False
     assert settle(engine, make_key(5), "req") is False
 

@@ -14,7 +14,6 @@ from llmkv_fs.layout.blockfile import TRAILER_SIZE
 from engine_kit import (
     BS,
     DEADLINE_S,
-    files_under,
     fill,
     make_key,
     pattern,
@@ -23,6 +22,7 @@ from engine_kit import (
     wait_jobs,
     wait_until,
 )
+from volume_kit import files_under
 
 # -- thread pool ----------------------------------------------------------------------------
 
@@ -197,13 +197,12 @@ def test_shutdown_cancels_queued_blocks_and_leaves_no_partial_files(disk_root, e
 
     stopper = threading.Thread(target=engine.shutdown, daemon=True)
     stopper.start()
-    pool = engine._pool
 
-    def stopping():
-        with pool._cond:  # set and queues cleared under this lock
-            return pool._stopping
+    def cancelled():  # both threads are held in the gate: only shutdown empties the queues
+        gauges = engine.gauges()
+        return gauges["queued_store_blocks"] == 0 and gauges["queued_load_blocks"] == 0
 
-    wait_until(stopping, "shutdown to cancel the queues")
+    wait_until(cancelled, "shutdown to cancel the queues")
     gate.open()
     stopper.join(DEADLINE_S)
     assert not stopper.is_alive(), "shutdown did not return"

@@ -2,7 +2,6 @@
 root. The scheduler never sees an exception and no wrong byte reaches the
 CPU tier."""
 
-import glob
 import os
 
 import pytest
@@ -11,21 +10,17 @@ from vllm.v1.kv_offload.base import LookupResult
 from llmkv_fs.engine import Direction, Failure
 
 from harness import Replica, make_keys, offloading_config, ours, payload_for
+from volume_kit import block_files, temp_files
 
 
-@pytest.fixture
-def small_tmpfs(mount_tmpfs):
-    """A real 12 MiB tmpfs: room for five 2 MiB blocks and their trailers."""
-    return mount_tmpfs("12m")
-
-
-def test_full_disk_fails_stores_cleanly_and_reads_continue(small_tmpfs):
+def test_full_disk_fails_stores_cleanly_and_reads_continue(mount_tmpfs):
+    small_tmpfs = mount_tmpfs("12m")  # room for five 2 MiB blocks and their trailers
     replica = Replica(offloading_config(tiers=[ours(small_tmpfs)], cpu_bytes=64 << 20))
     try:
         keys = make_keys(10, seed="enospc")
         replica.store(keys)  # raises nothing into the "scheduler"
         counters = replica.tier.engine.counters
-        files = glob.glob(f"{small_tmpfs}/*_r0/*/*/*.bin")
+        files = block_files(small_tmpfs)
         assert 0 < len(files) < 10
         # The first ENOSPC trips the space guard: later blocks are dropped
         # without touching the volume, and stay dropped until space is freed.
@@ -35,7 +30,7 @@ def test_full_disk_fails_stores_cleanly_and_reads_continue(small_tmpfs):
         assert not replica.tier.engine.guard.allows_store()
         # Nothing torn under a final name, no temp file left behind.
         assert {os.path.getsize(f) for f in files} == {replica.row_bytes + 4096}
-        assert not glob.glob(f"{small_tmpfs}/**/.*.tmp", recursive=True)
+        assert not temp_files(small_tmpfs)
 
         reader = Replica(offloading_config(tiers=[ours(small_tmpfs)], cpu_bytes=64 << 20))
         try:

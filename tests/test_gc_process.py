@@ -2,6 +2,7 @@
 volume lock, --watch and SIGTERM, the progress line on a terminal, and
 watermark eviction on a real, small tmpfs."""
 
+import contextlib
 import fcntl
 import json
 import os
@@ -12,15 +13,18 @@ import struct
 import subprocess
 import sys
 import termios
+from collections.abc import Iterator
 
 import pytest
 
 from llmkv_fs.ops.gc import EXIT_BUSY
 
+from engine_kit import wait_until
 from gc_kit import (
     DAY,
+    DEADLINE_S,
+    cache_entries,
     dead_pid,
-    files_under,
     gc,
     gc_env,
     gc_process,
@@ -30,7 +34,7 @@ from gc_kit import (
     put_block,
     put_lease,
     put_temp,
-    wait_until,
+    running,
 )
 
 OLD = 8 * DAY
@@ -116,17 +120,24 @@ sys.stdin.read()
 """
 
 
-def test_second_gc_is_refused_or_waits(disk_root):
-    orphan, _live, _paths, _temps = build_tree(disk_root, blocks=5)
+@contextlib.contextmanager
+def lock_held(root: str) -> Iterator[subprocess.Popen]:
+    """Another process holds the volume's gc lock until its stdin closes."""
     holder = subprocess.Popen(
-        [sys.executable, "-c", HOLDER, disk_root],
+        [sys.executable, "-c", HOLDER, root],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
         env=gc_env(),
     )
-    try:
+    with running(holder):
         assert read_line(holder.stdout) == "locked\n"
+        yield holder
+
+
+def test_second_gc_is_refused_or_waits(disk_root):
+    orphan, _live, _paths, _temps = build_tree(disk_root, blocks=5)
+    with lock_held(disk_root) as holder:
         busy = gc_run(disk_root, "--high", "off")
         assert busy.returncode == EXIT_BUSY
         assert "another gc holds" in busy.stderr and f"pid={holder.pid}" in busy.stderr
@@ -142,9 +153,6 @@ def test_second_gc_is_refused_or_waits(disk_root):
         out, err = waiting.communicate(timeout=60)
         assert waiting.returncode == 0, err
         assert json.loads(out)["digests_removed"] == 1
-    finally:
-        holder.kill()
-        holder.wait()
 
 
 def test_concurrent_gc_runs_do_not_fight(volume):
@@ -157,7 +165,7 @@ def test_concurrent_gc_runs_do_not_fight(volume):
     statuses = sorted(r[0] for r in results)
     assert set(statuses) <= {0, EXIT_BUSY} and statuses[0] == 0, results
     # Whoever ran, the outcome is one clean gc: all gone, no errors, no trash.
-    assert files_under(live[0].rank_dir) == set()
+    assert cache_entries(live[0].rank_dir) == set()
     assert not os.path.exists(orphan[0].base_path)
     for status, out, err in results:
         if status == 0:
@@ -189,39 +197,27 @@ def test_concurrent_gc_runs_do_not_fight(volume):
 
 def test_watch_loops_until_sigterm_and_exits_zero(disk_root):
     _orphan, live, _paths, _temps = build_tree(disk_root, blocks=5)
-    watcher = gc_process(disk_root, "--watch", "0.05", "--json", "--high", "off")
-    try:
+    with running(gc_process(disk_root, "--watch", "0.05", "--json", "--high", "off")) as watcher:
         first = json.loads(read_line(watcher.stdout))
         assert first["digests_removed"] == 1
         # It keeps going: a temp file of a dead writer planted now is removed
         # by a later pass.
         late = put_temp(live[0], key(1, "late"), dead_pid())
-        wait_until(lambda: not os.path.exists(late), "a later pass to remove the temp file")
+        wait_until(
+            lambda: not os.path.exists(late),
+            "a later pass to remove the temp file",
+            deadline_s=DEADLINE_S,
+        )
         watcher.send_signal(signal.SIGTERM)
         assert watcher.wait(timeout=30) == 0
-    finally:
-        watcher.kill()
-        watcher.wait()
 
 
 def test_sigterm_while_waiting_for_the_lock_exits_zero(disk_root):
-    holder = subprocess.Popen(
-        [sys.executable, "-c", HOLDER, disk_root],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-        env=gc_env(),
-    )
-    try:
-        assert read_line(holder.stdout) == "locked\n"
-        watcher = gc_process(disk_root, "--watch", "1h", "--wait")
+    with lock_held(disk_root), running(gc_process(disk_root, "--watch", "1h", "--wait")) as watcher:
         with pytest.raises(subprocess.TimeoutExpired):
             watcher.wait(timeout=1.0)  # blocked on the lock
         watcher.send_signal(signal.SIGTERM)
         assert watcher.wait(timeout=30) == 0
-    finally:
-        holder.kill()
-        holder.wait()
 
 
 # -- progress on a terminal -------------------------------------------------------------

@@ -11,10 +11,10 @@ The stress test lets both run freely."""
 import hashlib
 import json
 import os
-import signal
 import subprocess
 import sys
 
+from engine_kit import wait_until
 from gc_kit import (
     DAY,
     PAYLOAD,
@@ -24,7 +24,8 @@ from gc_kit import (
     gc_run,
     make_digest,
     put_block,
-    wait_until,
+    running,
+    stop_watch,
 )
 
 WRITER = r"""
@@ -211,8 +212,7 @@ def test_writer_never_fails_while_gc_keeps_emptying_its_directories(shared_volum
 
     writer = start_writer(shared_volume.b, "none", writer_layout, new)
     assert next_line(writer) == "ready"
-    watcher = gc_process(shared_volume.a, *GC_EVICT, "--watch", "0", "--json")
-    try:
+    with running(gc_process(shared_volume.a, *GC_EVICT, "--watch", "0", "--json")) as watcher:
         result = writer_result(writer)
         assert result["failed"] == []
         assert sorted(set(result["outcomes"])) == ["written"]
@@ -221,14 +221,7 @@ def test_writer_never_fails_while_gc_keeps_emptying_its_directories(shared_volum
             "gc to evict every old block",
             deadline_s=120,
         )
-        watcher.send_signal(signal.SIGTERM)
-        out, err = watcher.communicate(timeout=60)
-        assert watcher.returncode == 0, err
-    finally:
-        if watcher.poll() is None:
-            watcher.kill()
-            watcher.wait()
-    passes = [json.loads(line) for line in out.splitlines() if line.strip()]
+        passes = stop_watch(watcher)
     assert passes and all(p["error_count"] == 0 for p in passes)
     for k in new:  # every new block is there (protected), byte exact
         assert_block(layout.block_path(k), k)

@@ -12,8 +12,8 @@ from gc_kit import (
     DAY,
     HOST,
     age,
+    cache_entries,
     dead_pid,
-    files_under,
     gc,
     key,
     make_digest,
@@ -51,7 +51,7 @@ def test_old_unleased_digest_is_removed_with_every_rank(volume, capsys):
     assert status == 0, report
     assert present(digest_dirs(old)) == [False, False, False]
     assert present(digest_dirs(fresh)) == [True, True]
-    assert len(files_under(fresh[0].rank_dir)) == 2
+    assert len(cache_entries(fresh[0].rank_dir)) == 2
     by_name = {d["name"]: d for d in report["digests"]}
     assert by_name[old[0].digest_dir_name]["removed"]
     assert not by_name[fresh[0].digest_dir_name]["removed"]
@@ -216,7 +216,7 @@ def test_max_bytes_evicts_least_recently_used_first(volume, capsys):
     ]
     paths.append(put_block(layout, key(9), seconds_old=11 * 3600))
     size = os.lstat(paths[0]).st_blocks * 512
-    cache = sum(os.lstat(f"{volume}/{p}").st_blocks * 512 for p in files_under(volume))
+    cache = sum(os.lstat(f"{volume}/{p}").st_blocks * 512 for p in cache_entries(volume))
     # --max-bytes counts everything under the digest (config.json, leases
     # too): ask for 3.5 blocks' worth to go, so 4 go.
     status, report = gc(
@@ -240,7 +240,7 @@ def test_protect_spares_recent_blocks_and_reports_the_shortfall(volume, capsys):
     assert present(old) == [False] * 3
     assert present(recent) == [True] * 3
     # Short by what is left: the protected blocks, and config.json (never evicted).
-    left = sum(os.lstat(f"{volume}/{p}").st_blocks * 512 for p in files_under(volume))
+    left = sum(os.lstat(f"{volume}/{p}").st_blocks * 512 for p in cache_entries(volume))
     assert report["capacity"]["short_bytes"] == left
     assert os.path.exists(layouts[0].config_path)
     gc(volume, *QUIET, "--max-bytes", "0", "--protect", "1m", capsys=capsys)
@@ -347,7 +347,7 @@ def test_dry_run_changes_nothing(volume, capsys):
     assert status == 0
     assert report["trash_removed"] == 1
     assert not os.path.exists(orphan[0].base_path)
-    assert files_under(live[0].rank_dir) == set()
+    assert cache_entries(live[0].rank_dir) == set()
     assert [n for n in os.listdir(volume) if n.startswith(".")] == [".llmkv-gc.lock"]
 
 

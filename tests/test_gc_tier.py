@@ -5,12 +5,11 @@ exception -- and a fresh store of it works."""
 
 import json
 import os
-import signal
 
 from vllm.v1.kv_offload.base import LookupResult
 
-from gc_kit import age, files_under, gc_process, gc_run
-from harness import Replica, make_keys, offloading_config, ours, payload_for, wait_until
+from gc_kit import age, cache_entries, gc_process, gc_run, running, stop_watch
+from harness import make_keys, ours, payload_for, start, wait_until
 
 HIT, MISS, RETRY, HIT_PENDING = (
     LookupResult.HIT,
@@ -19,12 +18,6 @@ HIT, MISS, RETRY, HIT_PENDING = (
     LookupResult.HIT_PENDING,
 )
 EVICT_ALL = ("--max-bytes", "0", "--protect", "0", "--high", "off")
-
-
-def start(replicas, root, **kw):
-    replica = Replica(offloading_config(tiers=[ours(root)], **kw))
-    replicas.append(replica)
-    return replica
 
 
 def lookup_all(replica, keys, ctx):
@@ -58,7 +51,7 @@ def assert_hits_byte_exact(replica, keys):
 
 
 def test_evicted_between_lookup_and_load_is_a_clean_miss(volume, replicas):
-    writer = start(replicas, volume)
+    writer = start(replicas, ours(volume))
     keys = make_keys(6, seed="gc-evict")
     writer.store(keys)
     paths = [writer.tier.layout.block_path(k) for k in keys]
@@ -66,9 +59,9 @@ def test_evicted_between_lookup_and_load_is_a_clean_miss(volume, replicas):
     for path in paths[:3]:
         age(path, 7200)
     size = os.lstat(paths[0]).st_blocks * 512
-    cache = sum(os.lstat(f"{volume}/{p}").st_blocks * 512 for p in files_under(volume))
+    cache = sum(os.lstat(f"{volume}/{p}").st_blocks * 512 for p in cache_entries(volume))
 
-    reader = start(replicas, volume)
+    reader = start(replicas, ours(volume))
     ctx = promotions_started(reader, keys)
     done = gc_run(
         volume, "--json", "--max-bytes", str(cache - 3 * size), "--protect", "1h", "--high", "off"
@@ -87,14 +80,14 @@ def test_evicted_between_lookup_and_load_is_a_clean_miss(volume, replicas):
     # ... and a fresh store of the evicted blocks works and is found by others.
     reader.store(keys[:3])
     assert all(os.path.exists(p) for p in paths)
-    assert_hits_byte_exact(start(replicas, volume), keys)
+    assert_hits_byte_exact(start(replicas, ours(volume)), keys)
 
 
 def test_everything_evicted_after_lookup(disk_root, replicas):
-    writer = start(replicas, disk_root)
+    writer = start(replicas, ours(disk_root))
     keys = make_keys(4, seed="gc-all")
     writer.store(keys)
-    reader = start(replicas, disk_root)
+    reader = start(replicas, ours(disk_root))
     ctx = promotions_started(reader, keys)
     assert gc_run(disk_root, *EVICT_ALL).returncode == 0
     final, _ = reader.find(keys, ctx)
@@ -102,17 +95,16 @@ def test_everything_evicted_after_lookup(disk_root, replicas):
     writer.close()
     replicas.remove(writer)
     reader.store(keys)
-    assert_hits_byte_exact(start(replicas, disk_root), keys)
+    assert_hits_byte_exact(start(replicas, ours(disk_root)), keys)
 
 
 def test_loads_race_a_gc_that_evicts_continuously(volume, replicas):
     """A --watch gc evicts everything it sees while a replica stores and a
     second one looks up and loads: every HIT is byte exact, the rest MISS."""
-    writer = start(replicas, volume)
-    reader = start(replicas, volume)
-    watcher = gc_process(volume, *EVICT_ALL, "--watch", "0", "--json")
+    writer = start(replicas, ours(volume))
+    reader = start(replicas, ours(volume))
     outcomes = {HIT: 0, MISS: 0}
-    try:
+    with running(gc_process(volume, *EVICT_ALL, "--watch", "0", "--json")) as watcher:
         first = watcher.stdout.readline()  # its first pass is done: it is running
         assert first, watcher.stderr.read()
         for round_ in range(8):
@@ -126,14 +118,7 @@ def test_loads_race_a_gc_that_evicts_continuously(volume, replicas):
                 if verdict is HIT:
                     assert reader.read_primary(key, ctx) == payload_for(key, reader.row_bytes)
             reader.finish_request(ctx)
-        watcher.send_signal(signal.SIGTERM)
-        out, err = watcher.communicate(timeout=60)
-        assert watcher.returncode == 0, err
-    finally:
-        if watcher.poll() is None:
-            watcher.kill()
-            watcher.wait()
-    passes = [json.loads(line) for line in [first, *out.splitlines()] if line.strip()]
+        passes = [json.loads(first), *stop_watch(watcher)]
     assert sum(p["capacity"]["evicted_blocks"] for p in passes) > 0
     assert all(p["error_count"] == 0 for p in passes), [p["errors"] for p in passes]
     assert outcomes[HIT] + outcomes[MISS] == 32

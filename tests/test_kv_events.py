@@ -17,22 +17,16 @@ from vllm.v1.kv_offload.base import Locality, LookupResult, Medium
 from llmkv_fs.engine import Direction, Failure, Tally
 
 from harness import (
-    Replica,
     make_keys,
-    offloading_config,
     ours,
     resolve,
+    start,
     store_burst_while_stalled,
     wait_until,
 )
+from volume_kit import flip_a_bit
 
 HIT, MISS = LookupResult.HIT, LookupResult.MISS
-
-
-def start(replicas, tier, events=True):
-    replica = Replica(offloading_config(tiers=[tier], enable_kv_events=events))
-    replicas.append(replica)
-    return replica
 
 
 def tier_events(replica):
@@ -54,16 +48,10 @@ def keys_of(events, removed):
     return set(keys)
 
 
-def flip_a_bit(path, offset=12345):
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        byte = f.read(1)[0]
-        f.seek(offset)
-        f.write(bytes([byte ^ 0x10]))
-
-
 def test_block_stored_for_landed_keys(disk_root, replicas):
-    a = start(replicas, ours(disk_root, enable_kv_events=True, locality="REMOTE"))
+    a = start(
+        replicas, ours(disk_root, enable_kv_events=True, locality="REMOTE"), enable_kv_events=True
+    )
     keys = make_keys(5, seed="events-stored")
     a.store(keys[:2])
     a.store(keys[2:])
@@ -85,6 +73,7 @@ def test_stores_dropped_by_the_queue_bound_yield_no_event(disk_root, replicas):
             n_write_threads=1,
             max_pending_store_blocks=4,
         ),
+        enable_kv_events=True,
     )
     # Hold the volume "slow" while the burst is submitted: the two I/O threads
     # take one block each, the queue holds at most 4 more, the rest is refused.
@@ -100,7 +89,11 @@ def test_stores_dropped_by_the_queue_bound_yield_no_event(disk_root, replicas):
 
 
 def test_stores_refused_by_the_space_guard_yield_no_event(disk_root, replicas):
-    a = start(replicas, ours(disk_root, enable_kv_events=True, min_free_bytes=1 << 60))
+    a = start(
+        replicas,
+        ours(disk_root, enable_kv_events=True, min_free_bytes=1 << 60),
+        enable_kv_events=True,
+    )
     wait_until(lambda: not a.tier.engine.guard.allows_store(), "the space guard to trip")
     keys = make_keys(3, seed="events-full")
     a.store(keys)
@@ -110,13 +103,13 @@ def test_stores_refused_by_the_space_guard_yield_no_event(disk_root, replicas):
 
 
 def test_quarantined_load_yields_block_removed(disk_root, replicas):
-    a = start(replicas, ours(disk_root, enable_kv_events=True))
+    a = start(replicas, ours(disk_root, enable_kv_events=True), enable_kv_events=True)
     keys = make_keys(4, seed="events-flip")
     a.store(keys)
     assert keys_of(tier_events(a), removed=False) == set(keys)
     flip_a_bit(a.tier.layout.block_path(keys[1]))
 
-    b = start(replicas, ours(disk_root, enable_kv_events=True))
+    b = start(replicas, ours(disk_root, enable_kv_events=True), enable_kv_events=True)
 
     def vanish(key):  # found by the lookup, gone before the load runs: not ours to announce
         if key == keys[2]:
@@ -137,11 +130,15 @@ def test_quarantined_load_yields_block_removed(disk_root, replicas):
 
 
 def _store_and_corrupt_load(root, replicas, tier_events_on, global_events_on):
-    a = start(replicas, ours(root, enable_kv_events=tier_events_on), events=global_events_on)
+    a = start(
+        replicas, ours(root, enable_kv_events=tier_events_on), enable_kv_events=global_events_on
+    )
     keys = make_keys(3, seed=f"events-off-{tier_events_on}-{global_events_on}")
     a.store(keys)
     flip_a_bit(a.tier.layout.block_path(keys[0]))
-    b = start(replicas, ours(root, enable_kv_events=tier_events_on), events=global_events_on)
+    b = start(
+        replicas, ours(root, enable_kv_events=tier_events_on), enable_kv_events=global_events_on
+    )
     final = resolve(b, keys)
     assert final[keys[0]] is MISS and b.tier.engine.counters[Tally.QUARANTINED] == 1
     return a, b

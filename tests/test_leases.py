@@ -21,7 +21,8 @@ import pytest
 
 import llmkv_fs
 from llmkv_fs.engine import Outcome
-from llmkv_fs.layout.leases import STALE_AFTER_INTERVALS, lease_dir, read_leases
+from llmkv_fs.engine.space import SpaceGuard
+from llmkv_fs.layout.leases import STALE_AFTER_INTERVALS, Lease, lease_dir, read_leases
 
 from harness import Replica, offloading_config, ours, payload_for, wait_until
 
@@ -295,3 +296,41 @@ def _replica_process(role: str, root: str, control: str) -> None:
 
 if __name__ == "__main__":
     _replica_process(*sys.argv[1:4])
+
+
+def test_housekeeping_survives_a_failed_first_lease_write(tmp_path, monkeypatch):
+    """The first write of the lease fails (EIO): the thread stays up, keeps
+    sampling space and writes the lease on a later round -- it must not
+    "refresh" a lease file that was never written."""
+    from llmkv_fs.engine import housekeeping as housekeeping_module
+
+    real_write = housekeeping_module.write_lease
+    calls = []
+
+    def write_once_failing(*args, **kwargs):
+        calls.append(args)
+        if len(calls) == 1:
+            raise OSError(5, "Input/output error")
+        return real_write(*args, **kwargs)
+
+    monkeypatch.setattr(housekeeping_module, "write_lease", write_once_failing)
+    guard = SpaceGuard(str(tmp_path), 100.0, 0, headroom_bytes=0)
+    keeper = housekeeping_module.Housekeeping(guard, str(tmp_path), lease_interval_s=0.05)
+    try:
+        keeper.set_lease(
+            Lease(
+                host=socket.gethostname(),
+                pid=os.getpid(),
+                started_ns=time.time_ns(),
+                hash_algo="sha256",
+                seed_fingerprint="f" * 16,
+                interval_s=0.05,
+            )
+        )
+        wait_until(lambda: keeper.lease_path is not None, "the lease to be written", 20.0)
+        assert os.path.exists(keeper.lease_path)
+        assert keeper.errors == 1
+        seen = guard.usage
+        wait_until(lambda: guard.usage is not seen, "a later housekeeping round", 20.0)
+    finally:
+        keeper.stop()

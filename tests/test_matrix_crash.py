@@ -27,13 +27,12 @@ from matrix_kit import (
     HIT,
     Forked,
     TierClock,
-    block_files,
     block_problem,
-    files_under,
     record,
     served,
     temp_owner,
 )
+from volume_kit import block_files, files_under
 
 TRIALS = int(os.environ.get("LLMKV_FS_MATRIX_TRIALS", "10"))  # per filesystem
 SEED = int(os.environ.get("LLMKV_FS_MATRIX_SEED", "5"))

@@ -18,7 +18,7 @@ import pytest
 from llmkv_fs.engine import Direction, EngineError, Failure, Outcome, Tally
 from llmkv_fs.layout.blockfile import Corruption
 
-from harness import Replica, make_keys, offloading_config, ours, wait_until
+from harness import Replica, make_keys, offloading_config, ours, start, wait_until
 from matrix_kit import (
     DAMAGES,
     HIT,
@@ -27,7 +27,6 @@ from matrix_kit import (
     RETRY,
     Forked,
     TierClock,
-    block_files,
     block_problem,
     ext4_shutdown,
     gluster_dirs,
@@ -37,18 +36,18 @@ from matrix_kit import (
     record,
     remount,
     served,
-    temp_files,
     temp_owner,
 )
+from volume_kit import block_files, temp_files
 
 # One lookup round trip on the lookup thread; the test polls every ~2 ms, so
 # this is a time bound of a second or two on a busy machine, not a tight one.
 MAX_STEPS_TO_MISS = 500
 
 
-def start(replicas, root, **tier):
-    replica = Replica(offloading_config(tiers=[ours(root, **tier)]))
-    replicas.append(replica)
+def start_clocked(replicas, root, **tier):
+    """A replica over ``root`` and the clock that times its tier's calls."""
+    replica = start(replicas, ours(root, **tier))
     return replica, TierClock(replica.tier)
 
 
@@ -61,6 +60,18 @@ def assert_no_livelock(history) -> None:
     assert len(history) <= MAX_STEPS_TO_MISS
 
 
+def assert_fresh_requests_miss(reader, clock, keys, requests: int = 1) -> None:
+    """Fresh requests for ``keys``: each a plain MISS, no load submitted again,
+    nothing raised into the scheduler."""
+    loads_before = clock.calls["submit_load"]
+    for _ in range(requests):
+        verdict, history = reader.find(keys)
+        assert verdict == dict.fromkeys(keys, MISS)
+        assert_no_livelock(history)
+    assert clock.calls["submit_load"] == loads_before
+    assert clock.errors == []
+
+
 # -- damaged block files -------------------------------------------------------------------
 
 
@@ -71,7 +82,7 @@ def test_damaged_files_are_never_served(shared_volume, replicas, when):
     once read, counted by reason; good blocks: HIT, byte exact (vLLM's
     partial success). Replica A writes and damages through its mount, B reads
     through its own."""
-    writer, _ = start(replicas, shared_volume.a)
+    writer, _ = start_clocked(replicas, shared_volume.a)
     good = make_keys(4, seed=f"good-{when}")
     bad = dict(zip(DAMAGES, make_keys(len(DAMAGES), seed=f"bad-{when}")))
     keys = good + list(bad.values())
@@ -82,7 +93,7 @@ def test_damaged_files_are_never_served(shared_volume, replicas, when):
         for name, key in bad.items():
             DAMAGES[name][0](writer.tier.layout.block_path(key), donor)
 
-    reader, clock = start(replicas, shared_volume.b)
+    reader, clock = start_clocked(replicas, shared_volume.b)
     # A request per damaged block: a load job stops at its first bad block
     # (vLLM's prefix rule), so each damage needs a job of its own to be read.
     requests = [(reader.new_request(), good)] + [(reader.new_request(), [k]) for k in bad.values()]
@@ -139,12 +150,7 @@ def test_damaged_files_are_never_served(shared_volume, replicas, when):
     # A fresh request: MISS at once, no second load, no livelock.
     for ctx, _ in requests:
         reader.finish_request(ctx)
-    loads_before = clock.calls["submit_load"]
-    again, history = reader.find(list(bad.values()))
-    assert again == dict.fromkeys(bad.values(), MISS)
-    assert_no_livelock(history)
-    assert clock.calls["submit_load"] == loads_before
-    assert clock.errors == []
+    assert_fresh_requests_miss(reader, clock, list(bad.values()))
     record(
         "damaged_files",
         fs=shared_volume.fs,
@@ -160,10 +166,10 @@ def test_damaged_files_are_never_served(shared_volume, replicas, when):
 
 
 def test_file_deleted_between_hit_and_load_fails_only_that_key(shared_volume, replicas):
-    writer, _ = start(replicas, shared_volume.a)
+    writer, _ = start_clocked(replicas, shared_volume.a)
     keys = make_keys(4, seed="deleted")
     writer.store(keys)
-    reader, clock = start(replicas, shared_volume.b)
+    reader, clock = start_clocked(replicas, shared_volume.b)
     ctx = reader.new_request()
     assert set(lookup_until(reader, keys, ctx).values()) == {HIT_PENDING}
     os.unlink(writer.tier.layout.block_path(keys[1]))  # another replica's gc, say
@@ -182,13 +188,8 @@ def test_file_deleted_between_hit_and_load_fails_only_that_key(shared_volume, re
     assert counters[Tally.QUARANTINED] == 0
 
     reader.finish_request(ctx)
-    loads = clock.calls["submit_load"]
-    for _ in range(20):  # fresh requests keep asking: a bounded MISS every time
-        verdict, history = reader.find([keys[1]])
-        assert verdict == {keys[1]: MISS}
-        assert_no_livelock(history)
-    assert clock.calls["submit_load"] == loads
-    assert clock.errors == []
+    # Fresh requests keep asking: a bounded MISS every time.
+    assert_fresh_requests_miss(reader, clock, [keys[1]], requests=20)
     record(
         "deleted_after_hit",
         fs=shared_volume.fs,
@@ -208,10 +209,10 @@ def test_eio_fails_loads_and_stores_cleanly(tmp_path, replicas):
     """A loop-mounted ext4 shut down under a running replica (EXT4_IOC_SHUTDOWN):
     every read, write, create and rename now gets EIO from the kernel."""
     with loop_ext4(tmp_path / "eio") as root:
-        writer, _ = start(replicas, root)
+        writer, _ = start_clocked(replicas, root)
         keys = make_keys(4, seed="eio")
         writer.store(keys)
-        reader, clock = start(replicas, root)
+        reader, clock = start_clocked(replicas, root)
         ctx = reader.new_request()
         assert set(lookup_until(reader, keys, ctx).values()) == {HIT_PENDING}
         ext4_shutdown(root)
@@ -307,7 +308,7 @@ def _nobody_reads_and_writes(root: str, keys_hex: list[str], fresh_hex: list[str
 
 def test_eacces_as_nobody_fails_loads_and_stores_cleanly(open_root, replicas):
     fs, root = open_root
-    owner, _ = start(replicas, root, file_mode=0o600, dir_mode=0o755)
+    owner, _ = start_clocked(replicas, root, file_mode=0o600, dir_mode=0o755)
     keys = make_keys(4, seed="eacces")
     owner.store(keys)
     os.chmod(root, 0o777)  # nobody may start a tier here...
@@ -354,8 +355,8 @@ def test_read_only_remount_mid_run_fails_stores_loads_continue(
             if kind == "tmpfs"
             else stack.enter_context(loop_ext4(tmp_path / "ro-ext4"))
         )
-        writer, wclock = start(replicas, root)
-        reader, rclock = start(replicas, root)
+        writer, wclock = start_clocked(replicas, root)
+        reader, rclock = start_clocked(replicas, root)
         before = make_keys(4, seed="ro-before")
         writer.store(before)
         racing = make_keys(8, seed="ro-racing")

@@ -26,11 +26,11 @@ from matrix_kit import (
     LogTap,
     TierClock,
     block_problem,
-    files_under,
     gluster_dirs,
     record,
     served,
 )
+from volume_kit import files_under
 
 SEED = int(os.environ.get("LLMKV_FS_MATRIX_SEED", "5"))
 

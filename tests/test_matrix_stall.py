@@ -20,15 +20,14 @@ from matrix_kit import (
     HIT_PENDING,
     MISS,
     TierClock,
-    block_files,
     brick_pid,
     gluster_dirs,
     lookup_until,
     record,
     served,
     stopped,
-    temp_files,
 )
+from volume_kit import block_files, temp_files
 
 JOB_TIMEOUT_S = 2.0
 CALL_BOUND_S = 0.2  # the slowest single tier call allowed while the volume is stalled

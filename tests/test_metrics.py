@@ -56,6 +56,7 @@ from llmkv_fs.layout.blockfile import Corruption
 from llmkv_fs.tier.metrics import METRICS, PREFIX, counter_series
 
 from harness import Replica, make_keys, offloading_config, ours, resolve, wait_until
+from volume_kit import flip_a_bit
 
 HIT, MISS = LookupResult.HIT, LookupResult.MISS
 REPO = Path(__file__).resolve().parent.parent
@@ -92,14 +93,6 @@ class _JobSpy:
             return real_load(job)
 
         tier.submit_store, tier.submit_load = submit_store, submit_load
-
-
-def flip_a_bit(path: str, offset: int = 12345) -> None:
-    with open(path, "r+b") as f:  # same size, one payload bit flipped
-        f.seek(offset)
-        byte = f.read(1)[0]
-        f.seek(offset)
-        f.write(bytes([byte ^ 0x10]))
 
 
 def take_stats(replica: Replica, with_info: bool) -> OffloadingConnectorStats:

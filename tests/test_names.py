@@ -23,6 +23,8 @@ from llmkv_fs.layout.names import (
 )
 from llmkv_fs.layout.paths import CacheLayout, RunIdentity
 
+from engine_kit import make_key
+
 ROOT = "/mnt/kv cache"
 DIGEST = "0123456789ab"
 HOSTS = ["node-1", "node-1.cluster.local", "a_b", "x-7f3a9c"]
@@ -35,14 +37,10 @@ IDENTITY = RunIdentity(
 )
 
 
-def key(i: int, group: int = 0) -> bytes:
-    return hashlib.sha256(f"block-{i}".encode()).digest() + group.to_bytes(4, "big")
-
-
 def every_name(root: str = ROOT) -> dict[str, str]:
     """One name of every kind, as the builders make them (basenames)."""
     layout = CacheLayout(root, CacheLayout.for_identity(root, IDENTITY).run_config, 3)
-    block = layout.block_path(key(1))
+    block = layout.block_path(make_key(1))
     return {
         "digest": names.digest_dir_name("org/model", DIGEST),
         "rank": os.path.basename(names.rank_dir_name(f"{root}/org_model_{DIGEST}", 3)),
@@ -143,8 +141,8 @@ def test_directory_parsers_reject_look_alikes(name):
 def test_block_paths_round_trip():
     layout = CacheLayout(ROOT, CacheLayout.for_identity(ROOT, IDENTITY).run_config, 3)
     keys = [
-        key(1),
-        key(2, group=7),
+        make_key(1),
+        make_key(2, group=7),
         bytes.fromhex("0123456789abcdef") + b"\x80\0\0\1",
         b"\0\0\1" + bytes(29) + b"\0\0\0\0",
     ]
@@ -158,7 +156,7 @@ def test_block_paths_round_trip():
 
 def test_block_path_parser_rejects_look_alikes():
     layout = CacheLayout("/v", CacheLayout.for_identity("/v", IDENTITY).run_config, 3)
-    p = layout.block_path(key(1))
+    p = layout.block_path(make_key(1))
     head, name = os.path.split(p)
     short = names.block_rel_path(b"\xab\xcd" + bytes(4))  # too short for the fan-out
     for bad in (
@@ -170,7 +168,7 @@ def test_block_path_parser_rejects_look_alikes():
         p + "\n",
         p.replace(name, name.upper()),
         p.replace("_g0", "_g4294967296"),
-        f"{layout.rank_dir}/{names.block_rel_path(key(2))[: -len(name)]}{name}",
+        f"{layout.rank_dir}/{names.block_rel_path(make_key(2))[: -len(name)]}{name}",
         f"{layout.rank_dir}/{short}",
         p.replace(".bin", ".bin.tmp"),
     ):
@@ -179,7 +177,7 @@ def test_block_path_parser_rejects_look_alikes():
 
 def test_quarantine_names_round_trip():
     rank_dir = f"{ROOT}/m_{DIGEST}_r0"
-    block = os.path.basename(CacheLayout(ROOT, {"model_name": "m"}, 0).block_path(key(3)))
+    block = os.path.basename(CacheLayout(ROOT, {"model_name": "m"}, 0).block_path(make_key(3)))
     path = names.quarantine_path(rank_dir, block, "bad-checksum", 1234567890123)
     assert os.path.dirname(path) == names.quarantine_dir(rank_dir)
     assert names.parse_quarantine_name(os.path.basename(path)) == QuarantineName(

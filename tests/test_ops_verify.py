@@ -25,6 +25,7 @@ from llmkv_fs.layout.paths import CacheLayout
 from llmkv_fs.ops import verify
 
 from engine_kit import BS, make_key, pattern, write_blocks
+from volume_kit import quarantined
 
 HEAD = 42  # trailer bytes before the key (see layout/blockfile.py)
 
@@ -52,13 +53,6 @@ def make_future_version(path: str, key: bytes) -> None:
 def run_cli(capsys, *argv) -> tuple[int, dict]:
     rc = cli.main(["verify", *argv, "--json", "--threads", "2"])
     return rc, json.loads(capsys.readouterr().out)
-
-
-def quarantined(layout: CacheLayout) -> list[str]:
-    try:
-        return sorted(os.listdir(layout.quarantine_dir))
-    except FileNotFoundError:
-        return []
 
 
 # -- a clean volume ------------------------------------------------------------------------------
@@ -146,7 +140,7 @@ def test_finds_each_bad_file_and_repair_quarantines_exactly_those(volume, capsys
     t = report["totals"]
     assert (t["files"], t["bad"], t["unverified"], t["verified"]) == (14, 7, 1, 6)
     assert report["digests"][0]["chunk_bytes"] == BS
-    assert quarantined(layout) == []  # no --repair: nothing moved
+    assert quarantined(layout.rank_dir) == []  # no --repair: nothing moved
     assert all(os.path.lexists(p) for p in bad)
 
     rc, report = run_cli(capsys, volume, "--repair")
@@ -157,7 +151,7 @@ def test_finds_each_bad_file_and_repair_quarantines_exactly_those(volume, capsys
         name = os.path.basename(b["quarantined_to"])
         assert name.startswith(os.path.basename(b["path"]) + f".{b['reason']}.")
         assert os.path.dirname(b["quarantined_to"]) == layout.quarantine_dir
-    assert len(quarantined(layout)) == len(bad)
+    assert len(quarantined(layout.rank_dir)) == len(bad)
     assert all(os.path.exists(p) for p in untouched)
 
     rc, report = run_cli(capsys, volume)
@@ -223,7 +217,7 @@ def test_repair_leaves_a_file_republished_after_the_read(volume, capsys, monkeyp
     assert rc == 1
     (b,) = report["bad"]
     assert (b["path"], b["reason"], b["repair"]) == (path, "bad-checksum", "replaced")
-    assert quarantined(layout) == []
+    assert quarantined(layout.rank_dir) == []
     monkeypatch.undo()
     assert run_cli(capsys, volume)[0] == 0  # the republished block is good
 
@@ -244,7 +238,7 @@ def test_repair_puts_back_a_file_republished_just_before_the_rename(volume, caps
     _rc, report = run_cli(capsys, volume, "--repair")
     (b,) = report["bad"]
     assert (b["reason"], b["repair"], b["quarantined_to"]) == ("truncated", "replaced", None)
-    assert quarantined(layout) == []
+    assert quarantined(layout.rank_dir) == []
     assert os.path.getsize(path) == BS + TRAILER_SIZE
     monkeypatch.undo()
     assert run_cli(capsys, volume)[0] == 0
@@ -278,7 +272,7 @@ def test_symlink_and_fifo_are_never_followed_or_opened(volume, capsys, tmp_path)
         before.st_size,
         before.st_atime_ns,
     )
-    moved = [os.path.join(layout.quarantine_dir, n) for n in quarantined(layout)]
+    moved = quarantined(layout.rank_dir)
     assert sorted(os.path.islink(m) for m in moved) == [False, True]
 
 

@@ -10,7 +10,6 @@ sample), never by sleeping.
 
 from __future__ import annotations
 
-import glob
 import os
 import shutil
 import time
@@ -24,6 +23,7 @@ from llmkv_fs.layout.blockfile import TRAILER_SIZE
 from llmkv_fs.layout.fsinfo import VolumeUsage, volume_usage
 
 from engine_kit import BS, Gate, fill, make_key, pattern, row, store_blocks, wait_jobs, wait_until
+from volume_kit import block_files, temp_files
 
 MiB = 1 << 20
 
@@ -40,14 +40,6 @@ def write_filler(path: str, nbytes: int) -> None:
         left = nbytes
         while left:
             left -= f.write(chunk[: min(left, MiB)])
-
-
-def block_files(root: str) -> list[str]:
-    return glob.glob(f"{root}/*_r0/*/*/*.bin")
-
-
-def temp_files(root: str) -> list[str]:
-    return glob.glob(f"{root}/**/.*.tmp", recursive=True)
 
 
 def wait_samples(engine, n: int = 1) -> None:

@@ -22,9 +22,11 @@ from harness import (
     offloading_config,
     ours,
     payload_for,
+    start,
     store_burst_while_stalled,
     wait_until,
 )
+from volume_kit import block_files
 
 HIT, MISS, RETRY, HIT_PENDING = (
     LookupResult.HIT,
@@ -32,16 +34,6 @@ HIT, MISS, RETRY, HIT_PENDING = (
     LookupResult.RETRY,
     LookupResult.HIT_PENDING,
 )
-
-
-def start(replicas, tier, **kw):
-    replica = Replica(offloading_config(tiers=[tier], **kw))
-    replicas.append(replica)
-    return replica
-
-
-def block_files(root):
-    return sorted(glob.glob(f"{root}/*_r*/*/*/*.bin"))
 
 
 def assert_all_promoted_byte_exact(replica, keys):

@@ -50,7 +50,7 @@ from llmkv_fs.engine.procpool import ProcPool, WorkerSpec, resolve_io_workers
 from llmkv_fs.engine.region import NoHandover, RegionHandover, find_handover
 from llmkv_fs.engine.space import SpaceGuard
 from llmkv_fs.engine.volume import EngineError, prepare_volume
-from llmkv_fs.layout.blockfile import BlockFileError
+from llmkv_fs.layout.blockfile import BlockFileError, Buffer
 from llmkv_fs.layout.files import RootGone
 from llmkv_fs.layout.fsinfo import filesystem_type
 from llmkv_fs.layout.leases import Lease
@@ -159,7 +159,7 @@ class FsEngine:
         self,
         settings: TierSettings,
         layout: CacheLayout,
-        primary,
+        primary: Buffer,
         block_size: int,
     ):
         prepared = prepare_volume(
@@ -485,6 +485,12 @@ class FsEngine:
             "volume_used_bytes": usage.used_bytes if usage else 0,
             "volume_free_bytes": usage.free_bytes if usage else 0,
         }
+
+    @property
+    def lookups(self) -> AsyncExistence:
+        """The existence checks behind lookup(): tests read how many keys
+        it tracks and drive its deadlines with an explicit clock."""
+        return self._lookups
 
     def forget_request(self, request_id: str) -> None:
         self._lookups.forget_request(request_id)

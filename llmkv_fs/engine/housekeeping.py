@@ -167,8 +167,11 @@ class Housekeeping:
                 self.lease_path = write_lease(
                     self.digest_dir, self.lease, *self._modes, root=self.root
                 )
-            elif not refresh_lease(self.lease_path):
-                # gc judged us dead (a long stall?): say we are alive again.
+            elif self.lease is not None and (
+                self.lease_path is None or not refresh_lease(self.lease_path)
+            ):
+                # Never written (the first write failed), or gc judged us dead
+                # (a long stall?): say we are alive again.
                 self.lease_path = write_lease(
                     self.digest_dir, self.lease, *self._modes, root=self.root
                 )
@@ -179,6 +182,8 @@ class Housekeeping:
 
     def _check_peers(self) -> None:
         me = self.lease
+        if me is None:
+            return
         host = socket.gethostname()
         peers = [
             lease

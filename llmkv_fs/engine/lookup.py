@@ -42,6 +42,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterable
+from typing import Any
 
 __all__ = ["AsyncExistence"]
 
@@ -82,7 +83,7 @@ class AsyncExistence:
         self._misses: collections.OrderedDict[bytes, float] = collections.OrderedDict()
         self._batch_ids = itertools.count()
         # Posted, unanswered batches in posting order: [id, posted, batch, expired].
-        self._unanswered: collections.deque[list] = collections.deque()
+        self._unanswered: collections.deque[list[Any]] = collections.deque()
         self._states: dict[bytes, _State] = {}
         self._request_keys: dict[str, set[bytes]] = {}
         self._batch: list[tuple[bytes, int]] = []

@@ -239,8 +239,11 @@ class IoPool:
         cheap test the owner's frequent empty polls take."""
         if self._finished:
             return True
-        watched = self._watched
-        return bool(watched) and (watched[0].reported or watched[0].deadline <= time.monotonic())
+        if not self._watched:
+            return False
+        head = self._watched[0]
+        assert head.deadline is not None  # only jobs with a deadline are watched
+        return head.reported or head.deadline <= time.monotonic()
 
     def take_finished(self) -> list[IoJob]:
         # The deque is appended by workers and popped only here: popleft is
@@ -274,6 +277,7 @@ class IoPool:
             if job.reported:
                 self._watched.popleft()
                 continue
+            assert job.deadline is not None  # only jobs with a deadline are watched
             if job.deadline > now:
                 break
             self._watched.popleft()

@@ -54,8 +54,9 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
+from llmkv_fs.engine.blockio import IoOptions
 from llmkv_fs.engine.outcomes import (
     CANCELLED,
     DEADLINE,
@@ -71,6 +72,7 @@ from llmkv_fs.engine.outcomes import (
 from llmkv_fs.engine.pool import IoJob, QueueFull
 from llmkv_fs.engine.region import RegionHandover
 from llmkv_fs.layout.blockfile import BlockFileError, Corruption
+from llmkv_fs.layout.paths import CacheLayout
 
 __all__ = ["JOB", "RESULT", "ProcPool", "WorkerDied", "WorkerSpec", "resolve_io_workers"]
 
@@ -112,7 +114,13 @@ class WorkerDied(Exception):
 class WorkerSpec:
     """What a worker needs besides its fds: JSON-able, built once."""
 
-    def __init__(self, handover: RegionHandover, layout, options, cpus):
+    def __init__(
+        self,
+        handover: RegionHandover,
+        layout: CacheLayout,
+        options: IoOptions,
+        cpus: Collection[int] | None,
+    ):
         self.handover = handover
         self.common = {
             "size": handover.size,
@@ -138,7 +146,7 @@ class _Worker:
     def __init__(self, index: int, load_first: bool):
         self.index = index
         self.load_first = load_first
-        self.proc: subprocess.Popen | None = None
+        self.proc: subprocess.Popen[bytes] | None = None
         self.jobs_w = -1
         self.results_r = -1
         self.ready = False
@@ -253,7 +261,10 @@ class ProcPool:
         if self._finished:
             return True
         watched = self._watched
-        return bool(watched) and (watched[0].reported or watched[0].deadline <= time.monotonic())
+        if not watched:
+            return False
+        first = watched[0]
+        return first.reported or (first.deadline is not None and first.deadline <= time.monotonic())
 
     def take_finished(self) -> list[IoJob]:
         finished = []
@@ -287,7 +298,7 @@ class ProcPool:
             if job.reported:
                 self._watched.popleft()
                 continue
-            if job.deadline > now:
+            if job.deadline is None or job.deadline > now:
                 break
             self._watched.popleft()
             failed_blocks += self._expire(job)

@@ -35,6 +35,7 @@ import ctypes
 import dataclasses
 import mmap
 import os
+from typing import Any
 
 __all__ = ["NoHandover", "RegionHandover", "Segment", "find_handover", "map_region"]
 
@@ -194,7 +195,7 @@ def find_handover(view: memoryview) -> RegionHandover:
     return RegionHandover(size, tuple(segments), fds, "+".join(sorted(ways)))
 
 
-def _libc_mmap():
+def _libc_mmap() -> Any:
     fn = ctypes.CDLL(None, use_errno=True).mmap
     fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int]
     fn.argtypes.append(ctypes.c_long)

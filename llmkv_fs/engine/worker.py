@@ -39,6 +39,7 @@ import select
 import signal
 import sys
 import time
+from typing import Any
 
 from llmkv_fs.engine.blockio import BlockIO, IoOptions
 from llmkv_fs.engine.outcomes import Abandoned, BlockMissing, Outcome
@@ -92,7 +93,7 @@ def _encode(slot: int, exc: BaseException) -> bytes:
     return RESULT.pack(slot, kind, extra, errno_, len(data)) + data
 
 
-def serve(spec: dict) -> None:
+def serve(spec: dict[str, Any]) -> None:
     _die_with_parent(spec["parent"])
     if spec["cpus"]:
         os.sched_setaffinity(0, spec["cpus"])
@@ -139,7 +140,16 @@ def serve(spec: dict) -> None:
     blockio.apply_access_stamps()
 
 
-def _run(blockio, board, op, slot, key, primary, chunk, block_size) -> bytes:
+def _run(
+    blockio: BlockIO,
+    board: mmap.mmap,
+    op: int,
+    slot: int,
+    key: bytes,
+    primary: memoryview,
+    chunk: int,
+    block_size: int,
+) -> bytes:
     if board[slot]:  # the job passed its deadline while this block waited
         return RESULT.pack(slot, RESULT_CANCELLED, 0, 0, 0)
     if (chunk + 1) * block_size > primary.nbytes:

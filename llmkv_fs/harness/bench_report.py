@@ -15,6 +15,7 @@ import os
 import platform
 import re
 import sys
+from typing import Any
 
 from llmkv_fs.layout.fsinfo import mount_of
 
@@ -108,7 +109,14 @@ def markdown(result: dict) -> str:
         f"threads = n_read_threads = n_write_threads (2x that many serve a one-direction burst; "
         f"the reference runs that many jobs)."
     )
-    out += [
+    out += _throughput_table(result["cases"])
+    out += _latency_table(result["cases"])
+    out += _mixed_table([c for c in result["cases"] if c.get("mixed")])
+    return "\n".join(out) + "\n"
+
+
+def _throughput_table(cases: list[dict[str, Any]]) -> list[str]:
+    out = [
         "",
         "### Throughput (GB/s, median)",
         "",
@@ -116,7 +124,7 @@ def markdown(result: dict) -> str:
         "| load ours | built-in | ratio | ref | ours % ref |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for c in result["cases"]:
+    for c in cases:
         row = [f"`{c['medium']}` {c['fs']['fstype']}", f"{c['block_mib']:g} MiB", str(c["threads"])]
         for d in DIRECTIONS:
             ref = c["reference"][d]["gbps"] if c.get("reference") else None
@@ -129,11 +137,7 @@ def markdown(result: dict) -> str:
                 _f(100 * ours / ref if ref else None, ".0f", " %"),
             ]
         out.append("| " + " | ".join(row) + " |")
-    refs = {
-        (c["reference"]["tool"], c["reference"]["direct"])
-        for c in result["cases"]
-        if c.get("reference")
-    }
+    refs = {(c["reference"]["tool"], c["reference"]["direct"]) for c in cases if c.get("reference")}
     if refs:
         out += [
             "",
@@ -143,7 +147,11 @@ def markdown(result: dict) -> str:
             )
             + ", one file per block, psync.",
         ]
-    out += [
+    return out
+
+
+def _latency_table(cases: list[dict[str, Any]]) -> list[str]:
+    out = [
         "",
         "### Job latency and scheduler-thread cost",
         "",
@@ -151,7 +159,7 @@ def markdown(result: dict) -> str:
         "| sched µs/block ours / built-in |",
         "|---|---|---|---|---|---|---|",
     ]
-    for c in result["cases"]:
+    for c in cases:
         o, b = c["tiers"]["ours"], c["tiers"]["builtin"]
         for d in DIRECTIONS:
             out.append(
@@ -161,7 +169,11 @@ def markdown(result: dict) -> str:
                 f"| {_f(o[d]['sched_us_per_block'], '.1f')} "
                 f"/ {_f(b[d]['sched_us_per_block'], '.1f')} |"
             )
-    mixed = [c for c in result["cases"] if c.get("mixed")]
+    return out
+
+
+def _mixed_table(mixed: list[dict[str, Any]]) -> list[str]:
+    out: list[str] = []
     if mixed:
         out += [
             "",
@@ -181,7 +193,7 @@ def markdown(result: dict) -> str:
                 f"| {_f(o['p50_ms'])} / {_f(b['p50_ms'])} | {_f(o['p99_ms'])} / {_f(b['p99_ms'])} "
                 f"| {_f(p99_ratio, suffix='x')} |"
             )
-    return "\n".join(out) + "\n"
+    return out
 
 
 def write_json(result: dict, path: str) -> None:

@@ -69,7 +69,8 @@ class ReplicaProcess:
     """Parent side: a ``python -m llmkv_fs.harness.demo_replica`` child and its protocol."""
 
     def __init__(self, name: str, options: list[str], env: dict[str, str]):
-        self.name, self.info = name, {}
+        self.name = name
+        self.info: dict[str, Any] = {}
         self.tally: Any = None  # the parent's bookkeeping
         cmd = [sys.executable, "-m", "llmkv_fs.harness.demo_replica", "--name", name, *options]
         self.proc = subprocess.Popen(
@@ -81,13 +82,16 @@ class ReplicaProcess:
             text=True,
             bufsize=1,
         )
+        stdin, stdout, stderr = self.proc.stdin, self.proc.stdout, self.proc.stderr
+        assert stdin is not None and stdout is not None and stderr is not None  # all PIPE
+        self._stdin, self._stdout, self._stderr = stdin, stdout, stderr
         self.stderr: collections.deque[str] = collections.deque(maxlen=60)
-        self._replies: queue.Queue = queue.Queue()
+        self._replies: queue.Queue[dict[str, Any] | None] = queue.Queue()
         threading.Thread(target=self._pump_replies, daemon=True).start()
         threading.Thread(target=self._pump_stderr, daemon=True).start()
 
     def _pump_replies(self) -> None:
-        for line in self.proc.stdout:
+        for line in self._stdout:
             try:
                 self._replies.put(json.loads(line))
             except ValueError:
@@ -95,13 +99,13 @@ class ReplicaProcess:
         self._replies.put(None)  # EOF
 
     def _pump_stderr(self) -> None:
-        for line in self.proc.stderr:
+        for line in self._stderr:
             self.stderr.append(line.rstrip())
 
     def send(self, cmd: dict[str, Any]) -> None:
         try:
-            self.proc.stdin.write(json.dumps(cmd) + "\n")
-            self.proc.stdin.flush()
+            self._stdin.write(json.dumps(cmd) + "\n")
+            self._stdin.flush()
         except OSError as exc:
             raise DemoError(self._failure(f"cannot send {cmd['cmd']}: {exc}")) from exc
 
@@ -131,7 +135,7 @@ class ReplicaProcess:
     def quit(self) -> dict[str, Any]:
         self.send({"cmd": "quit"})
         bye = self.receive("bye")
-        self.proc.stdin.close()
+        self._stdin.close()
         self.proc.wait(timeout=COMMAND_TIMEOUT_S)
         return bye
 
@@ -205,7 +209,7 @@ class ReplicaServer:
     # -- one request -----------------------------------------------------------------
 
     def serve(self, request: dict[str, Any]) -> dict[str, Any]:
-        np, replica, manager = self.np, self.replica, self.replica.manager
+        replica = self.replica
         keys = self.keys_for(request["tokens"])
         before = self.counters()
         ctx = replica.new_request()
@@ -219,40 +223,10 @@ class ReplicaServer:
         hits = [k for k in keys if final[k] is self.HIT]
         misses = [k for k in keys if final[k] is not self.HIT]
 
-        mismatched, bad_bytes = [], 0
-        if hits:
-            with manager.lock:
-                spec = manager.prepare_load(hits, ctx)
-            for key, chunk in zip(hits, spec.chunk_ids):
-                want = np.frombuffer(self.driver.payload_for(key, self.row_bytes), dtype=np.uint8)
-                got = replica.rows[chunk].view(np.uint8)
-                differ = int(np.count_nonzero(got != want))
-                if differ:
-                    mismatched.append(key.hex())
-                    bad_bytes += differ
-            with manager.lock:
-                manager.complete_load(hits, ctx)
-
+        mismatched, bad_bytes = self._check_hits(hits, ctx) if hits else ([], 0)
         stored, store_s = 0, 0.0
         if misses:
-            with manager.lock:
-                out = manager.prepare_store(misses, ctx)
-            if out is None:
-                raise RuntimeError("the CPU tier refused the store (raise --cpu-chunks)")
-            to_store = list(out.keys_to_store)
-            for key, chunk in zip(to_store, out.store_spec.chunk_ids):
-                # "Compute" the KV: stand-in for the GPU->CPU copy vLLM's worker does.
-                replica.rows[chunk, :] = np.frombuffer(
-                    self.driver.payload_for(key, self.row_bytes), dtype=np.int8
-                )
-            started = time.perf_counter()
-            if to_store:
-                with manager.lock:
-                    manager.complete_store(to_store, ctx)  # cascades to the tier
-            replica.finish_request(ctx)
-            replica.settle()
-            store_s = time.perf_counter() - started
-            stored = len(to_store)
+            stored, store_s = self._store_misses(misses, ctx)
         else:
             replica.finish_request(ctx)
             replica.settle()
@@ -272,6 +246,46 @@ class ReplicaServer:
             "store_s": store_s,
             "delta": {k: after.get(k, 0) - before.get(k, 0) for k in after},
         }
+
+    def _check_hits(self, hits: list[bytes], ctx: Any) -> tuple[list[str], int]:
+        """Load the hits from the CPU tier and compare each with its key's
+        payload: (hex keys that differ, bytes that differ)."""
+        np, replica, manager = self.np, self.replica, self.replica.manager
+        mismatched, bad_bytes = [], 0
+        with manager.lock:
+            spec = manager.prepare_load(hits, ctx)
+        for key, chunk in zip(hits, spec.chunk_ids):
+            want = np.frombuffer(self.driver.payload_for(key, self.row_bytes), dtype=np.uint8)
+            got = replica.rows[chunk].view(np.uint8)
+            differ = int(np.count_nonzero(got != want))
+            if differ:
+                mismatched.append(key.hex())
+                bad_bytes += differ
+        with manager.lock:
+            manager.complete_load(hits, ctx)
+        return mismatched, bad_bytes
+
+    def _store_misses(self, misses: list[bytes], ctx: Any) -> tuple[int, float]:
+        """ "Compute" the misses, store them, finish the request and wait
+        until the tier published them: (chunks stored, seconds)."""
+        np, replica, manager = self.np, self.replica, self.replica.manager
+        with manager.lock:
+            out = manager.prepare_store(misses, ctx)
+        if out is None:
+            raise RuntimeError("the CPU tier refused the store (raise --cpu-chunks)")
+        to_store = list(out.keys_to_store)
+        for key, chunk in zip(to_store, out.store_spec.chunk_ids):
+            # "Compute" the KV: stand-in for the GPU->CPU copy vLLM's worker does.
+            replica.rows[chunk, :] = np.frombuffer(
+                self.driver.payload_for(key, self.row_bytes), dtype=np.int8
+            )
+        started = time.perf_counter()
+        if to_store:
+            with manager.lock:
+                manager.complete_store(to_store, ctx)  # cascades to the tier
+        replica.finish_request(ctx)
+        replica.settle()
+        return len(to_store), time.perf_counter() - started
 
     def block_paths(self, tokens: list[int]) -> list[str]:
         return [self.replica.tier.layout.block_path(k) for k in self.keys_for(tokens)]

@@ -118,7 +118,8 @@ class Replica:
     def __init__(self, config: OffloadingConfig):
         self.spec = TieringOffloadingSpec(config)
         self.manager = self.spec.get_manager()
-        self.tier = self.manager.secondary_tiers[0] if self.manager.secondary_tiers else None
+        # The first secondary tier (FsTier or vLLM's own), None without one.
+        self.tier: Any = self.manager.secondary_tiers[0] if self.manager.secondary_tiers else None
         self.rows = np.asarray(self.manager.primary_tier.get_kv_memoryview())
         self.row_bytes = self.rows.shape[1]
         self._requests = 0
@@ -220,5 +221,6 @@ class Replica:
         return data
 
     def close(self) -> None:
-        self.rows = None
+        # The view must go before vLLM unmaps the region (closed: rows is gone).
+        self.rows = None  # type: ignore[assignment]
         self.manager.shutdown()

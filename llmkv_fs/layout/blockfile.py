@@ -33,8 +33,10 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import mmap
 import os
 import struct
+from typing import TypeAlias
 
 import xxhash
 
@@ -52,6 +54,9 @@ __all__ = [
     "verify_block",
 ]
 
+# What the payload and trailer functions read (collections.abc.Buffer is 3.12+).
+Buffer: TypeAlias = bytes | bytearray | memoryview | mmap.mmap
+
 MAGIC = b"LLMKVFS\x00"
 FORMAT_VERSION = 1
 FLAG_CHECKSUM = 0x1
@@ -62,10 +67,19 @@ _HEAD = struct.Struct("<8sHHIQQQH")  # up to and including the key length
 _TAIL = struct.Struct("<Q")
 
 
-class Corruption(enum.StrEnum):
+class Corruption(str, enum.Enum):
     """What is wrong with a block file. The values are stable tokens: the
     quarantine file names, ``llmkv-fs verify`` and the ``corrupt_blocks``
-    metric's ``reason`` label all carry them (docs/metrics.md lists each)."""
+    metric's ``reason`` label all carry them (docs/metrics.md lists each).
+
+    A str-valued Enum that prints as its value, as enum.StrEnum does: that is
+    Python 3.11+, and gc and verify run on 3.10 (docs/gc.md)."""
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+    def __format__(self, spec: str) -> str:
+        return format(str(self.value), spec)
 
     BAD_CHECKSUM = "bad-checksum"
     TRUNCATED = "truncated"
@@ -105,7 +119,7 @@ class Trailer:
 _ZEROS = bytes(TRAILER_SIZE)
 
 
-def payload_checksum(payload) -> int:
+def payload_checksum(payload: Buffer) -> int:
     """xxh3-64 of a buffer (zero-copy: xxhash reads the buffer protocol)."""
     return xxhash.xxh3_64_intdigest(payload)
 
@@ -138,7 +152,7 @@ def pack_trailer(
     out[tail_end:] = _ZEROS[: len(out) - tail_end]
 
 
-def unpack_trailer(buf) -> Trailer:
+def unpack_trailer(buf: Buffer) -> Trailer:
     """Parse and self-check a trailer page; raise BlockFileError if it is not
     one of ours, is from another format version, or is damaged."""
     view = memoryview(buf).cast("B")
@@ -163,7 +177,11 @@ def unpack_trailer(buf) -> Trailer:
 
 
 def verify_block(
-    payload, trailer_page, key: bytes, verify_checksum: bool, payload_xxh3: int | None = None
+    payload: Buffer,
+    trailer_page: Buffer,
+    key: bytes,
+    verify_checksum: bool,
+    payload_xxh3: int | None = None,
 ) -> Trailer:
     """Check a payload against its trailer: length, key, and (when both the
     writer recorded one and the reader wants it) the xxh3 checksum --

@@ -18,7 +18,7 @@ import os
 import queue
 import stat
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Generator, Iterable
 from typing import NamedTuple
 
 from llmkv_fs.layout.fsinfo import filesystem_type
@@ -361,7 +361,7 @@ class _Walker:
 
 def walk(
     tops: Iterable[str | tuple[str, str]], threads: int = 16, split_depth: int = 1
-) -> Iterator[Listing]:
+) -> Generator[Listing, None, None]:
     """Every directory under ``tops`` (each a rank directory, or a
     ``(path, area)`` pair), each directory listed once, with its files
     lstat'ed. A directory's Listing always comes before its children's.

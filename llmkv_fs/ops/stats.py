@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import json
 import os
 import socket
@@ -24,13 +25,13 @@ from llmkv_fs.layout.names import in_quarantine, is_block_name, parse_quarantine
 from llmkv_fs.layout.paths import run_config_digest
 from llmkv_fs.ops import scan
 from llmkv_fs.ops.blockcheck import infer_chunk_size
-from llmkv_fs.units import format_bytes, format_duration
+from llmkv_fs.ops.stats_text import print_report
 
-__all__ = ["add_arguments", "run", "select_digests", "volume_stats"]
+__all__ = ["AGE_BUCKETS", "add_arguments", "run", "select_digests", "volume_stats"]
 
 # Upper bounds (seconds) of the last-used buckets; the last one is open.
 AGE_BUCKETS = (("<1h", 3600), ("<1d", 86400), ("<7d", 7 * 86400), ("older", None))
-_OTHER_LISTED = 100  # unexpected entries listed per digest (all are counted)
+OTHER_LISTED = 100  # unexpected entries listed per digest (all are counted)
 _SEED_WARNING = "replicas will not share cache"
 
 
@@ -56,7 +57,7 @@ def select_digests(
     digests = (listing or scan.list_root(root)).digests
     if not names:
         return digests
-    chosen = []
+    chosen: list[scan.Digest] = []
     for name in names:
         hits = [d for d in digests if name in (d.name, d.digest)]
         if not hits:
@@ -125,62 +126,77 @@ def _quarantine_reason(name: str) -> str:
     return parsed.reason if parsed is not None else "unknown"
 
 
-def _digest_stats(d: scan.Digest, now: float, this_host: str, threads: int) -> dict[str, Any]:
-    config = d.read_config()
-    buckets = collections.Counter()
-    oldest = newest = None
-    sizes: collections.Counter = collections.Counter()
-    probe: list[tuple[str, int]] = []
-    temp = {"count": 0, "bytes": 0, "oldest_mtime": None}
-    quarantined = {"count": 0, "bytes": 0, "reasons": collections.Counter()}
-    other: list[dict[str, str]] = []
-    other_count = 0
-    unreadable: list[dict[str, str]] = []
-    ranks = {rank: {"blocks": 0, "bytes": 0} for rank in sorted(d.rank_dirs)}
+@dataclasses.dataclass
+class _DigestFiles:
+    """What one walk of a digest's directories found, tallied by kind."""
+
+    ranks: dict[int, dict[str, int]]
+    buckets: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
+    oldest: float | None = None
+    newest: float | None = None
+    sizes: collections.Counter[int] = dataclasses.field(default_factory=collections.Counter)
+    probe: list[tuple[str, int]] = dataclasses.field(default_factory=list)
+    temp_count: int = 0
+    temp_bytes: int = 0
+    temp_oldest_mtime: float | None = None
+    quarantined_count: int = 0
+    quarantined_bytes: int = 0
+    quarantined_reasons: collections.Counter[str] = dataclasses.field(
+        default_factory=collections.Counter
+    )
+    other: list[dict[str, str]] = dataclasses.field(default_factory=list)
+    other_count: int = 0
+    unreadable: list[dict[str, str]] = dataclasses.field(default_factory=list)
+
+
+def _walk_digest(d: scan.Digest, now: float, threads: int) -> _DigestFiles:
+    found = _DigestFiles(ranks={rank: {"blocks": 0, "bytes": 0} for rank in sorted(d.rank_dirs)})
+    ranks = found.ranks
     tops: list[tuple[str, str]] = [(d.rank_dirs[r], scan.RANK_AREA) for r in ranks]
     top_rank = list(ranks)
     if d.has_config_dir:
         tops.append((d.config_dir, scan.CONFIG_AREA))
     for listing in scan.walk(tops, threads):
         if listing.error is not None:
-            unreadable.append({"path": listing.path, "detail": str(listing.error)})
+            found.unreadable.append({"path": listing.path, "detail": str(listing.error)})
         top_dir, area = tops[listing.top]
         quarantined_here = area == scan.RANK_AREA and in_quarantine(top_dir, listing.path)
         for e in listing.files:
             name = os.path.basename(e.path)
             if quarantined_here:  # whatever it is: the tiers or verify put it there
-                quarantined["count"] += 1
-                quarantined["bytes"] += e.st.st_size
-                quarantined["reasons"][_quarantine_reason(name)] += 1
+                found.quarantined_count += 1
+                found.quarantined_bytes += e.st.st_size
+                found.quarantined_reasons[_quarantine_reason(name)] += 1
             elif e.kind == scan.BLOCK and stat.S_ISREG(e.st.st_mode) and is_block_name(name):
                 r = ranks[top_rank[listing.top]]
                 r["blocks"] += 1
                 r["bytes"] += e.st.st_size
-                sizes[e.st.st_size] += 1
-                if sizes[e.st.st_size] <= 3:
-                    probe.append((e.path, e.st.st_size))
+                found.sizes[e.st.st_size] += 1
+                if found.sizes[e.st.st_size] <= 3:
+                    found.probe.append((e.path, e.st.st_size))
                 used = last_used(e.st)
-                oldest = used if oldest is None else min(oldest, used)
-                newest = used if newest is None else max(newest, used)
+                found.oldest = used if found.oldest is None else min(found.oldest, used)
+                found.newest = used if found.newest is None else max(found.newest, used)
                 age = now - used
-                buckets[next(b for b, limit in AGE_BUCKETS if limit is None or age < limit)] += 1
+                bucket = next(b for b, limit in AGE_BUCKETS if limit is None or age < limit)
+                found.buckets[bucket] += 1
             elif e.kind == scan.TEMP:
-                temp["count"] += 1
-                temp["bytes"] += e.st.st_size
-                if temp["oldest_mtime"] is None or e.st.st_mtime < temp["oldest_mtime"]:
-                    temp["oldest_mtime"] = e.st.st_mtime
+                found.temp_count += 1
+                found.temp_bytes += e.st.st_size
+                if found.temp_oldest_mtime is None or e.st.st_mtime < found.temp_oldest_mtime:
+                    found.temp_oldest_mtime = e.st.st_mtime
             elif e.kind in (scan.CONFIG, scan.LEASE):
                 continue
             else:  # OTHER, SYMLINK, and any kind scan may add later
-                other_count += 1
-                if len(other) < _OTHER_LISTED:
-                    other.append({"path": e.path, "type": _entry_type(e.st)})
-    chunk = infer_chunk_size(probe)
-    found = d.lease_dir()
-    live, stale = [], []
-    for lease in found.leases:
-        (live if lease.is_live(now, this_host) else stale).append(lease)
-    fingerprints = sorted({lease.seed_fingerprint for lease in live})
+                found.other_count += 1
+                if len(found.other) < OTHER_LISTED:
+                    found.other.append({"path": e.path, "type": _entry_type(e.st)})
+    return found
+
+
+def _warnings(
+    d: scan.Digest, config: dict[str, Any] | None, live: list[Lease], fingerprints: list[str]
+) -> list[str]:
     warnings = []
     if len(fingerprints) > 1:
         warnings.append(
@@ -195,7 +211,24 @@ def _digest_stats(d: scan.Digest, now: float, this_host: str, threads: int) -> d
         )
     if _config_digest_ok(d, config) is False:
         warnings.append(f"WARNING: {d.name}/config.json does not hash to digest {d.digest}")
-    blocks = sum(r["blocks"] for r in ranks.values())
+    return warnings
+
+
+def _age(now: float, then: float | None) -> float | None:
+    return None if then is None else round(now - then, 3)
+
+
+def _digest_stats(d: scan.Digest, now: float, this_host: str, threads: int) -> dict[str, Any]:
+    config = d.read_config()
+    found = _walk_digest(d, now, threads)
+    ranks = found.ranks
+    chunk = infer_chunk_size(found.probe)
+    found_leases = d.lease_dir()
+    live: list[Lease] = []
+    stale: list[Lease] = []
+    for lease in found_leases.leases:
+        (live if lease.is_live(now, this_host) else stale).append(lease)
+    fingerprints = sorted({lease.seed_fingerprint for lease in live})
     return {
         "name": d.name,
         "digest": d.digest,
@@ -204,36 +237,43 @@ def _digest_stats(d: scan.Digest, now: float, this_host: str, threads: int) -> d
         "config": _config_summary(config),
         "config_digest_ok": _config_digest_ok(d, config),
         "ranks": {str(k): v for k, v in ranks.items()},
-        "blocks": blocks,
+        "blocks": sum(r["blocks"] for r in ranks.values()),
         "bytes": sum(r["bytes"] for r in ranks.values()),
         "chunk_bytes": chunk.payload,
         "chunk_source": chunk.source,
         "trailer_bytes": TRAILER_SIZE if chunk.source == "trailer" else None,
-        "file_sizes": {str(s): n for s, n in sizes.most_common(5)},
+        "file_sizes": {str(s): n for s, n in found.sizes.most_common(5)},
         "last_used": {
-            "buckets": {b: buckets.get(b, 0) for b, _ in AGE_BUCKETS},
-            "oldest": oldest,
-            "newest": newest,
-            "oldest_age_s": None if oldest is None else round(now - oldest, 3),
-            "newest_age_s": None if newest is None else round(now - newest, 3),
+            "buckets": {b: found.buckets.get(b, 0) for b, _ in AGE_BUCKETS},
+            "oldest": found.oldest,
+            "newest": found.newest,
+            "oldest_age_s": _age(now, found.oldest),
+            "newest_age_s": _age(now, found.newest),
         },
         "leases": {
             "live": [_lease_json(x, now) for x in live],
             "stale": [_lease_json(x, now) for x in stale],
-            "bad": [{"path": b.path, "why": b.why} for b in found.bad],
+            "bad": [{"path": b.path, "why": b.why} for b in found_leases.bad],
         },
         "seed_fingerprints": fingerprints,
         "seed_mismatch": len(fingerprints) > 1,
         "temp": {
-            **temp,
-            "oldest_age_s": None
-            if temp["oldest_mtime"] is None
-            else round(now - temp["oldest_mtime"], 3),
+            "count": found.temp_count,
+            "bytes": found.temp_bytes,
+            "oldest_mtime": found.temp_oldest_mtime,
+            "oldest_age_s": _age(now, found.temp_oldest_mtime),
         },
-        "quarantined": {**quarantined, "reasons": dict(sorted(quarantined["reasons"].items()))},
-        "other": {"count": other_count, "entries": sorted(other, key=lambda e: e["path"])},
-        "unreadable_dirs": unreadable,
-        "warnings": warnings,
+        "quarantined": {
+            "count": found.quarantined_count,
+            "bytes": found.quarantined_bytes,
+            "reasons": dict(sorted(found.quarantined_reasons.items())),
+        },
+        "other": {
+            "count": found.other_count,
+            "entries": sorted(found.other, key=lambda e: e["path"]),
+        },
+        "unreadable_dirs": found.unreadable,
+        "warnings": _warnings(d, config, live, fingerprints),
     }
 
 
@@ -292,134 +332,6 @@ def volume_stats(
     }
 
 
-def _table(rows: list[list[str]], out) -> None:
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    for r in rows:
-        print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip(), file=out)
-
-
-def _print_human(report: dict[str, Any], out) -> None:
-    print(f"volume {report['root']}", file=out)
-    rows = [
-        ["DIGEST", "MODEL", "RANKS", "BLOCKS", "BYTES", "LIVE", "STALE", "TEMP", "QUAR", "OTHER"]
-    ]
-    for p in report["digests"]:
-        rows.append(
-            [
-                p["name"],
-                str(p["model"]),
-                " ".join(f"r{r}" for r in p["ranks"]) or "-",
-                str(p["blocks"]),
-                format_bytes(p["bytes"]),
-                str(len(p["leases"]["live"])),
-                str(len(p["leases"]["stale"])),
-                str(p["temp"]["count"]),
-                str(p["quarantined"]["count"]),
-                str(p["other"]["count"]),
-            ]
-        )
-    _table(rows, out)
-    for p in report["digests"]:
-        print(f"\n{p['name']}", file=out)
-        for w in p["warnings"]:
-            print(f"  !!! {w}", file=out)
-        c = p["config"]
-        if c is None:
-            print("  config     (no readable config.json)", file=out)
-        else:
-            groups = c.get("kv_cache_groups") or []
-            fields = " ".join(
-                f"{k}={v}" for k, v in c.items() if k not in ("model_name", "kv_cache_groups")
-            )
-            gtxt = ", ".join(
-                f"{g['tokens_per_block']} tok/block x {g['layers']} layers" for g in groups
-            )
-            print(f"  config     {fields}", file=out)
-            print(f"  kv groups  {len(groups)}: {gtxt}", file=out)
-        source = {"trailer": "a trailer"}.get(p["chunk_source"], p["chunk_source"])
-        chunk = (
-            (f"{format_bytes(p['chunk_bytes'])} payload ({p['chunk_bytes']} B, from {source})")
-            if p["chunk_bytes"]
-            else source
-        )
-        print(f"  chunk      {chunk}", file=out)
-        per_rank = ", ".join(
-            f"r{r}: {v['blocks']} / {format_bytes(v['bytes'])}" for r, v in p["ranks"].items()
-        )
-        print(
-            f"  blocks     {p['blocks']} files, {format_bytes(p['bytes'])}"
-            f"{'  (' + per_rank + ')' if len(p['ranks']) > 1 else ''}",
-            file=out,
-        )
-        lu = p["last_used"]
-        hist = "  ".join(f"{b} {n}" for b, n in lu["buckets"].items())
-        print(
-            f"  last used  {hist}   oldest {format_duration(lu['oldest_age_s'])} ago, "
-            f"newest {format_duration(lu['newest_age_s'])} ago",
-            file=out,
-        )
-        live, stale, bad = p["leases"]["live"], p["leases"]["stale"], p["leases"]["bad"]
-        print(f"  leases     {len(live)} live, {len(stale)} stale, {len(bad)} bad", file=out)
-        for x in bad:
-            print(f"    bad   {x['path']}: {x['why']}", file=out)
-        for state, leases in (("live", live), ("stale", stale)):
-            for x in leases:
-                print(
-                    f"    {state:<5} {x['host']} pid {x['pid']}  vllm {x['vllm_version'] or '?'}"
-                    f"  llmkv_fs {x['llmkv_fs_version'] or '?'}  {x['hash_algo']} seed "
-                    f"{x['seed_fingerprint']}  "
-                    f"heartbeat {format_duration(x['heartbeat_age_s'])} ago",
-                    file=out,
-                )
-        if p["seed_fingerprints"]:
-            print(f"  seeds      {', '.join(p['seed_fingerprints'])}", file=out)
-        t = p["temp"]
-        print(
-            f"  temp       {t['count']} files, {format_bytes(t['bytes'])}"
-            f"{', oldest ' + format_duration(t['oldest_age_s']) + ' old' if t['count'] else ''}",
-            file=out,
-        )
-        q = p["quarantined"]
-        reasons = ", ".join(f"{k} {n}" for k, n in q["reasons"].items())
-        print(
-            f"  quarantine {q['count']} files, {format_bytes(q['bytes'])}"
-            f"{' (' + reasons + ')' if reasons else ''}",
-            file=out,
-        )
-        for u in p["unreadable_dirs"]:
-            print(f"  !!! cannot list {u['path']}: {u['detail']}", file=out)
-        o = p["other"]
-        print(f"  other      {o['count']} unexpected entries", file=out)
-        for e in o["entries"][:10]:
-            print(f"    {e['type']:<10} {e['path']}", file=out)
-        if o["count"] > 10:
-            print(f"    ... and {o['count'] - 10} more (--json lists {_OTHER_LISTED})", file=out)
-    if report["unexpected"]:
-        print(f"\nunexpected in root: {len(report['unexpected'])}", file=out)
-        for e in report["unexpected"][:20]:
-            print(f"  {e['type']:<10} {e['path']}", file=out)
-    if report["gc_trash"]:
-        print(f"\ngc trash (being deleted): {len(report['gc_trash'])}", file=out)
-    t, fs = report["totals"], report["filesystem"]
-    print(
-        f"\ntotal      {t['digests']} digests, {t['blocks']} blocks, {format_bytes(t['bytes'])}; "
-        f"{t['temp_files']} temp ({format_bytes(t['temp_bytes'])}), {t['quarantined_files']} "
-        f"quarantined ({format_bytes(t['quarantined_bytes'])}), {t['other']} other; "
-        f"leases {t['live_leases']} live, {t['stale_leases']} stale",
-        file=out,
-    )
-    used_pct = 100.0 * fs["used_bytes"] / fs["size_bytes"] if fs["size_bytes"] else 0.0
-    inode_pct = (100.0 * (fs["inodes"] - fs["inodes_free"]) / fs["inodes"]) if fs["inodes"] else 0.0
-    print(
-        f"filesystem {format_bytes(fs['size_bytes'])} size, {format_bytes(fs['used_bytes'])} used "
-        f"({used_pct:.0f}%), {format_bytes(fs['available_bytes'])} available; "
-        f"inodes {inode_pct:.0f}% used",
-        file=out,
-    )
-    for w in report["warnings"]:
-        print(f"!!! {w}", file=out)
-
-
 def run(args: argparse.Namespace) -> int:
     if not os.path.isdir(args.root):
         print(f"llmkv-fs stats: {args.root}: not a directory", file=sys.stderr)
@@ -433,5 +345,5 @@ def run(args: argparse.Namespace) -> int:
         json.dump(report, sys.stdout, indent=1, sort_keys=False)
         print()
     else:
-        _print_human(report, sys.stdout)
+        print_report(report, sys.stdout, OTHER_LISTED)
     return 0

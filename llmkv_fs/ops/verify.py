@@ -21,6 +21,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 from tqdm import tqdm
 
@@ -194,7 +195,8 @@ def _collect(digests: list[scan.Digest], threads: int) -> tuple[list, dict, list
             # block is reported (and never followed or opened).
             if entry.kind != scan.TEMP and is_block_name(os.path.basename(entry.path)):
                 found[d.name].append((rank_dir, entry))
-    items, per_digest = [], {}
+    items: list[tuple[str, str, scan.FileEntry, int]] = []
+    per_digest: dict[str, dict[str, Any]] = {}
     for d in digests:
         entries = found[d.name]
         chunk = infer_chunk_size(
@@ -213,28 +215,24 @@ def _collect(digests: list[scan.Digest], threads: int) -> tuple[list, dict, list
     return items, per_digest, errors
 
 
-def verify_volume(
-    root: str,
-    digest_names: list[str] | None = None,
-    threads: int = 8,
-    repair: bool = False,
-    progress_stream=None,
-) -> dict:
-    """The whole run as a JSON-able report (see docs/operations.md)."""
-    threads = max(1, threads)
-    digests = select_digests(root, digest_names)
-    listed = time.monotonic()
-    items, per_digest, errors = _collect(digests, threads)
-    listing_s = time.monotonic() - listed
-    totals = _new_counts()
-    totals["atime_touched"] = 0
-    totals["errors"] = len(errors)  # directories that could not be listed
-    bad = []
-    total_bytes = sum(e.st.st_size for _, _, e, _ in items if stat.S_ISREG(e.st.st_mode))
-    progress = _Progress(len(items), total_bytes, progress_stream)
+class _Results:
+    """Counts and lists of one run, filled from the checkers' results
+    (owner thread only: _check_all calls ``add`` there)."""
 
-    def on_result(digest: str, rank_dir: str, result: Result) -> None:
-        for counts in (per_digest[digest], totals):
+    def __init__(
+        self, per_digest: dict[str, dict[str, Any]], errors: list[dict[str, Any]], repair: bool
+    ):
+        self.per_digest = per_digest
+        self.errors = errors
+        self.repair = repair
+        self.totals = _new_counts()
+        self.totals["atime_touched"] = 0
+        self.totals["errors"] = len(errors)  # directories that could not be listed
+        self.bad: list[dict[str, Any]] = []
+
+    def add(self, digest: str, rank_dir: str, result: Result) -> None:
+        totals = self.totals
+        for counts in (self.per_digest[digest], totals):
             counts["files"] += 1
             counts[_COUNT[result.status]] += 1
             counts["bytes_read"] += result.nbytes
@@ -249,11 +247,11 @@ def verify_volume(
                 "repair": None,
                 "quarantined_to": None,
             }
-            if repair:
+            if self.repair:
                 record["repair"], record["quarantined_to"] = quarantine(rank_dir, result)
-            bad.append(record)
+            self.bad.append(record)
         elif result.status == ERROR:
-            errors.append(
+            self.errors.append(
                 {
                     "path": result.path,
                     "digest": digest,
@@ -262,12 +260,31 @@ def verify_volume(
                 }
             )
 
+
+def verify_volume(
+    root: str,
+    digest_names: list[str] | None = None,
+    threads: int = 8,
+    repair: bool = False,
+    progress_stream=None,
+) -> dict:
+    """The whole run as a JSON-able report (see docs/operations.md)."""
+    threads = max(1, threads)
+    digests = select_digests(root, digest_names)
+    listed = time.monotonic()
+    items, per_digest, errors = _collect(digests, threads)
+    listing_s = time.monotonic() - listed
+    results = _Results(per_digest, errors, repair)
+    totals, bad = results.totals, results.bad
+    total_bytes = sum(e.st.st_size for _, _, e, _ in items if stat.S_ISREG(e.st.st_mode))
+    progress = _Progress(len(items), total_bytes, progress_stream)
+
     start = time.monotonic()
     try:
         _check_all(
             items,
             threads,
-            on_result,
+            results.add,
             lambda: progress.update(totals["files"], totals["bytes_read"], totals["bad"]),
         )
     finally:

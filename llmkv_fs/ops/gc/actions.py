@@ -292,6 +292,7 @@ def prune_dirs(
         depth = max(levels)
         for dir_id in levels.pop(depth):
             path = inv.dir_path[dir_id]
+            assert path is not None  # only directories with a path were queued
             if dir_id not in emptied:
                 try:
                     if now - os.lstat(path).st_mtime < grace:

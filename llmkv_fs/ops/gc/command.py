@@ -45,7 +45,6 @@ def _threads(text: str) -> int | None:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    d = DEFAULTS
     parser.add_argument("root", help="the cache volume's root_dir")
     parser.add_argument(
         "--dry-run", action="store_true", help="report what would be removed; change nothing"
@@ -55,6 +54,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="print the report as JSON (one line per pass with --watch)",
     )
+    _add_ages(parser)
+    _add_capacity(parser)
+    _add_scope(parser)
+    _add_running(parser)
+
+
+def _add_ages(parser: argparse.ArgumentParser) -> None:
+    """How old what gc removes must be."""
+    d = DEFAULTS
     parser.add_argument(
         "--min-age",
         type=parse_duration,
@@ -79,6 +87,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="never evict a block used within AGE, never "
         f"remove an empty directory younger than AGE (default {d['protect']})",
     )
+
+
+def _add_capacity(parser: argparse.ArgumentParser) -> None:
+    """When gc evicts least-recently-used blocks, and down to what."""
+    d = DEFAULTS
     parser.add_argument(
         "--max-bytes",
         type=parse_size,
@@ -102,6 +115,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="PCT",
         help="... until it is at most PCT percent full (default: high - 10)",
     )
+
+
+def _add_scope(parser: argparse.ArgumentParser) -> None:
+    """Which digests gc looks at, and which it never touches."""
     parser.add_argument(
         "--keep",
         action="append",
@@ -117,6 +134,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="MODEL",
         help="only look at digests of this model (org/name or directory form); repeatable",
     )
+
+
+def _add_running(parser: argparse.ArgumentParser) -> None:
+    """How a run goes: listing threads, proof of death, watch mode, the lock."""
     parser.add_argument(
         "--threads",
         type=_threads,

@@ -99,6 +99,15 @@ class Report:
         lines.append(
             f"temp files: {would} {t['removed']} ({format_bytes(t['bytes'])}), kept {t['kept']}"
         )
+        lines += self._capacity_lines()
+        lines += self._leftover_lines()
+        lines.append(f"errors: {len(self.errors)}")
+        lines.extend(f"  {e}" for e in self.errors[:_LIST_LIMIT])
+        lines.append(f"took {self.seconds:.1f}s")
+        return "\n".join(lines)
+
+    def _capacity_lines(self) -> list[str]:
+        lines = []
         c = self.capacity
         if c.get("need"):
             lines.append(
@@ -121,9 +130,13 @@ class Report:
                 f"capacity: fine (volume {c['volume_used_percent']:.1f}% used, "
                 f"cache {format_bytes(c['cache_bytes'])})"
             )
-        lines.append(
+        return lines
+
+    def _leftover_lines(self) -> list[str]:
+        """Directories, trash and symlinks; clock skew, an interruption."""
+        lines = [
             f"empty directories {'to remove' if self.dry_run else 'removed'}: {self.dirs_pruned}"
-        )
+        ]
         if self.trash_removed:
             lines.append(
                 f"leftovers of an interrupted gc {'to remove' if self.dry_run else 'removed'}"
@@ -147,10 +160,7 @@ class Report:
             )
         if self.interrupted:
             lines.append("interrupted (SIGTERM): stopped between two actions")
-        lines.append(f"errors: {len(self.errors)}")
-        lines.extend(f"  {e}" for e in self.errors[:_LIST_LIMIT])
-        lines.append(f"took {self.seconds:.1f}s")
-        return "\n".join(lines)
+        return lines
 
 
 class Progress:

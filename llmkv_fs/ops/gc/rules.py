@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import socket
+from collections.abc import Set as AbstractSet
 
 from llmkv_fs.layout import fsinfo
 from llmkv_fs.layout.leases import pid_alive
@@ -144,7 +145,11 @@ def capacity_need(cap: Capacity, freed: int, policy: Policy) -> tuple[int, str]:
 
 
 def pick_lru(
-    inv: Inventory, need: int, now: float, protect: float, gone_digests: set[int] = frozenset()
+    inv: Inventory,
+    need: int,
+    now: float,
+    protect: float,
+    gone_digests: AbstractSet[int] = frozenset(),
 ) -> tuple[float | None, int, int, int]:
     """The last-use cutoff that frees ``need`` bytes, oldest blocks first,
     skipping blocks used within ``protect`` seconds and blocks of digests

@@ -20,8 +20,8 @@ from llmkv_fs.ops.gc import actions
 from llmkv_fs.ops.gc.inventory import DigestFacts, Inventory, take_inventory
 from llmkv_fs.ops.gc.lock import VolumeLock
 from llmkv_fs.ops.gc.report import Progress, Report
-from llmkv_fs.ops.gc.rules import Policy, capacity_need, pick_lru, volume_usage
-from llmkv_fs.ops.scan import Digest, filesystem_type, list_root
+from llmkv_fs.ops.gc.rules import Capacity, Policy, capacity_need, pick_lru, volume_usage
+from llmkv_fs.ops.scan import Digest, RootListing, filesystem_type, list_root
 
 __all__ = ["gc_pass", "matches"]
 
@@ -64,20 +64,9 @@ def gc_pass(
             "models": list(models),
         },
     )
-    now = lock.volume_now()
-    report.clock_skew_s = round(time.time() - now, 3)
-    errors = report.errors
-    progress = progress or Progress(enabled=False)
-
+    sweep = _Sweep(root, policy, lock, report, dry_run, progress or Progress(enabled=False), stop)
     listing = list_root(root)
-    report.symlinks.extend(listing.symlinks)
-    for trash in listing.trash:
-        if dry_run:
-            report.trash_removed += 1
-            continue
-        _removed, complete = actions.delete_tree(trash, errors)
-        report.trash_removed += complete
-
+    sweep.empty_trash(listing)
     facts = [
         DigestFacts(d, selected=not models or matches(d, models), pinned=matches(d, keep))
         for d in listing.digests
@@ -88,99 +77,158 @@ def gc_pass(
         f.leases, f.bad_leases = found.leases, found.bad
         f.check_ownership()
         report.bad_leases.extend({"path": b.path, "why": b.why} for b in found.bad)
-
-    def show(inv: Inventory) -> None:
-        progress.update(
-            f"scanning {len(selected)} digests: {inv.dirs:,} directories, {inv.files:,} files"
-        )
-
-    inv = take_inventory(root, selected, threads, show, stop)
-    report.symlinks.extend(inv.symlinks)
-    errors.extend(inv.errors)
-    report.scan = {
-        "digests": len(selected),
-        "dirs": inv.dirs,
-        "files": inv.files,
-        "bytes": inv.bytes,
-        "seconds": round(inv.scan_seconds, 3),
-        "threads": threads,
-        "filesystem": filesystem_type(root),
-        "complete": inv.complete,
-    }
-    if not inv.complete:
-        progress.done()
+    inv = sweep.scan(selected, threads)
+    if inv.complete:
+        cap = volume_usage(root, inv.bytes)  # before this pass frees anything
+        sweep.remove_digests(selected)
+        sweep.remove_temps(inv)
+        sweep.evict(inv, cap)
+        sweep.prune_dirs(inv, len(selected))
+    else:
         report.interrupted = True
-        report.seconds = round(time.monotonic() - started, 3)
-        return report
-    cap = volume_usage(root, inv.bytes)
-
-    freed = 0
-    gone: set[int] = set()
-    # Digests gc cannot prove are ours: reported, and nothing in them touched.
-    foreign = {i for i, f in enumerate(selected) if not f.provably_ours()[0]}
-    for index, f in enumerate(selected):
-        if stop():
-            report.interrupted = True
-            break
-        progress.update(f"judging digest {index + 1}/{len(selected)}")
-        removed, why = actions.remove_digest(f, policy, lock.volume_now, dry_run, errors)
-        report.digests.append(
-            {
-                "name": f.digest.name,
-                "removed": removed,
-                "why": why,
-                "bytes": f.bytes,
-                "files": f.files,
-                "blocks": f.blocks,
-                "pinned": f.pinned,
-                "leases": len(f.leases),
-                "bad_leases": len(f.bad_leases),
-                "idle_s": round(now - f.newest, 1) if f.newest else None,
-            }
-        )
-        if removed:
-            freed += f.bytes
-            gone.add(index)
-
-    emptied: set[int] = set()
-    if not report.interrupted:
-        progress.update(f"temp files: {len(inv.temps)}", force=True)
-        inv.temps = [t for t in inv.temps if t[2] not in gone and t[2] not in foreign]
-        removed, temp_bytes, kept = actions.remove_temps(inv, policy, now, dry_run, emptied, errors)
-        report.temps = {"removed": removed, "bytes": temp_bytes, "kept": kept}
-        freed += temp_bytes
-
-    need, why = capacity_need(cap, freed, policy)
-    report.capacity.update(
-        volume_bytes=cap.total,
-        volume_used_bytes=cap.used,
-        volume_used_percent=round(cap.used_percent, 2),
-        cache_bytes=cap.cache,
-        need=need,
-        why=why,
-    )
-    if need > 0 and not report.interrupted and not stop():
-        cutoff, blocks, nbytes, _short = pick_lru(inv, need, now, policy.protect, gone)
-        if cutoff is not None:
-            report.capacity["cutoff_idle_s"] = round(now - cutoff, 1)
-            if dry_run:
-                evicted, evicted_bytes = blocks, nbytes
-            else:
-                progress.update(f"evicting {blocks:,} blocks", force=True)
-                evicted, evicted_bytes = actions.evict(
-                    inv, cutoff, need, now, policy.protect, emptied, errors, stop
-                )
-            report.capacity.update(evicted_blocks=evicted, evicted_bytes=evicted_bytes)
-        report.capacity["short_bytes"] = max(0, need - report.capacity["evicted_bytes"])
-    if stop():
-        report.interrupted = True
-
-    if not report.interrupted:
-        progress.update("removing empty directories", force=True)
-        prunable = set(range(len(selected))) - gone - foreign
-        report.dirs_pruned = actions.prune_dirs(
-            inv, prunable, emptied, now, policy.protect, dry_run, errors
-        )
-    progress.done()
+    sweep.progress.done()
     report.seconds = round(time.monotonic() - started, 3)
     return report
+
+
+class _Sweep:
+    """The steps of one pass (the module doc's order) and what they share:
+    the volume's clock at the start, the digests removed, the directories
+    emptied and the bytes freed so far."""
+
+    def __init__(
+        self,
+        root: str,
+        policy: Policy,
+        lock: VolumeLock,
+        report: Report,
+        dry_run: bool,
+        progress: Progress,
+        stop: Callable[[], bool],
+    ):
+        self.root = root
+        self.policy = policy
+        self.lock = lock
+        self.report = report
+        self.dry_run = dry_run
+        self.progress = progress
+        self.stop = stop
+        self.now = lock.volume_now()
+        report.clock_skew_s = round(time.time() - self.now, 3)
+        self.errors = report.errors
+        self.freed = 0
+        self.gone: set[int] = set()  # indexes (into the selected digests) removed
+        self.emptied: set[int] = set()  # directory ids this pass emptied
+        # Indexes of digests gc cannot prove are ours: reported, nothing in
+        # them touched.
+        self.foreign: set[int] = set()
+
+    def empty_trash(self, listing: RootListing) -> None:
+        report = self.report
+        report.symlinks.extend(listing.symlinks)
+        for trash in listing.trash:
+            if self.dry_run:
+                report.trash_removed += 1
+                continue
+            _removed, complete = actions.delete_tree(trash, self.errors)
+            report.trash_removed += complete
+
+    def scan(self, selected: list[DigestFacts], threads: int) -> Inventory:
+        report, root = self.report, self.root
+
+        def show(inv: Inventory) -> None:
+            self.progress.update(
+                f"scanning {len(selected)} digests: {inv.dirs:,} directories, {inv.files:,} files"
+            )
+
+        inv = take_inventory(root, selected, threads, show, self.stop)
+        report.symlinks.extend(inv.symlinks)
+        self.errors.extend(inv.errors)
+        report.scan = {
+            "digests": len(selected),
+            "dirs": inv.dirs,
+            "files": inv.files,
+            "bytes": inv.bytes,
+            "seconds": round(inv.scan_seconds, 3),
+            "threads": threads,
+            "filesystem": filesystem_type(root),
+            "complete": inv.complete,
+        }
+        return inv
+
+    def remove_digests(self, selected: list[DigestFacts]) -> None:
+        report, now = self.report, self.now
+        self.foreign = {i for i, f in enumerate(selected) if not f.provably_ours()[0]}
+        for index, f in enumerate(selected):
+            if self.stop():
+                report.interrupted = True
+                break
+            self.progress.update(f"judging digest {index + 1}/{len(selected)}")
+            removed, why = actions.remove_digest(
+                f, self.policy, self.lock.volume_now, self.dry_run, self.errors
+            )
+            report.digests.append(
+                {
+                    "name": f.digest.name,
+                    "removed": removed,
+                    "why": why,
+                    "bytes": f.bytes,
+                    "files": f.files,
+                    "blocks": f.blocks,
+                    "pinned": f.pinned,
+                    "leases": len(f.leases),
+                    "bad_leases": len(f.bad_leases),
+                    "idle_s": round(now - f.newest, 1) if f.newest else None,
+                }
+            )
+            if removed:
+                self.freed += f.bytes
+                self.gone.add(index)
+
+    def remove_temps(self, inv: Inventory) -> None:
+        if self.report.interrupted:
+            return
+        self.progress.update(f"temp files: {len(inv.temps)}", force=True)
+        skip = self.gone | self.foreign
+        inv.temps = [t for t in inv.temps if t[2] not in skip]
+        removed, temp_bytes, kept = actions.remove_temps(
+            inv, self.policy, self.now, self.dry_run, self.emptied, self.errors
+        )
+        self.report.temps = {"removed": removed, "bytes": temp_bytes, "kept": kept}
+        self.freed += temp_bytes
+
+    def evict(self, inv: Inventory, cap: Capacity) -> None:
+        report, policy, now = self.report, self.policy, self.now
+        need, why = capacity_need(cap, self.freed, policy)
+        report.capacity.update(
+            volume_bytes=cap.total,
+            volume_used_bytes=cap.used,
+            volume_used_percent=round(cap.used_percent, 2),
+            cache_bytes=cap.cache,
+            need=need,
+            why=why,
+        )
+        if need > 0 and not report.interrupted and not self.stop():
+            cutoff, blocks, nbytes, _short = pick_lru(inv, need, now, policy.protect, self.gone)
+            if cutoff is not None:
+                report.capacity["cutoff_idle_s"] = round(now - cutoff, 1)
+                if self.dry_run:
+                    evicted, evicted_bytes = blocks, nbytes
+                else:
+                    self.progress.update(f"evicting {blocks:,} blocks", force=True)
+                    evicted, evicted_bytes = actions.evict(
+                        inv, cutoff, need, now, policy.protect, self.emptied, self.errors, self.stop
+                    )
+                report.capacity.update(evicted_blocks=evicted, evicted_bytes=evicted_bytes)
+            report.capacity["short_bytes"] = max(0, need - report.capacity["evicted_bytes"])
+        if self.stop():
+            report.interrupted = True
+
+    def prune_dirs(self, inv: Inventory, n_selected: int) -> None:
+        if self.report.interrupted:
+            return
+        self.progress.update("removing empty directories", force=True)
+        prunable = set(range(n_selected)) - self.gone - self.foreign
+        self.report.dirs_pruned = actions.prune_dirs(
+            inv, prunable, self.emptied, self.now, self.policy.protect, self.dry_run, self.errors
+        )
