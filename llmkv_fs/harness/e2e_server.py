@@ -163,8 +163,9 @@ class Server:
             return False
         return status == 200
 
-    def group_pids(self) -> list[int]:
-        """Live processes of this server's session (group id = leader pid)."""
+    def group_pids(self, zombies: bool = False) -> list[int]:
+        """Processes of this server's group (group id = leader pid), zombies
+        (exited, not yet reaped) only if asked."""
         if self.proc is None:
             return []
         pids = []
@@ -177,7 +178,7 @@ class Server:
             except OSError:
                 continue
             state, pgid = fields[0], int(fields[2])
-            if pgid == self.proc.pid and state != "Z":
+            if pgid == self.proc.pid and (zombies or state != "Z"):
                 pids.append(int(entry))
         return pids
 
@@ -199,6 +200,10 @@ class Server:
             os.killpg(self.proc.pid, signal.SIGKILL)
             wait_for(lambda: not self.group_pids(), 30, f"{self.name} to die", 0.1)
         self.proc.wait(timeout=30)
+        # The engine core's zombie, reparented to init when the API server
+        # died, still answers kill(pid, 0): gc would take its temp files for
+        # a live writer's until init reaps it.
+        wait_for(lambda: not self.group_pids(zombies=True), 60, f"{self.name} reaped", 0.1)
         for path in self.regions():
             os.unlink(path)
             self.removed_regions.append(path)
@@ -267,12 +272,15 @@ class Server:
         assert ttft is not None, f"{self.name}: no streamed chunk"
         return "".join(text), ttft
 
-    def metrics(self) -> dict[str, float]:
-        """Prometheus samples, ``name{labels}`` -> value."""
+    def metrics_text(self) -> str:
         status, body = self._request("GET", "/metrics", timeout=30)
         assert status == 200
+        return body.decode()
+
+    def metrics(self) -> dict[str, float]:
+        """Prometheus samples, ``name{labels}`` -> value."""
         samples = {}
-        for line in body.decode().splitlines():
+        for line in self.metrics_text().splitlines():
             if line and not line.startswith("#"):
                 key, _, value = line.rpartition(" ")
                 samples[key] = float(value)
