@@ -64,6 +64,10 @@ class ServeConfig:
     replace_builtin: bool = True  # LLMKV_FS_REPLACE_BUILTIN
     cpu_bytes: int = 256 << 20
     chunk_tokens: int = 128  # tokens per offloaded chunk = per block file
+    # vLLM's own KV block (= its prefix-cache granularity); equal to the chunk,
+    # a tier hit recomputes exactly what a prefix-cache hit recomputes.
+    block_tokens: int = 128
+    dtype: str = "bfloat16"
     max_model_len: int = 10240
     kv_cache_gib: int = 1
     hash_seed: str = "0"
@@ -102,7 +106,8 @@ class Server:
         return [
             str(c.venv / "bin" / "vllm"), "serve", str(c.model),
             "--host", "127.0.0.1", "--port", str(self.port),
-            "--served-model-name", "e2e", "--dtype", "bfloat16", "--seed", "0",
+            "--served-model-name", "e2e", "--dtype", c.dtype, "--seed", "0",
+            "--block-size", str(c.block_tokens),
             "--max-model-len", str(c.max_model_len), "--max-num-seqs", "4",
             # Start-up on 2 cores: no torch.compile (~45 s), no worker process
             # beside the engine core (one import of vLLM less, ~30 s).
