@@ -10,8 +10,9 @@ empty CPU tier; D's block files are dropped from the page cache
 shared), then W and D are served again. Each answer is compared with the answer
 of a hit in vLLM's own prefix cache on server 1 (vLLM's block = our chunk, so
 both compute the same remaining tokens; a cold prefill computes them in
-another order, which in bf16 may flip a greedy token of a random model). ``LLMKV_FS_REPLACE_BUILTIN=0`` keeps vLLM's own ``fs`` for the
-built-in runs, and the server log proves which tier served.
+another order, which in bf16 may flip a greedy token of a random model).
+``LLMKV_FS_REPLACE_BUILTIN=0`` keeps vLLM's own ``fs`` for the built-in runs,
+and the server log proves which tier served.
 
 Imports neither vLLM nor torch (the servers run in the e2e venv);
 matplotlib (the [bench] extra) draws the plot when it is installed.
