@@ -28,9 +28,12 @@ def test_core_dependencies_are_small_and_never_vllm_or_torch():
     assert not core & {"vllm", "torch"}
 
 
-def test_vllm_is_an_extra_pinned_to_the_tested_minor():
+def test_vllm_is_an_extra_pinned_to_the_tested_minors():
+    from llmkv_fs.tier.plugin import TESTED_VLLM_SERIES
+
     (vllm,) = PYPROJECT["project"]["optional-dependencies"]["vllm"]
-    assert vllm.replace(" ", "") == "vllm>=0.33.0,<0.34"
+    assert vllm.replace(" ", "") == "vllm>=0.32,<0.34"
+    assert TESTED_VLLM_SERIES == ("0.32.", "0.33.")
 
 
 def test_plots_are_an_extra():

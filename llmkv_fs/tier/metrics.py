@@ -26,7 +26,11 @@ from vllm.v1.kv_offload.base import (
     OffloadingHistogramMetadata,
     OffloadingMetricMetadata,
 )
-from vllm.v1.kv_offload.tiering.base import TIER_LABEL
+
+try:
+    from vllm.v1.kv_offload.tiering.base import TIER_LABEL
+except ImportError:  # vLLM 0.32 spells the label inline in its tiering spec
+    TIER_LABEL = "tier"
 
 from llmkv_fs.engine import (
     CounterKey,

