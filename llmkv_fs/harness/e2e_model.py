@@ -72,7 +72,7 @@ def build_model(out_dir: str, shape: dict[str, int]) -> None:
         # prompt (one token repeated), so wrong KV would go unnoticed; with 0.1
         # eight greedy tokens differ from prompt to prompt (measured).
         initializer_range=0.1,
-        torch_dtype="bfloat16",
+        torch_dtype="bfloat16",  # type: ignore[call-arg,unused-ignore]
     )
     model = LlamaForCausalLM(config).to(torch.bfloat16)
     model.save_pretrained(out_dir, safe_serialization=True)

@@ -261,7 +261,8 @@ class Server:
             response = conn.getresponse()
             if response.status != 200:
                 raise RuntimeError(f"{self.name}: HTTP {response.status}: {response.read()!r}")
-            ttft, text = None, []
+            ttft: float | None = None
+            text: list[str] = []
             for raw in response:
                 line = raw.decode().strip()
                 if not line.startswith("data:"):

@@ -41,7 +41,7 @@ def cache_root() -> Path:
 
 
 def requirements(repo: Path = REPO) -> list[str]:
-    import tomllib  # Python 3.11+, as the e2e venv's base Python
+    import tomllib  # type: ignore[import-not-found,unused-ignore]  # 3.11+, as the e2e venv's
 
     with open(repo / "pyproject.toml", "rb") as f:
         deps = tomllib.load(f)["project"]["dependencies"]
