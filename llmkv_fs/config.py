@@ -8,10 +8,9 @@ key and what is valid, before any thread or file exists.
 Each setting is declared once, as a field of ``TierSettings`` (type, default,
 and in its metadata the doc, the check and whether vLLM's built-in fs tier
 takes the same key); ``SETTINGS`` is the table view derived from those fields.
-Every check says what it accepts (``Setting.valid``, e.g. the range of a
-number); the docs show it and a refused value's error quotes it. Numbers
-have ranges both ways: a value absurdly small (a lease interval of 1e-6 s
-makes an idle replica spin) is as much a mistake as one too large.
+Every check (the reusable ones live in checks.py) says what it accepts
+(``Setting.valid``, e.g. the range of a number); the docs show it and a
+refused value's error quotes it.
 ``docs/configuration.md`` is generated from ``SETTINGS`` (see
 ``llmkv-fs config-doc``) so the documentation cannot drift from the code.
 """
@@ -19,18 +18,23 @@ makes an idle replica spin) is as much a mistake as one too large.
 from __future__ import annotations
 
 import dataclasses
-import math
-import re
 from collections.abc import Callable, Mapping
-from typing import Any, TypeVar
+from typing import Any
 
-from llmkv_fs.units import UnitError, parse_size
+from llmkv_fs.checks import (
+    TierConfigError,
+    accepts,
+    boolean,
+    byte_size,
+    fail,
+    int_between,
+    octal_mode,
+    one_of,
+    percent,
+    seconds,
+)
 
 __all__ = ["SETTINGS", "Setting", "TierConfigError", "TierSettings"]
-
-
-class TierConfigError(ValueError):
-    """A secondary-tier config key is unknown or has a bad value."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,155 +58,28 @@ class _Declared:
     vllm_builtin: bool
 
 
-_SHOWN_MAX = 80  # characters of a refused value quoted in the error
-
-
-def _shown(value: Any) -> str:
-    """``repr(value)``, shortened: a 400-digit number is quoted, not pasted
-    (and an int past Python's 4300-digit conversion limit cannot be)."""
-    try:
-        text = repr(value)
-    except ValueError:
-        return "an integer of thousands of digits"
-    if len(text) > _SHOWN_MAX:
-        return f"{text[: _SHOWN_MAX - 20]}... ({len(text)} characters)"
-    return text
-
-
-def _fail(key: str, value: Any, expected: str) -> TierConfigError:
-    return TierConfigError(
-        f"llmkv_fs: bad value for secondary tier key {key!r}: {_shown(value)} (expected {expected})"
-    )
-
-
-_Check = TypeVar("_Check", bound=Callable[..., Any])
-
-
-def _accepts(valid: str) -> Callable[[_Check], _Check]:
-    """Attach the words for what a check accepts (``Setting.valid``)."""
-
-    def attach(check: _Check) -> _Check:
-        check.valid = valid  # type: ignore[attr-defined]
-        return check
-
-    return attach
-
-
-def _is_number(value: Any) -> bool:
-    # bool is an int subclass; "true" threads is a config mistake, not 1.
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _int_between(low: int, high: int) -> Callable[[str, Any], int]:
-    expected = f"an integer in [{low}, {high}]"
-
-    @_accepts(expected)
-    def check(key: str, value: Any) -> int:
-        if not _is_number(value) or isinstance(value, float) or not low <= value <= high:
-            raise _fail(key, value, expected)
-        return int(value)
-
-    return check
-
-
-def _number_between(low: float, high: float, what: str) -> Callable[[str, Any], float]:
-    """A float (or int) in [low, high]; NaN, infinities and bools refused."""
-    expected = f"{what}, a number in [{low:g}, {high:g}]"
-
-    @_accepts(expected)
-    def check(key: str, value: Any) -> float:
-        # Compared before float(): an int too large for a float fails the
-        # range instead of raising OverflowError; NaN fails every comparison.
-        if not _is_number(value) or not low <= value <= high or not math.isfinite(value):
-            raise _fail(key, value, expected)
-        return float(value)
-
-    return check
-
-
-@_accepts("true or false")
-def _boolean(key: str, value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise _fail(key, value, "true or false")
-    return value
-
-
-def _one_of(*choices: str | None) -> Callable[[str, Any], Any]:
-    shown = ", ".join("null" if c is None else c for c in choices)
-
-    @_accepts(f"one of {shown}")
-    def check(key: str, value: Any) -> Any:
-        if value not in choices:
-            raise _fail(key, value, f"one of {shown}")
-        return value
-
-    return check
-
-
-@_accepts("a non-empty directory path")
+@accepts("a non-empty directory path")
 def _root_dir(key: str, value: Any) -> str:
     if not isinstance(value, str) or not value.strip():
-        raise _fail(key, value, "a non-empty directory path")
+        raise fail(key, value, "a non-empty directory path")
     if "\0" in value:
-        raise _fail(key, value, "a path without NUL bytes")
+        raise fail(key, value, "a path without NUL bytes")
     return value
 
 
-@_accepts("LOCAL, REMOTE or null")
+@accepts("LOCAL, REMOTE or null")
 def _locality(key: str, value: Any) -> str | None:
     # Exactly what vLLM's Locality(value) takes: case-sensitive, unstripped.
     if value is None or value in ("LOCAL", "REMOTE"):
         return None if value is None else str(value)
-    raise _fail(key, value, "LOCAL, REMOTE (upper case, as vLLM requires) or null")
+    raise fail(key, value, "LOCAL, REMOTE (upper case, as vLLM requires) or null")
 
 
-def _mode(required_bits: int, what: str) -> Callable[[str, Any], int]:
-    # JSON has no octal literals; "0640" (a string) is what operators write.
-    @_accepts(f'an octal mode string such as "0640", within 0o7777, keeping {what}')
-    def check(key: str, value: Any) -> int:
-        if isinstance(value, str) and re.fullmatch(r"0?[0-7]{3,4}", value.strip()):
-            mode = int(value.strip(), 8)
-        elif isinstance(value, int) and not isinstance(value, bool):
-            mode = value
-        else:
-            raise _fail(key, value, 'an octal mode string such as "0640"')
-        if not 0 <= mode <= 0o7777:
-            raise _fail(key, value, "a mode within 0o7777")
-        if mode & required_bits != required_bits:
-            raise _fail(key, value, f"a mode that keeps {what} ({required_bits:#o})")
-        return mode
-
-    return check
-
-
-_SIZE_RANGE = "a size from 0 to 2^63 - 1 bytes"
-
-
-@_accepts(_SIZE_RANGE)
-def _byte_size(key: str, value: Any) -> int:
-    if isinstance(value, (str, int, float)):
-        try:
-            return parse_size(value)
-        except UnitError:
-            pass
-    raise _fail(
-        key,
-        value,
-        "a whole number of bytes from 0 to 2^63 - 1: an integer, or a string "
-        'with a decimal or binary suffix such as "20GB" (20 * 10^9) or "20GiB" (20 * 2^30)',
-    )
-
-
-def _seconds(low: float, high: float) -> Callable[[str, Any], float]:
-    return _number_between(low, high, "seconds")
-
-
-_percent = _number_between(1, 100, "a percentage")
 _MAX_NUMA_NODE = 1023  # Linux: MAX_NUMNODES is at most 1 << 10
 _NUMA_EXPECTED = f'"auto", "off" or a NUMA node id (an integer in [0, {_MAX_NUMA_NODE}])'
 
 
-@_accepts(_NUMA_EXPECTED)
+@accepts(_NUMA_EXPECTED)
 def _numa_node(key: str, value: Any) -> str | int:
     if isinstance(value, str) and value in ("auto", "off"):
         return value
@@ -210,19 +87,19 @@ def _numa_node(key: str, value: Any) -> str | int:
         return "off"
     if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= _MAX_NUMA_NODE:
         return value
-    raise _fail(key, value, _NUMA_EXPECTED)
+    raise fail(key, value, _NUMA_EXPECTED)
 
 
 IO_WORKERS_MAX = 256
 
 
-@_accepts(f'"auto" or an integer in [0, {IO_WORKERS_MAX}]')
+@accepts(f'"auto" or an integer in [0, {IO_WORKERS_MAX}]')
 def _io_workers(key: str, value: Any) -> str | int:
     if value == "auto":
         return "auto"
     if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= IO_WORKERS_MAX:
         return value
-    raise _fail(key, value, f'"auto" or an integer in [0, {IO_WORKERS_MAX}]')
+    raise fail(key, value, f'"auto" or an integer in [0, {IO_WORKERS_MAX}]')
 
 
 def _declare(
@@ -254,14 +131,14 @@ class TierSettings:
             "tier creates a missing root_dir wherever it is. Either way a running "
             "tier never recreates root_dir and fails the volume (stores refused, "
             "lookups miss) while root_dir is not the directory it started on.",
-            _boolean,
+            boolean,
         ),
     )
     n_read_threads: int = dataclasses.field(
         default=16,
         metadata=_declare(
             "Load-priority I/O threads (they also drain stores when idle).",
-            _int_between(1, 512),
+            int_between(1, 512),
             vllm_builtin=True,
         ),
     )
@@ -269,7 +146,7 @@ class TierSettings:
         default=16,
         metadata=_declare(
             "Store-priority I/O threads (they also drain loads when idle).",
-            _int_between(1, 512),
+            int_between(1, 512),
             vllm_builtin=True,
         ),
     )
@@ -279,7 +156,7 @@ class TierSettings:
             "Emit BlockStored KV events for blocks that landed in this tier, and "
             "BlockRemoved for files it quarantined (needs KV cache events enabled "
             "globally).",
-            _boolean,
+            boolean,
             vllm_builtin=True,
         ),
     )
@@ -297,7 +174,7 @@ class TierSettings:
             "none: publish by rename only (a torn file after power loss is caught "
             "by the checksum and quarantined); file: fsync each block before the "
             "rename; full: also fsync the directory after the rename.",
-            _one_of("none", "file", "full"),
+            one_of("none", "file", "full"),
         ),
     )
     checksum: bool = dataclasses.field(
@@ -310,7 +187,7 @@ class TierSettings:
             "written with checksum off (load_failures reason no_checksum, the file "
             "is left in place) unless accept_trailerless is on, which serves them "
             "as unverified. Give every replica of a volume the same setting.",
-            _boolean,
+            boolean,
         ),
     )
     accept_trailerless: bool = dataclasses.field(
@@ -322,7 +199,7 @@ class TierSettings:
             "unchecked. Turn it on only for a volume shared with replicas running "
             "vLLM's built-in tier. With checksum on, it also admits (as unverified) "
             "blocks written with checksum off, which carry a key but no checksum.",
-            _boolean,
+            boolean,
         ),
     )
     io_mode: str = dataclasses.field(
@@ -330,7 +207,7 @@ class TierSettings:
         metadata=_declare(
             "auto: O_DIRECT where the volume accepts it (probed once), else "
             "buffered; direct: require O_DIRECT; buffered: never use it.",
-            _one_of("auto", "direct", "buffered"),
+            one_of("auto", "direct", "buffered"),
         ),
     )
     numa_node: str | int = dataclasses.field(
@@ -364,7 +241,7 @@ class TierSettings:
             "Store blocks allowed to wait for an I/O thread. A store job that "
             "would exceed it fails at once (the block stays in the CPU tier); a "
             "single job larger than the bound is accepted only into an empty queue.",
-            _int_between(1, 1 << 24),
+            int_between(1, 1 << 24),
         ),
     )
     lookup_threads: int = dataclasses.field(
@@ -372,7 +249,7 @@ class TierSettings:
         metadata=_declare(
             "Threads that run one step's batched existence checks in parallel "
             "(each check is one metadata round trip on a network filesystem).",
-            _int_between(1, 256),
+            int_between(1, 256),
         ),
     )
     job_timeout_s: float = dataclasses.field(
@@ -386,7 +263,7 @@ class TierSettings:
             "overdue the volume counts as stalled: new jobs fail at once and "
             "lookups miss, until the stuck calls return. A lookup check waits at "
             "most min(job_timeout_s, 5 s) before answering miss.",
-            _seconds(0.1, 86400),
+            seconds(0.1, 86400),
         ),
     )
     max_usage_percent: float = dataclasses.field(
@@ -395,7 +272,7 @@ class TierSettings:
             "Space guard: when the volume (statvfs, sampled about once a second "
             "off the scheduler thread) is fuller than this, new stores are dropped "
             "(reported failed, counted) and loads continue.",
-            _percent,
+            percent,
         ),
     )
     min_free_bytes: int = dataclasses.field(
@@ -407,7 +284,7 @@ class TierSettings:
             "ENOSPC also trips the guard, "
             "until free space has grown by one block per I/O thread (someone, e.g. "
             "gc, made room).",
-            _byte_size,
+            byte_size,
         ),
     )
     file_mode: int = dataclasses.field(
@@ -416,7 +293,7 @@ class TierSettings:
             'Mode of block and config files ("0640"). KV bytes reveal prompt '
             "content, so others get nothing; the group may read, which is how "
             "replicas running as different users in one fsGroup share.",
-            _mode(0o600, "owner read and write"),
+            octal_mode(0o600, "owner read and write"),
         ),
     )
     dir_mode: int = dataclasses.field(
@@ -425,7 +302,7 @@ class TierSettings:
             'Mode of directories this tier creates ("0770"). Group write lets '
             "replicas and gc running as other users of the group add, "
             "quarantine and remove files.",
-            _mode(0o700, "owner read, write and search"),
+            octal_mode(0o700, "owner read, write and search"),
         ),
     )
     lease_interval_s: float = dataclasses.field(
@@ -435,7 +312,7 @@ class TierSettings:
             "directory; gc treats a lease older than 4 intervals as dead. The "
             "housekeeping thread wakes twice per interval (at least once a "
             "second); below 1 s is for tests.",
-            _seconds(0.1, 3600),
+            seconds(0.1, 3600),
         ),
     )
     failed_load_miss_s: float = dataclasses.field(
@@ -447,7 +324,7 @@ class TierSettings:
             "lookups without being read again (at most 65536 such blocks are "
             "remembered). Without it every new request would find the file, load "
             "it and fail again. A repaired file is found again after this long.",
-            _seconds(1, 3600),
+            seconds(1, 3600),
         ),
     )
 
@@ -479,7 +356,7 @@ def _table() -> tuple[Setting, ...]:
     for f in dataclasses.fields(TierSettings):
         declared: _Declared = f.metadata[_DECLARED]  # KeyError: a field without _declare()
         required = f.default is dataclasses.MISSING
-        valid = declared.check.valid  # type: ignore[attr-defined]  # see _accepts
+        valid = declared.check.valid  # type: ignore[attr-defined]  # see accepts
         table.append(
             Setting(
                 f.name,

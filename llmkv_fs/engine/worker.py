@@ -1,7 +1,8 @@
 """One I/O worker process: runs blocks for the engine's ProcPool outside the
 engine-core interpreter (no shared GIL with vLLM's scheduler).
 
-Started by procpool.py as a fresh interpreter (never a fork of vLLM)::
+Started by the ProcPool's conductor (workers.Crew.spawn) as a fresh
+interpreter (never a fork of vLLM)::
 
     python -c "<set umask 0>; from llmkv_fs.engine.worker import main; main()" SPEC_JSON
 
@@ -16,8 +17,8 @@ It imports only the engine room and the layout. Its life:
   with exactly file_mode/dir_mode and need no chmod (one syscall per new
   fan-out directory fewer than in-process threads, which must not touch
   vLLM's umask);
-* then it serves job records (procpool.JOB) one at a time and answers each
-  with a result record (procpool.RESULT) on its result pipe. Before running a
+* then it serves job records (records.JOB) one at a time and answers each
+  with a result record (records.RESULT) on its result pipe. Before running a
   block and again right before a store's rename it reads the block's cancel
   byte in the shared cancel board: the owner sets it when the job's deadline
   passed, so an abandoned store is never published;
@@ -42,24 +43,18 @@ import time
 from typing import Any
 
 from llmkv_fs.engine.blockio import BlockIO, IoOptions
-from llmkv_fs.engine.outcomes import Abandoned, BlockMissing, Outcome
-from llmkv_fs.engine.procpool import (
-    CORRUPTION_CODES,
+from llmkv_fs.engine.outcomes import Outcome
+from llmkv_fs.engine.records import (
     JOB,
     OP_LOAD,
     OP_STOP,
     OUTCOME_CODES,
     RESULT,
-    RESULT_ABANDONED,
     RESULT_CANCELLED,
-    RESULT_CORRUPT,
-    RESULT_ERROR,
     RESULT_HELLO,
-    RESULT_MISSING,
-    RESULT_OSERROR,
+    encode_error,
 )
 from llmkv_fs.engine.region import map_region
-from llmkv_fs.layout.blockfile import BlockFileError
 from llmkv_fs.layout.files import PinnedRoot
 from llmkv_fs.layout.paths import CacheLayout
 
@@ -72,25 +67,6 @@ def _die_with_parent(parent: int) -> None:
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     if os.getppid() != parent:  # the parent died before prctl took effect
         os._exit(1)
-
-
-def _encode(slot: int, exc: BaseException) -> bytes:
-    errno_ = 0
-    extra = 0
-    if isinstance(exc, BlockMissing):
-        kind, text = RESULT_MISSING, str(exc)
-    elif isinstance(exc, Abandoned):
-        kind, text = RESULT_ABANDONED, str(exc)
-    elif isinstance(exc, BlockFileError):
-        kind, extra = RESULT_CORRUPT, CORRUPTION_CODES.index(exc.reason)
-        text = f"{exc}\0{exc.quarantined_to or ''}"
-    elif isinstance(exc, OSError):
-        kind, errno_ = RESULT_OSERROR, exc.errno or 0
-        text = f"{exc.strerror or exc}\0{exc.filename or ''}"
-    else:
-        kind, text = RESULT_ERROR, repr(exc)
-    data = text.encode("utf-8", "surrogateescape")[:4000]
-    return RESULT.pack(slot, kind, extra, errno_, len(data)) + data
 
 
 def serve(spec: dict[str, Any]) -> None:
@@ -155,7 +131,7 @@ def _run(
     if (chunk + 1) * block_size > primary.nbytes:
         # A memoryview slice would clamp silently and copy the wrong bytes.
         error = IndexError(f"chunk {chunk} outside the primary buffer")
-        return _encode(slot, error)
+        return encode_error(slot, error)
     row = primary[chunk * block_size : (chunk + 1) * block_size]
     try:
         if op == OP_LOAD:
@@ -163,7 +139,7 @@ def _run(
         else:
             outcome = blockio.store(key, row, lambda: not board[slot])
     except Exception as exc:  # reported per block; never ends the worker
-        return _encode(slot, exc)
+        return encode_error(slot, exc)
     finally:
         with contextlib.suppress(BufferError):  # a view still exported: freed with it
             row.release()

@@ -1,0 +1,167 @@
+"""The value checks tier settings are declared with (config.py): each
+takes ``(key, value)``, returns the value in its settled type, or raises
+``TierConfigError`` naming the key, the refused value and what is valid; and
+each carries, as ``check.valid``, what it accepts in words (``accepts``),
+which the docs show and the error quotes.
+
+Numbers have ranges both ways: a value absurdly small (a lease interval of
+1e-6 s makes an idle replica spin) is as much a mistake as one too large.
+
+Pure functions: safe from any thread.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from llmkv_fs.units import UnitError, parse_size
+
+__all__ = [
+    "TierConfigError",
+    "accepts",
+    "boolean",
+    "byte_size",
+    "fail",
+    "int_between",
+    "number_between",
+    "octal_mode",
+    "one_of",
+    "percent",
+    "seconds",
+]
+
+
+class TierConfigError(ValueError):
+    """A secondary-tier config key is unknown or has a bad value."""
+
+
+_SHOWN_MAX = 80  # characters of a refused value quoted in the error
+
+
+def _shown(value: Any) -> str:
+    """``repr(value)``, shortened: a 400-digit number is quoted, not pasted
+    (and an int past Python's 4300-digit conversion limit cannot be)."""
+    try:
+        text = repr(value)
+    except ValueError:
+        return "an integer of thousands of digits"
+    if len(text) > _SHOWN_MAX:
+        return f"{text[: _SHOWN_MAX - 20]}... ({len(text)} characters)"
+    return text
+
+
+def fail(key: str, value: Any, expected: str) -> TierConfigError:
+    return TierConfigError(
+        f"llmkv_fs: bad value for secondary tier key {key!r}: {_shown(value)} (expected {expected})"
+    )
+
+
+_Check = TypeVar("_Check", bound=Callable[..., Any])
+
+
+def accepts(valid: str) -> Callable[[_Check], _Check]:
+    """Attach the words for what a check accepts (``Setting.valid``)."""
+
+    def attach(check: _Check) -> _Check:
+        check.valid = valid  # type: ignore[attr-defined]
+        return check
+
+    return attach
+
+
+def _is_number(value: Any) -> bool:
+    # bool is an int subclass; "true" threads is a config mistake, not 1.
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def int_between(low: int, high: int) -> Callable[[str, Any], int]:
+    expected = f"an integer in [{low}, {high}]"
+
+    @accepts(expected)
+    def check(key: str, value: Any) -> int:
+        if not _is_number(value) or isinstance(value, float) or not low <= value <= high:
+            raise fail(key, value, expected)
+        return int(value)
+
+    return check
+
+
+def number_between(low: float, high: float, what: str) -> Callable[[str, Any], float]:
+    """A float (or int) in [low, high]; NaN, infinities and bools refused."""
+    expected = f"{what}, a number in [{low:g}, {high:g}]"
+
+    @accepts(expected)
+    def check(key: str, value: Any) -> float:
+        # Compared before float(): an int too large for a float fails the
+        # range instead of raising OverflowError; NaN fails every comparison.
+        if not _is_number(value) or not low <= value <= high or not math.isfinite(value):
+            raise fail(key, value, expected)
+        return float(value)
+
+    return check
+
+
+@accepts("true or false")
+def boolean(key: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise fail(key, value, "true or false")
+    return value
+
+
+def one_of(*choices: str | None) -> Callable[[str, Any], Any]:
+    shown = ", ".join("null" if c is None else c for c in choices)
+
+    @accepts(f"one of {shown}")
+    def check(key: str, value: Any) -> Any:
+        if value not in choices:
+            raise fail(key, value, f"one of {shown}")
+        return value
+
+    return check
+
+
+def octal_mode(required_bits: int, what: str) -> Callable[[str, Any], int]:
+    # JSON has no octal literals; "0640" (a string) is what operators write.
+    @accepts(f'an octal mode string such as "0640", within 0o7777, keeping {what}')
+    def check(key: str, value: Any) -> int:
+        if isinstance(value, str) and re.fullmatch(r"0?[0-7]{3,4}", value.strip()):
+            mode = int(value.strip(), 8)
+        elif isinstance(value, int) and not isinstance(value, bool):
+            mode = value
+        else:
+            raise fail(key, value, 'an octal mode string such as "0640"')
+        if not 0 <= mode <= 0o7777:
+            raise fail(key, value, "a mode within 0o7777")
+        if mode & required_bits != required_bits:
+            raise fail(key, value, f"a mode that keeps {what} ({required_bits:#o})")
+        return mode
+
+    return check
+
+
+_SIZE_RANGE = "a size from 0 to 2^63 - 1 bytes"
+
+
+@accepts(_SIZE_RANGE)
+def byte_size(key: str, value: Any) -> int:
+    if isinstance(value, (str, int, float)):
+        try:
+            return parse_size(value)
+        except UnitError:
+            pass
+    raise fail(
+        key,
+        value,
+        "a whole number of bytes from 0 to 2^63 - 1: an integer, or a string "
+        'with a decimal or binary suffix such as "20GB" (20 * 10^9) or "20GiB" (20 * 2^30)',
+    )
+
+
+def seconds(low: float, high: float) -> Callable[[str, Any], float]:
+    return number_between(low, high, "seconds")
+
+
+percent = number_between(1, 100, "a percentage")
