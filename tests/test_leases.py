@@ -334,3 +334,24 @@ def test_housekeeping_survives_a_failed_first_lease_write(tmp_path, monkeypatch)
         wait_until(lambda: guard.usage is not seen, "a later housekeeping round", 20.0)
     finally:
         keeper.stop()
+
+
+def test_a_zombie_writer_is_not_alive():
+    """A SIGKILLed process nobody has reaped yet is dead for gc and leases."""
+    import signal
+
+    from llmkv_fs.layout.leases import pid_alive
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        assert pid_alive(child.pid)
+        os.kill(child.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while pid_alive(child.pid):  # a zombie until we reap it below
+            assert time.monotonic() < deadline, "a killed, unreaped child still counts as alive"
+            time.sleep(0.01)
+        os.kill(child.pid, 0)  # still there: kill(0) alone would call it alive
+    finally:
+        child.kill()
+        child.wait()
+    assert not pid_alive(child.pid)

@@ -102,13 +102,28 @@ class Lease:
 
 
 def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` of this host still runs. A zombie does not:
+    a SIGKILLed vLLM engine stays one until its parent (or a container's
+    PID 1, which may never) reaps it, and its temp files are dead already."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
-        return True  # exists, owned by someone else
-    return True
+        pass  # exists, owned by someone else
+    return not _is_zombie(pid)
+
+
+def _is_zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read(512)
+    except OSError:
+        return False  # no procfs here: trust kill(0)
+    # "pid (comm) S ...": comm may hold spaces and parentheses; the state
+    # follows the last ')'.
+    state = stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3]
+    return state == b"Z"
 
 
 def lease_for(
