@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable
 
 from llmkv_fs.engine.outcomes import CANCELLED, SKIPPED, BlockResult, Failed, Failure, failed
-from llmkv_fs.engine.pool import IoJob
+from llmkv_fs.engine.pool import IoJob, JobReports
 from llmkv_fs.engine.records import (
     JOB,
     OP_LOAD,
@@ -46,7 +46,7 @@ logger = logging.getLogger("vllm.llmkv_fs.procpool")
 NOT_LOADED = SKIPPED
 
 
-class Conductor:
+class Conductor(JobReports):
     """The conductor's half of ProcPool, which sets every attribute below."""
 
     _admit_store: Callable[[], None]
@@ -55,12 +55,10 @@ class Conductor:
     _loads: collections.deque[IoJob]
     _stores: collections.deque[IoJob]
     _incoming: collections.deque[IoJob]
-    _finished: collections.deque[IoJob]
     _blocks_out: dict[bool, int]
     _jobs_in: int
     _jobs_out: int
     _conductor_idle: bool
-    _stuck: int
     _stopping: bool
     _held_blocks: int
     _crew: Crew

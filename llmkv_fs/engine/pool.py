@@ -42,118 +42,18 @@ import collections
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import TypeVar
 
+from llmkv_fs.engine.jobs import IoJob, JobReports, QueueFull
 from llmkv_fs.engine.numa import pin_current_thread
 from llmkv_fs.engine.outcomes import CANCELLED, DEADLINE, SKIPPED, BlockResult, Failed, failed
 
-__all__ = ["IoJob", "IoPool", "QueueFull"]
+__all__ = ["IoJob", "IoPool", "JobReports", "QueueFull"]
 
 logger = logging.getLogger("vllm.llmkv_fs.pool")
 
 _E = TypeVar("_E", bound=BaseException)
-
-
-class QueueFull(Exception):
-    """A store job would push the store queue past its bound."""
-
-
-class IoJob:
-    """One submitted job. ``keys[i]`` goes to/from primary chunk ``chunks[i]``.
-
-    ``outcomes[i]`` is None until block i finishes, then its BlockResult: an
-    Outcome, or a Failed (CANCELLED, DEADLINE, or the exception it raised).
-    ``first_start``/``last_end`` bound the I/O time.
-    """
-
-    __slots__ = (
-        "_left",
-        "_lock",
-        "chunks",
-        "deadline",
-        "expired",
-        "first_start",
-        "is_load",
-        "job_id",
-        "keys",
-        "last_end",
-        "next_block",
-        "outcomes",
-        "reported",
-        "running",
-        "submitted",
-    )
-
-    def __init__(
-        self,
-        job_id: int,
-        is_load: bool,
-        keys: Sequence[bytes],
-        chunks: Sequence[int],
-        timeout: float | None = None,
-    ):
-        self.job_id = job_id
-        self.is_load = is_load
-        self.keys = keys
-        self.chunks = chunks
-        self.outcomes: list[BlockResult | None] = [None] * len(keys)
-        self._left = len(keys)
-        self._lock = threading.Lock()
-        self.submitted = time.monotonic()
-        self.deadline = None if timeout is None else self.submitted + timeout
-        self.first_start: float | None = None
-        self.last_end = 0.0
-        self.running = 0  # blocks inside execute() right now
-        self.expired = False
-        self.reported = False  # handed to the finished deque
-        self.next_block = 0  # first block no thread has taken (pool lock)
-
-    def still_wanted(self) -> bool:
-        """False once the deadline failed this job (I/O threads ask this
-        before publishing a store)."""
-        return not self.expired
-
-    def _block_done(self, index: int, outcome: BlockResult) -> tuple[bool, bool]:
-        """Record one executed block. Returns (this call finished the job and
-        must report it, the block was stuck: its job expired meanwhile)."""
-        with self._lock:
-            self.running -= 1
-            if self.reported:
-                return False, True  # failed by the deadline without it
-            # Only loads wait for in-flight blocks after expiring; a read
-            # that did complete is as good as ever.
-            self.outcomes[index] = outcome
-            self.last_end = time.monotonic()
-            self._left -= 1
-            return self._claim_report(), self.expired
-
-    def _fail(
-        self, indices: Sequence[int], outcome: Failed, *, all_unfinished: bool = False
-    ) -> bool:
-        """Fail blocks that will not run (``all_unfinished``: also those in
-        flight, whose results will be ignored). Caller holds ``_lock``.
-        Returns whether the caller must now report the job."""
-        if all_unfinished:
-            indices = [i for i, o in enumerate(self.outcomes) if o is None]
-        for index in indices:
-            self.outcomes[index] = outcome
-        self._left -= len(indices)
-        now = time.monotonic()
-        if self.first_start is None:
-            self.first_start = now
-        self.last_end = max(self.last_end, now)
-        return self._claim_report()
-
-    def _claim_report(self) -> bool:
-        if self._left == 0 and not self.reported:
-            self.reported = True
-            return True
-        return False
-
-    @property
-    def io_seconds(self) -> float:
-        return self.last_end - self.first_start if self.first_start is not None else 0.0
 
 
 def _without_tracebacks(exc: _E) -> _E:
@@ -169,7 +69,7 @@ def _without_tracebacks(exc: _E) -> _E:
     return exc
 
 
-class IoPool:
+class IoPool(JobReports):
     def __init__(
         self,
         execute: Callable[[IoJob, int], BlockResult],
@@ -234,25 +134,6 @@ class IoPool:
                 self._watched.append(job)
             self._cond.notify(n)
 
-    def has_news(self) -> bool:
-        """Whether take_finished or expire_overdue has anything to do: the
-        cheap test the owner's frequent empty polls take."""
-        if self._finished:
-            return True
-        if not self._watched:
-            return False
-        head = self._watched[0]
-        assert head.deadline is not None  # only jobs with a deadline are watched
-        return head.reported or head.deadline <= time.monotonic()
-
-    def take_finished(self) -> list[IoJob]:
-        # The deque is appended by workers and popped only here: popleft is
-        # atomic, so no lock is needed.
-        finished = []
-        while self._finished:
-            finished.append(self._finished.popleft())
-        return finished
-
     def queued_store_blocks(self) -> int:
         return self._queued_blocks[False]
 
@@ -261,28 +142,6 @@ class IoPool:
 
     def busy_threads(self) -> int:
         return self._busy_threads
-
-    def stuck_blocks(self) -> int:
-        """Blocks still inside a syscall although their job's deadline
-        passed: nonzero means the volume is not answering."""
-        return self._stuck
-
-    def expire_overdue(self, now: float | None = None) -> int:
-        """Fail every job past its deadline (see the module doc). Returns the
-        number of blocks failed by it. Owner side; never blocks on I/O."""
-        now = time.monotonic() if now is None else now
-        failed = 0
-        while self._watched:
-            job = self._watched[0]
-            if job.reported:
-                self._watched.popleft()
-                continue
-            assert job.deadline is not None  # only jobs with a deadline are watched
-            if job.deadline > now:
-                break
-            self._watched.popleft()
-            failed += self._expire(job)
-        return failed
 
     def _expire(self, job: IoJob) -> int:
         with self._cond:

@@ -41,7 +41,6 @@ import contextlib
 import ctypes
 import os
 import threading
-import time
 from collections.abc import Callable
 
 from llmkv_fs.engine.conductor import Conductor
@@ -148,21 +147,6 @@ class ProcPool(Conductor):
         if self._conductor_idle:
             _write_holding_gil(self._wake, _ONE, 8)
 
-    def has_news(self) -> bool:
-        if self._finished:
-            return True
-        watched = self._watched
-        if not watched:
-            return False
-        first = watched[0]
-        return first.reported or (first.deadline is not None and first.deadline <= time.monotonic())
-
-    def take_finished(self) -> list[IoJob]:
-        finished = []
-        while self._finished:
-            finished.append(self._finished.popleft())
-        return finished
-
     def queued_store_blocks(self) -> int:
         return self._blocks_in[False] - self._blocks_out[False]
 
@@ -171,9 +155,6 @@ class ProcPool(Conductor):
 
     def busy_threads(self) -> int:
         return self._held_blocks
-
-    def stuck_blocks(self) -> int:
-        return self._stuck
 
     def busy(self) -> bool:
         return self._jobs_in > self._jobs_out or bool(self._finished)
@@ -188,20 +169,6 @@ class ProcPool(Conductor):
     @property
     def workers_died(self) -> int:
         return self._crew.died
-
-    def expire_overdue(self, now: float | None = None) -> int:
-        now = time.monotonic() if now is None else now
-        failed_blocks = 0
-        while self._watched:
-            job = self._watched[0]
-            if job.reported:
-                self._watched.popleft()
-                continue
-            if job.deadline is None or job.deadline > now:
-                break
-            self._watched.popleft()
-            failed_blocks += self._expire(job)
-        return failed_blocks
 
     def _expire(self, job: IoJob) -> int:
         with self._cond:
