@@ -135,6 +135,7 @@ def _digest_stats(d: scan.Digest, now: float, this_host: str, threads: int) -> d
     quarantined = {"count": 0, "bytes": 0, "reasons": collections.Counter()}
     other: list[dict[str, str]] = []
     other_count = 0
+    silly = {"count": 0, "bytes": 0}
     unreadable: list[dict[str, str]] = []
     ranks = {rank: {"blocks": 0, "bytes": 0} for rank in sorted(d.rank_dirs)}
     tops: list[tuple[str, str]] = [(d.rank_dirs[r], scan.RANK_AREA) for r in ranks]
@@ -169,6 +170,9 @@ def _digest_stats(d: scan.Digest, now: float, this_host: str, threads: int) -> d
                 temp["bytes"] += e.st.st_size
                 if temp["oldest_mtime"] is None or e.st.st_mtime < temp["oldest_mtime"]:
                     temp["oldest_mtime"] = e.st.st_mtime
+            elif e.kind == scan.SILLY_RENAMED:
+                silly["count"] += 1
+                silly["bytes"] += e.st.st_size
             elif e.kind in (scan.CONFIG, scan.LEASE):
                 continue
             else:  # OTHER, SYMLINK, and any kind scan may add later
@@ -231,6 +235,7 @@ def _digest_stats(d: scan.Digest, now: float, this_host: str, threads: int) -> d
         },
         "quarantined": {**quarantined, "reasons": dict(sorted(quarantined["reasons"].items()))},
         "other": {"count": other_count, "entries": sorted(other, key=lambda e: e["path"])},
+        "nfs_silly_renamed": silly,
         "unreadable_dirs": unreadable,
         "warnings": warnings,
     }
@@ -275,6 +280,7 @@ def volume_stats(
         "quarantined_files": sum(p["quarantined"]["count"] for p in per),
         "quarantined_bytes": sum(p["quarantined"]["bytes"] for p in per),
         "other": sum(p["other"]["count"] for p in per),
+        "nfs_silly_renamed": sum(p["nfs_silly_renamed"]["count"] for p in per),
         "live_leases": sum(len(p["leases"]["live"]) for p in per),
         "stale_leases": sum(len(p["leases"]["stale"]) for p in per),
     }
@@ -384,6 +390,13 @@ def _print_human(report: dict[str, Any], out) -> None:
         )
         for u in p["unreadable_dirs"]:
             print(f"  !!! cannot list {u['path']}: {u['detail']}", file=out)
+        if p["nfs_silly_renamed"]["count"]:
+            s = p["nfs_silly_renamed"]
+            print(
+                f"  nfs open   {s['count']} .nfs files ({format_bytes(s['bytes'])}): removed "
+                "blocks an NFS client still has open; it frees them at close",
+                file=out,
+            )
         o = p["other"]
         print(f"  other      {o['count']} unexpected entries", file=out)
         for e in o["entries"][:10]:

@@ -23,7 +23,7 @@ from collections.abc import Callable
 
 from llmkv_fs.layout.blockfile import last_used
 from llmkv_fs.layout.leases import read_leases
-from llmkv_fs.layout.names import trash_path
+from llmkv_fs.layout.names import is_silly_rename_name, trash_path
 from llmkv_fs.ops import scan
 from llmkv_fs.ops.gc.inventory import DigestFacts, Inventory, allocated
 from llmkv_fs.ops.gc.rules import Policy, digest_verdict, temp_verdict
@@ -68,6 +68,12 @@ def delete_tree(path: str, errors: list[str]) -> tuple[int, bool]:
             try:
                 if entry.is_dir(follow_symlinks=False):
                     stack.append((entry.path, False))
+                    continue
+                if is_silly_rename_name(entry.name):
+                    # Another client's open file: removing it gives that
+                    # reader ESTALE instead of its bytes (NFSv3). Its client
+                    # removes it at the last close; the trash waits.
+                    complete = False
                     continue
                 os.unlink(entry.path)
                 removed += 1

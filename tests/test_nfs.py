@@ -1,0 +1,67 @@
+"""The suite's NFS part: one guest per NFS version (tests/nfs_kit.py) runs a
+batch of test files inside it, their ``volume`` / ``shared_volume`` tests on
+the "nfs" param (two kernel clients of one knfsd export).
+
+Everything in the guest runs 5-10x slower than here, so the batch is the
+engine, gc, stats and verify tests plus a few through vLLM's real stack
+(importing vLLM in the guest costs about a minute of emulated CPU). CI
+(LLMKV_FS_REQUIRE_NFS=1) fails where the guest cannot be provided.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import nfs_kit
+import pytest
+
+# Test files run inside the guest, per NFS version; -k picks their "nfs"
+# params. v3 shares the client code paths for lookups and silly renames with
+# v4.2 but not locking (NLM) or the open/lease model, so it gets the
+# cross-client and gc race files; v4.2 gets everything that has an nfs param.
+_COMMON = [
+    "tests/test_cross_client.py",
+    "tests/test_gc_race.py",
+]
+GUEST_FILES = {
+    "4.2": [
+        *_COMMON,
+        "tests/test_engine_io.py",
+        "tests/test_gc_rules.py",
+        "tests/test_gc_process.py",
+        "tests/test_ops_stats.py",
+        "tests/test_ops_verify.py",
+        "tests/test_tier_vllm.py::test_second_manager_finds_and_promotes_byte_exact",
+    ],
+    "3": _COMMON,
+}
+GUEST_TIMEOUT_S = 420.0
+
+
+@pytest.mark.skipif(nfs_kit.in_guest(), reason="this test boots the guest; inside it, no")
+@pytest.mark.parametrize("version", list(GUEST_FILES))
+def test_suite_on_nfs(version):
+    started = time.monotonic()
+    with nfs_kit.guest(version) as vm:
+        booted = time.monotonic()
+        env = {
+            nfs_kit.MOUNT_A_ENV: vm.mount_a,
+            nfs_kit.MOUNT_B_ENV: vm.mount_b,
+            nfs_kit.VERSION_ENV: version,
+            "PYTHONPATH": os.pathsep.join(
+                p for p in (os.getcwd(), os.environ.get("PYTHONPATH", "")) if p
+            ),
+        }
+        argv = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "nfs"]
+        done = vm.exec([*argv, *GUEST_FILES[version]], env, GUEST_TIMEOUT_S)
+    total = time.monotonic() - started
+    summary = done.stdout.strip().splitlines()[-1:] or ["(no output)"]
+    print(
+        f"NFS v{version}: guest up in {booted - started:.0f}s, batch + down in "
+        f"{total - (booted - started):.0f}s: {summary[0]}"
+    )
+    assert done.returncode == 0, (
+        f"pytest in the NFS v{version} guest failed:\n{done.stdout[-12000:]}"
+    )
