@@ -2,7 +2,8 @@
 same volume (``shared_volume``: on NFS two kernel clients with their own
 caches, tests/nfs_kit.py; on local filesystems the same directory):
 lookups after a miss, NFS's silly-renamed ``.nfs<hex>`` files under gc,
-stats and verify, and a digest removed under a reader."""
+stats and verify, a digest removed under a reader, config.json and lease
+heartbeats read across clients."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ import time
 
 from llmkv_fs import cli
 from llmkv_fs.engine import Direction, Failure
+from llmkv_fs.layout.files import read_revalidated, write_file_atomically
+from llmkv_fs.layout.leases import Lease, read_leases, refresh_lease, write_lease
 from llmkv_fs.layout.names import is_silly_rename_name, trash_path
 from llmkv_fs.ops.gc.actions import delete_tree
 
@@ -133,3 +136,26 @@ def test_a_digest_removed_under_a_reader_gives_it_clean_misses(shared_volume, en
     assert engine_a.counters[Direction.LOAD, Failure.MISSING] == 3
     assert bytes(primary_a[3 * BS : 6 * BS]) == b"\0" * (3 * BS)
     assert [settle(engine_a, k, "again") for k in keys] == [False] * 3
+
+
+def test_a_replaced_config_is_read_fresh_by_the_other_client(shared_volume):
+    """Rename over a config.json whose old file client A still holds open:
+    NFS client B used to read the old bytes for ~30 s (cached lookup)."""
+    path_a = os.path.join(shared_volume.a, "config.json")
+    path_b = os.path.join(shared_volume.b, "config.json")
+    write_file_atomically(path_a, b'{"v": 1}')
+    assert read_revalidated(path_b)[0] == b'{"v": 1}'  # B caches the name
+    with open(path_a, "rb"):  # the old file stays open on A: silly rename
+        write_file_atomically(path_a, b'{"v": 2}')
+        assert read_revalidated(path_b)[0] == b'{"v": 2}'
+
+
+def test_a_lease_heartbeat_is_read_fresh_by_the_other_client(shared_volume):
+    lease = Lease("elsewhere", 4242, time.time_ns(), "sha256", "f" * 16, 30.0)
+    path = write_lease(shared_volume.a, lease)
+    os.utime(path, (time.time() - 3600, time.time() - 3600))
+    (seen,) = read_leases(shared_volume.b.rstrip("/"))
+    assert not seen.is_live()  # B has the file's attributes cached now
+    assert refresh_lease(path)
+    (seen,) = read_leases(shared_volume.b)
+    assert seen.is_live(), time.time() - seen.refreshed

@@ -20,7 +20,12 @@ from typing import Any
 
 import xxhash
 
-from llmkv_fs.layout.files import DEFAULT_DIR_MODE, DEFAULT_FILE_MODE, write_file_atomically
+from llmkv_fs.layout.files import (
+    DEFAULT_DIR_MODE,
+    DEFAULT_FILE_MODE,
+    read_revalidated,
+    write_file_atomically,
+)
 from llmkv_fs.layout.names import lease_dir, lease_file_name, parse_lease_file_name
 
 __all__ = [
@@ -155,9 +160,12 @@ def _parse(path: str, name: str) -> Lease | None:
     if parse_lease_file_name(name) is None:
         return None
     try:
-        with open(path, "rb") as f:
-            fields: dict[str, Any] = json.loads(f.read())
-        refreshed = os.stat(path).st_mtime
+        # The heartbeat from the open file's fstat: the open fetched fresh
+        # attributes (NFS close-to-open); a separate stat may answer from an
+        # attribute cache up to acregmax (60 s) old.
+        data, st = read_revalidated(path)
+        fields: dict[str, Any] = json.loads(data)
+        refreshed = st.st_mtime
     except (OSError, ValueError):
         return None
     known = {f.name for f in dataclasses.fields(Lease)} - {"refreshed", "path"}

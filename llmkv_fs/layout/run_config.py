@@ -13,7 +13,12 @@ import json
 import time
 from typing import Any
 
-from llmkv_fs.layout.files import DEFAULT_DIR_MODE, DEFAULT_FILE_MODE, write_file_atomically
+from llmkv_fs.layout.files import (
+    DEFAULT_DIR_MODE,
+    DEFAULT_FILE_MODE,
+    read_revalidated,
+    write_file_atomically,
+)
 from llmkv_fs.layout.paths import CacheLayout
 
 __all__ = ["RunConfigMismatch", "ensure_run_config", "render_run_config"]
@@ -33,8 +38,8 @@ def render_run_config(run_config: dict[str, Any]) -> bytes:
 
 
 def _read_json(path: str) -> Any:
-    with open(path, "rb") as f:
-        return json.loads(f.read().decode("utf-8"))
+    data, _ = read_revalidated(path)
+    return json.loads(data.decode("utf-8"))
 
 
 def ensure_run_config(

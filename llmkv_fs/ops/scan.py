@@ -22,6 +22,7 @@ import threading
 from collections.abc import Iterable, Iterator
 from typing import NamedTuple
 
+from llmkv_fs.layout.files import read_revalidated
 from llmkv_fs.layout.fsinfo import filesystem_type
 from llmkv_fs.layout.leases import Lease, read_leases
 from llmkv_fs.layout.names import (
@@ -93,8 +94,8 @@ class Digest:
 
     def read_config(self) -> dict | None:
         try:
-            with open(config_path(self.config_dir), "rb") as f:
-                config = json.loads(f.read())
+            data, _ = read_revalidated(config_path(self.config_dir))
+            config = json.loads(data)
         except (OSError, ValueError):
             return None
         return config if isinstance(config, dict) else None
