@@ -18,7 +18,16 @@ from llmkv_fs.layout.leases import Lease, read_leases, refresh_lease, write_leas
 from llmkv_fs.layout.names import is_silly_rename_name, trash_path
 from llmkv_fs.ops.gc.actions import delete_tree
 
-from engine_kit import BS, make_key, pattern, settle, store_blocks, wait_jobs, write_blocks
+from engine_kit import (
+    BS,
+    make_key,
+    pattern,
+    settle,
+    store_blocks,
+    wait_jobs,
+    wait_until,
+    write_blocks,
+)
 from gc_kit import DAY, age
 
 # Linux's silly-rename name: ".nfs" + 16 hex digits of file id + 8 of a counter.
@@ -107,7 +116,8 @@ def test_silly_renamed_files_are_never_removed_counted_or_taken_for_use(shared_v
     (moved,) = leftovers
     if fd is None:
         os.unlink(moved)
-    assert not os.path.exists(moved)
+    # The client's own unlink of it is asynchronous (an RPC after the close).
+    wait_until(lambda: not os.path.exists(moved), f"{moved} to go", deadline_s=30.0)
     assert cli.main(["gc", shared_volume.b, "--json", "--high", "off"]) == 0
     capsys.readouterr()
     assert [n for n in os.listdir(shared_volume.a) if not n.startswith(".llmkv-gc.lock")] == []
