@@ -85,17 +85,25 @@ class NfsGuest:
         self, argv: list[str], env: dict[str, str], timeout_s: float
     ) -> subprocess.CompletedProcess:
         """Run ``argv`` in the guest (same cwd, ``env`` exported); stdout and
-        stderr merged. A timeout kills the host side only: ``down`` stops the
-        guest and what ran in it."""
-        return subprocess.run(
-            [SCRIPT, "exec", self.name, "--", *argv],
-            env={**self._env(), **env},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            timeout=timeout_s,
-            stdin=subprocess.DEVNULL,
-        )
+        stderr merged. A timeout kills the host side only (``down`` stops the
+        guest and what ran in it) and returns rc 124 with the output so far."""
+        argv = [SCRIPT, "exec", self.name, "--", *argv]
+        try:
+            return subprocess.run(
+                argv,
+                env={**self._env(), **env},
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                timeout=timeout_s,
+                stdin=subprocess.DEVNULL,
+            )
+        except subprocess.TimeoutExpired as exc:
+            out = exc.output or ""
+            out = out.decode(errors="replace") if isinstance(out, bytes) else out
+            return subprocess.CompletedProcess(
+                argv, 124, f"{out}\n(timed out after {timeout_s:.0f}s in the guest)"
+            )
 
     def down(self) -> None:
         _run([SCRIPT, "down", self.name], DOWN_TIMEOUT_S, self._env())

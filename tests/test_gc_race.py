@@ -8,6 +8,7 @@ writer process only) exactly inside the window where gc's rmdir hurts, wait
 until a real gc run has removed the directory, then let the writer go on.
 The stress test lets both run freely."""
 
+import contextlib
 import hashlib
 import json
 import os
@@ -138,6 +139,14 @@ def writer_result(proc) -> dict:
 
 
 def assert_block(path: str, k: bytes) -> None:
+    # Open every directory down to the block first, as the engine's lookup
+    # does after a miss: this client's gc removed them, and an NFS client
+    # keeps names it saw removed "missing" for 30-60 s after the writer's
+    # client created them again (docs/reliability.md, NFS).
+    parts = path.split("/")
+    for depth in range(2, len(parts)):
+        with contextlib.suppress(OSError):
+            os.close(os.open("/".join(parts[:depth]), os.O_RDONLY | os.O_DIRECTORY))
     with open(path, "rb") as f:
         assert f.read()[:PAYLOAD] == payload(k)
 

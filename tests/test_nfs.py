@@ -30,14 +30,15 @@ GUEST_FILES = {
         *_COMMON,
         "tests/test_engine_io.py",
         "tests/test_gc_rules.py",
-        "tests/test_gc_process.py",
         "tests/test_ops_stats.py",
         "tests/test_ops_verify.py",
         "tests/test_tier_vllm.py::test_second_manager_finds_and_promotes_byte_exact",
     ],
     "3": _COMMON,
 }
-GUEST_TIMEOUT_S = 420.0
+# Measured at load average ~10 on 2 shared cores: v3's batch 228 s, v4.2's
+# larger one did not finish in 420 s; on an idle CI machine a few times less.
+GUEST_TIMEOUT_S = 540.0
 
 
 @pytest.mark.skipif(nfs_kit.in_guest(), reason="this test boots the guest; inside it, no")
@@ -55,6 +56,7 @@ def test_suite_on_nfs(version):
             ),
         }
         argv = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "nfs"]
+        argv += ["--durations=10"]  # what the guest's minutes went to
         done = vm.exec([*argv, *GUEST_FILES[version]], env, GUEST_TIMEOUT_S)
     total = time.monotonic() - started
     summary = done.stdout.strip().splitlines()[-1:] or ["(no output)"]
