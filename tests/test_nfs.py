@@ -51,6 +51,9 @@ def test_suite_on_nfs(version):
             nfs_kit.MOUNT_A_ENV: vm.mount_a,
             nfs_kit.MOUNT_B_ENV: vm.mount_b,
             nfs_kit.VERSION_ENV: version,
+            # The guest's own tmpfs: pytest's capture files on the host's /tmp
+            # (9p) failed to truncate once unlinked, crashing the session.
+            "TMPDIR": "/var/tmp",
             "PYTHONPATH": os.pathsep.join(
                 p for p in (os.getcwd(), os.environ.get("PYTHONPATH", "")) if p
             ),
