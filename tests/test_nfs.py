@@ -32,7 +32,9 @@ GUEST_FILES = {
         "tests/test_gc_rules.py",
         "tests/test_ops_stats.py",
         "tests/test_ops_verify.py",
-        "tests/test_tier_vllm.py::test_second_manager_finds_and_promotes_byte_exact",
+        # Not yet: collecting tests/test_tier_vllm.py imports vLLM, which in
+        # the emulated guest did not finish within the batch's 540 s at load
+        # ~5 (measured); a vLLM test needs its own budget or a lighter import.
     ],
     "3": _COMMON,
 }
