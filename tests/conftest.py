@@ -9,6 +9,8 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))  # tests/harness.py, tests/engine_kit.py
 
+from nfs_kit import MOUNT_A_ENV, MOUNT_B_ENV, in_guest
+
 from engine_kit import engines, gate_for  # noqa: F401  (engine fixtures)
 from gluster_kit import gluster  # noqa: F401  (session fixture: GlusterFS mounted twice)
 
@@ -21,7 +23,18 @@ def _tmpfs_dir() -> str:
     return path
 
 
-FILESYSTEMS = ["tmpfs", "ext4", "gluster"]
+# "nfs" exists only inside the NFS guest that tests/test_nfs.py boots (the
+# mounts are there only); it passes the two client mounts in the environment.
+FILESYSTEMS = ["tmpfs", "ext4", "gluster"] + (["nfs"] if in_guest() else [])
+
+
+def _nfs_dir() -> tuple[str, str]:
+    """A fresh directory on the guest's NFS export: (path via client A, the
+    same directory via client B)."""
+    name = f"llmkv_fs_test_{uuid.uuid4().hex[:10]}"
+    path_a = os.path.join(os.environ[MOUNT_A_ENV], name)
+    os.makedirs(path_a)
+    return path_a, os.path.join(os.environ[MOUNT_B_ENV], name)
 
 
 def _gluster_dir(request) -> tuple[str, str]:
@@ -47,6 +60,10 @@ def volume(request, tmp_path):
         path = tmp_path / "kv"
         path.mkdir()
         yield str(path)
+    elif request.param == "nfs":
+        path, _ = _nfs_dir()
+        yield path
+        shutil.rmtree(path, ignore_errors=True)
     else:
         path, _ = _gluster_dir(request)
         yield path
@@ -56,7 +73,8 @@ def volume(request, tmp_path):
 class SharedVolume(NamedTuple):
     """One cache root as two replicas see it: ``a`` and ``b`` name the same
     directory -- the same path on a local filesystem, the same directory
-    through two independent FUSE clients (two "nodes") on GlusterFS."""
+    through two independent FUSE clients (two "nodes") on GlusterFS,
+    through two kernel NFS clients with their own caches on NFS."""
 
     a: str
     b: str
@@ -77,6 +95,10 @@ def shared_volume(request, tmp_path):
         path = tmp_path / "kv"
         path.mkdir()
         yield SharedVolume(str(path), str(path), "ext4")
+    elif request.param == "nfs":
+        path_a, path_b = _nfs_dir()
+        yield SharedVolume(path_a, path_b, "nfs")
+        shutil.rmtree(path_a, ignore_errors=True)
     else:
         path_a, path_b = _gluster_dir(request)
         yield SharedVolume(path_a, path_b, "gluster")

@@ -8,6 +8,7 @@ writer process only) exactly inside the window where gc's rmdir hurts, wait
 until a real gc run has removed the directory, then let the writer go on.
 The stress test lets both run freely."""
 
+import contextlib
 import hashlib
 import json
 import os
@@ -125,7 +126,13 @@ def start_writer(
 
 
 def next_line(proc) -> str:
-    line = proc.stdout.readline()
+    # Byte by byte from the pipe itself: proc.stdout.readline() may buffer the
+    # writer's later lines, which writer_result's communicate() (reading the
+    # pipe beneath that buffer) would then never see -- seen under load.
+    raw = bytearray()
+    while (byte := os.read(proc.stdout.fileno(), 1)) not in (b"", b"\n"):
+        raw += byte
+    line = raw.decode()
     if not line:
         out, err = proc.communicate(timeout=30)
         raise AssertionError(f"writer exited early: {proc.returncode}\n{out}\n{err}")
@@ -139,6 +146,14 @@ def writer_result(proc) -> dict:
 
 
 def assert_block(path: str, k: bytes) -> None:
+    # Open every directory down to the block first, as the engine's lookup
+    # does after a miss: this client's gc removed them, and an NFS client
+    # keeps names it saw removed "missing" for 30-60 s after the writer's
+    # client created them again (docs/reliability.md, NFS).
+    parts = path.split("/")
+    for depth in range(2, len(parts)):
+        with contextlib.suppress(OSError):
+            os.close(os.open("/".join(parts[:depth]), os.O_RDONLY | os.O_DIRECTORY))
     with open(path, "rb") as f:
         assert f.read()[:PAYLOAD] == payload(k)
 

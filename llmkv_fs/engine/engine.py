@@ -179,6 +179,7 @@ class FsEngine:
         self.num_chunks = self._flat.nbytes // block_size
         self.use_o_direct = self._choose_io_mode()
         self.pinning: PinningPlan = plan_pinning(read_topology(), settings.numa_node, self._flat)
+        fstype = filesystem_type(layout.root_dir)
         self.blockio = BlockIO(
             layout,
             IoOptions(
@@ -190,7 +191,8 @@ class FsEngine:
                 accept_trailerless=settings.accept_trailerless,
                 file_mode=settings.file_mode,
                 dir_mode=settings.dir_mode,
-                hash_chunk=_HASH_CHUNK if filesystem_type(layout.root_dir) in _MEMORY_FS else 0,
+                hash_chunk=_HASH_CHUNK if fstype in _MEMORY_FS else 0,
+                revalidate_misses=fstype.startswith("nfs"),
                 root=prepared.root,
             ),
         )

@@ -16,6 +16,7 @@ then checked to be a regular file of a sane size (``read_small_regular_file``).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import os
@@ -63,6 +64,10 @@ _CREATE_FLAGS = os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 # O_NONBLOCK: a FIFO planted at the name must not hang open() (it is then
 # refused by the fstat check); it changes nothing for a regular file.
 _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+# Opening a directory only to make an NFS client revalidate it; O_NOFOLLOW
+# here would refuse a symlinked ancestor the caller chose, so it only must be
+# a directory (and no link is ever followed to a file: see _READ_FLAGS).
+_DIR_REVALIDATE_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NONBLOCK | os.O_CLOEXEC
 
 _T = TypeVar("_T")
 
@@ -309,7 +314,19 @@ def read_small_regular_file(
     """The content and fstat of the regular file at ``path``, read without
     following a symlink, without blocking on a FIFO, and only if it holds
     at most ``limit`` bytes. Raises UnsafeFileError for anything else at
-    the name, FileNotFoundError when nothing is there, OSError otherwise."""
+    the name, FileNotFoundError when nothing is there, OSError otherwise.
+
+    Read so that a name another client replaced is not answered from this
+    client's cache: opening the parent directory first makes an NFS client
+    fetch its attributes (close-to-open), which drops cached lookups under
+    it, so the open below resolves the name again. Without it, a config.json
+    renamed over on client A while the old one was still open there read as
+    the old bytes on client B for ~30 s (acdirmin; measured,
+    docs/reliability.md). One extra open, on local filesystems a few
+    microseconds; for files read rarely (config, leases). The fstat is the
+    open file's, so fresh too (a lease's heartbeat)."""
+    with contextlib.suppress(OSError):
+        os.close(os.open(os.path.dirname(path) or ".", _DIR_REVALIDATE_FLAGS))
     try:
         fd = os.open(path, _READ_FLAGS)
     except OSError as exc:

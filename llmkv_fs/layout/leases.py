@@ -262,6 +262,9 @@ def parse_lease(name: str, data: bytes, refreshed: float, path: str) -> Lease | 
 def _read_one(path: str, name: str) -> Lease | str | None:
     """A lease, why the file at ``path`` is not one, or None when it is gone."""
     try:
+        # The heartbeat from the open file's fstat: the open fetched fresh
+        # attributes (NFS close-to-open); a separate stat may answer from an
+        # attribute cache up to acregmax (60 s) old.
         data, st = read_small_regular_file(path, LEASE_FILE_LIMIT)
     except FileNotFoundError:
         return None  # removed meanwhile (a clean shutdown, gc)

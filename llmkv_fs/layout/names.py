@@ -15,6 +15,7 @@ every kind and feeds the parsers look-alikes).
     <root>/.llmkv-gc-trash~<digest>[_r<rank>]~<pid>~<ns>
                                                      trash_path         is_trash_name
     <root>/.llmkv-gc.lock                            gc_lock_path       (== GC_LOCK_NAME)
+    <any dir>/.nfs<hex>              (NFS clients')  is_silly_rename_name
 
 vLLM's built-in tier writes ``<hash>.bin_<random>.tmp`` next to a block and
 probes O_DIRECT with ``.o_direct_probe_<random>.tmp``; we never build those,
@@ -51,6 +52,7 @@ __all__ = [
     "in_quarantine",
     "is_block_name",
     "is_lease_name",
+    "is_silly_rename_name",
     "is_temp_name",
     "is_trash_name",
     "is_vllm_temp_name",
@@ -362,6 +364,19 @@ def trash_path(root: str, digest: str, rank: int | None, pid: int, ns: int) -> s
     Short (the model name is left out: NAME_MAX) and never a digest name."""
     part = "" if rank is None else f"_r{rank}"
     return f"{root}/{TRASH_PREFIX}{digest}{part}~{pid}~{ns}"
+
+
+# An NFS client that unlinks or renames over a file it still has open renames
+# it to ".nfs<hex>" instead (Linux: 16 hex digits of file id + 8 of a counter)
+# and removes it at the last close. Other clients list it; deleting it makes
+# its holder's reads fail with ESTALE (v3). Nobody but its client may remove
+# it, and it says nothing about use.
+_SILLY_RENAME_RE = re.compile(r"\.nfs[0-9A-Fa-f]{8,}")
+
+
+def is_silly_rename_name(name: str) -> bool:
+    """An NFS client's ``.nfs<hex>`` stand-in for an unlinked file still open."""
+    return _SILLY_RENAME_RE.fullmatch(name) is not None
 
 
 def is_trash_name(name: str) -> bool:

@@ -42,6 +42,7 @@ __all__ = [
     "check_block",
     "infer_chunk_size",
     "open_for_check",
+    "undo_atime",
 ]
 
 VERIFIED, UNVERIFIED, BAD, ERROR, VANISHED = "verified", "unverified", "bad", "error", "vanished"
@@ -67,6 +68,25 @@ def open_for_check(path: str) -> tuple[int, bool]:
     return os.open(path, _BASE_FLAGS), False
 
 
+def undo_atime(fd: int, before: os.stat_result) -> bool:
+    """Put back the atime a read moved although the file was opened with
+    O_NOATIME: an NFS client accepts the flag but the server stamps every
+    READ (measured, v4.2 and v3), so stats or verify made 8-day-old blocks
+    look used seconds ago. Returns whether the atime is as before. (A tier's
+    load stamping the same block in between loses that stamp: the block
+    looks as old as it was before the check, never younger.)"""
+    try:
+        after = os.fstat(fd)
+        if after.st_atime_ns == before.st_atime_ns:
+            return True
+        if after.st_mtime_ns != before.st_mtime_ns:
+            return False  # rewritten meanwhile: its new times are its own
+        os.utime(fd, ns=(before.st_atime_ns, after.st_mtime_ns))
+        return True
+    except OSError:
+        return False
+
+
 @dataclasses.dataclass(frozen=True)
 class ChunkSize:
     payload: int | None  # None: the digest has no regular block files
@@ -83,7 +103,9 @@ def _trailer_payload(path: str, size: int) -> int | None:
     except OSError:
         return None
     try:
+        before = os.fstat(fd)
         page = os.pread(fd, TRAILER_SIZE, size - TRAILER_SIZE)
+        undo_atime(fd, before)
         trailer = unpack_trailer(page)
     except (OSError, BlockFileError):
         return None
@@ -191,6 +213,7 @@ def check_block(rank_dir: str, path: str, lst: os.stat_result, chunk: int) -> Re
             return result
         payload, scratch = _BUFFERS.get(chunk)
         n = result.nbytes = read_all(fd, [payload, scratch])
+        result.atime_preserved = undo_atime(fd, st)
         if n == chunk + TRAILER_SIZE:
             try:
                 trailer = verify_block(payload, scratch[:TRAILER_SIZE], key, verify_checksum=True)

@@ -30,6 +30,7 @@ from llmkv_fs.layout.names import (
     config_path,
     is_block_name,
     is_lease_name,
+    is_silly_rename_name,
     is_temp_name,
     is_trash_name,
     parse_digest_dir_name,
@@ -46,6 +47,7 @@ __all__ = [
     "OTHER",
     "QUARANTINED",
     "RANK_AREA",
+    "SILLY_RENAMED",
     "SYMLINK",
     "TEMP",
     "Digest",
@@ -65,6 +67,9 @@ __all__ = [
 # File kinds. A symlink is always SYMLINK, wherever it is and whatever its name.
 BLOCK, TEMP, QUARANTINED, OTHER = "block", "temp", "quarantined", "other"
 CONFIG, LEASE, SYMLINK = "config", "lease", "symlink"
+# An NFS client's ``.nfs<hex>`` file (layout/names.py): an unlinked file some
+# client still has open. Never removed, never block data, never a sign of use.
+SILLY_RENAMED = "silly_renamed"
 # Which kind of top directory a walk started from.
 RANK_AREA, CONFIG_AREA = "rank", "config"
 
@@ -244,6 +249,8 @@ def classify(
     it lies (``area``: under a rank or a config directory)."""
     if stat.S_ISLNK(st.st_mode):
         return SYMLINK
+    if is_silly_rename_name(name):
+        return SILLY_RENAMED
     if is_temp_name(name):
         return TEMP
     if not stat.S_ISREG(st.st_mode):

@@ -146,6 +146,8 @@ class _DigestFiles:
     )
     other: list[dict[str, str]] = dataclasses.field(default_factory=list)
     other_count: int = 0
+    silly_count: int = 0  # NFS .nfs<hex> files: never block data, never use
+    silly_bytes: int = 0
     unreadable: list[dict[str, str]] = dataclasses.field(default_factory=list)
 
 
@@ -185,6 +187,9 @@ def _walk_digest(d: scan.Digest, now: float, threads: int) -> _DigestFiles:
                 found.temp_bytes += e.st.st_size
                 if found.temp_oldest_mtime is None or e.st.st_mtime < found.temp_oldest_mtime:
                     found.temp_oldest_mtime = e.st.st_mtime
+            elif e.kind == scan.SILLY_RENAMED:
+                found.silly_count += 1
+                found.silly_bytes += e.st.st_size
             elif e.kind in (scan.CONFIG, scan.LEASE):
                 continue
             else:  # OTHER, SYMLINK, and any kind scan may add later
@@ -272,6 +277,7 @@ def _digest_stats(d: scan.Digest, now: float, this_host: str, threads: int) -> d
             "count": found.other_count,
             "entries": sorted(found.other, key=lambda e: e["path"]),
         },
+        "nfs_silly_renamed": {"count": found.silly_count, "bytes": found.silly_bytes},
         "unreadable_dirs": found.unreadable,
         "warnings": _warnings(d, config, live, fingerprints),
     }
@@ -316,6 +322,7 @@ def volume_stats(
         "quarantined_files": sum(p["quarantined"]["count"] for p in per),
         "quarantined_bytes": sum(p["quarantined"]["bytes"] for p in per),
         "other": sum(p["other"]["count"] for p in per),
+        "nfs_silly_renamed": sum(p["nfs_silly_renamed"]["count"] for p in per),
         "live_leases": sum(len(p["leases"]["live"]) for p in per),
         "stale_leases": sum(len(p["leases"]["stale"]) for p in per),
         "bad_leases": sum(len(p["leases"]["bad"]) for p in per),

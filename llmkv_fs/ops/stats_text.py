@@ -132,6 +132,13 @@ def _print_leftovers(p: dict[str, Any], out: TextIO, other_listed: int) -> None:
     )
     for u in p["unreadable_dirs"]:
         print(f"  !!! cannot list {u['path']}: {u['detail']}", file=out)
+    s = p["nfs_silly_renamed"]
+    if s["count"]:
+        print(
+            f"  nfs open   {s['count']} .nfs files ({format_bytes(s['bytes'])}): removed "
+            "blocks an NFS client still has open; it frees them at close",
+            file=out,
+        )
     o = p["other"]
     print(f"  other      {o['count']} unexpected entries", file=out)
     for e in o["entries"][:10]:

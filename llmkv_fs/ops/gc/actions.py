@@ -23,7 +23,7 @@ from collections.abc import Callable
 
 from llmkv_fs.layout.blockfile import last_used
 from llmkv_fs.layout.leases import read_leases
-from llmkv_fs.layout.names import trash_path
+from llmkv_fs.layout.names import is_silly_rename_name, trash_path
 from llmkv_fs.ops import scan
 from llmkv_fs.ops.gc.inventory import DigestFacts, Inventory, allocated
 from llmkv_fs.ops.gc.rules import Policy, digest_verdict, temp_verdict
@@ -97,6 +97,12 @@ def _delete_below(fd: int, where: str, errors: list[str], depth: int) -> tuple[i
         except OSError:
             is_dir = False
         try:
+            if not is_dir and is_silly_rename_name(name):
+                # Another client's open file: removing it gives that reader
+                # ESTALE instead of its bytes (NFSv3). Its client removes it
+                # at the last close; the trash waits.
+                complete = False
+                continue
             if not is_dir:
                 os.unlink(name, dir_fd=fd)
                 removed += 1

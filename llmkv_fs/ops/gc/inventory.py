@@ -57,6 +57,8 @@ class DigestFacts:
     temps: int = 0
     quarantined: int = 0
     symlinks: int = 0
+    silly_renamed: int = 0  # NFS .nfs<hex> files: counted, never removed
+    silly_renamed_bytes: int = 0
     unreadable_dirs: int = 0
 
     def saw(self, when: float, what: str) -> None:
@@ -108,6 +110,7 @@ class Inventory:
     files: int = 0
     dirs: int = 0
     bytes: int = 0  # every file under a selected digest
+    silly_renamed: int = 0  # NFS .nfs<hex> files seen (not in files or bytes)
     scan_seconds: float = 0.0
     complete: bool = True
 
@@ -203,6 +206,13 @@ def _fold(inv: Inventory, facts: DigestFacts, digest_index: int, listing: scan.L
     lru_ok = facts.selected and not facts.pinned and facts.proven
     for entry in listing.files:
         st, kind = entry.st, entry.kind
+        if kind == scan.SILLY_RENAMED:
+            # Space an NFS client frees at its last close; not ours to free
+            # and no sign of use (its mtime is the old block's).
+            facts.silly_renamed += 1
+            facts.silly_renamed_bytes += allocated(st)
+            inv.silly_renamed += 1
+            continue
         inv.files += 1
         facts.files += 1
         size = allocated(st) if kind != scan.SYMLINK else 0

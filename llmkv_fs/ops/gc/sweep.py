@@ -149,6 +149,7 @@ class _Sweep:
             "dirs": inv.dirs,
             "files": inv.files,
             "bytes": inv.bytes,
+            "nfs_silly_renamed": inv.silly_renamed,  # left to the NFS client holding them
             "seconds": round(inv.scan_seconds, 3),
             "threads": threads,
             "filesystem": filesystem_type(root),
