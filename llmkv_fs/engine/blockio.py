@@ -27,6 +27,7 @@ from collections.abc import Callable
 import xxhash
 
 from llmkv_fs.engine.outcomes import Abandoned, BlockMissing, NoChecksum, Outcome
+from llmkv_fs.engine.tempfiles import TempFiles
 from llmkv_fs.layout.blockfile import (
     ACCESS_STAMP_INTERVAL_S,
     TRAILER_SIZE,
@@ -41,8 +42,6 @@ from llmkv_fs.layout.files import (
     DEFAULT_FILE_MODE,
     PinnedRoot,
     create_exclusive,
-    create_in_dir,
-    needs_chmod,
 )
 from llmkv_fs.layout.names import probe_path, temp_path
 from llmkv_fs.layout.paths import CacheLayout
@@ -54,7 +53,6 @@ __all__ = ["Abandoned", "BlockIO", "BlockMissing", "IoOptions", "Outcome", "prob
 O_DIRECT = getattr(os, "O_DIRECT", 0)
 _PAGE = mmap.PAGESIZE
 _STAMP_MEMORY = 1 << 16  # paths remembered for stamp rate limiting
-_KNOWN_DIRS_MAX = 1 << 16  # fan-out directories remembered (a few MiB at most)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,13 +143,7 @@ class BlockIO:
         self._local = threading.local()
         trailerless = (options.block_size,) if options.accept_trailerless else ()
         self._valid_sizes = frozenset((options.block_size + TRAILER_SIZE, *trailerless))
-        self._chmod_files = needs_chmod(options.file_mode)
-        self._chmod_dirs = needs_chmod(options.dir_mode)
-        # Fan-out directories this process created or wrote into: a store
-        # there opens its temp file at once. Shared by the I/O threads (set
-        # operations are atomic under the GIL); a stale entry (gc pruned the
-        # directory) costs one failed open, then the careful path.
-        self._known_dirs: set[str] = set()
+        self._temps = TempFiles(options, self._open_flags(os.O_WRONLY | os.O_CREAT | os.O_EXCL))
         self._hash_while_reading = bool(
             options.checksum
             and options.hash_chunk
@@ -246,7 +238,7 @@ class BlockIO:
         checksum = payload_checksum(row) if opts.checksum else None
         pack_trailer(trailer, key, row.nbytes, checksum, time.time_ns())
         tmp = temp_path(path, self._host, self._pid, self._local.nonce)
-        fd = self._create_temp(tmp)
+        fd = self._temps.create(tmp)
         try:
             try:
                 write_all(fd, [row, trailer])
@@ -270,65 +262,6 @@ class BlockIO:
         if opts.fsync_dir:
             self._fsync_dir(os.path.dirname(path))
         return Outcome.WRITTEN
-
-    def _create_temp(self, tmp: str) -> int:
-        flags = self._open_flags(os.O_WRONLY | os.O_CREAT | os.O_EXCL)
-        directory = tmp[: tmp.rindex("/")]
-        fd = -1
-        if directory in self._known_dirs:
-            # The common case once a fan-out directory exists: one open.
-            with contextlib.suppress(FileNotFoundError, FileExistsError):
-                fd = os.open(tmp, flags, self.options.file_mode)
-        elif self._make_leaf(directory):
-            with contextlib.suppress(FileNotFoundError, FileExistsError):
-                fd = os.open(tmp, flags, self.options.file_mode)
-        if fd < 0:
-            # A directory gc pruned meanwhile, a missing parent, a leftover
-            # under our own temp name (a dead predecessor with our pid):
-            # the careful path. replace_leftover: nobody else owns the name.
-            self._known_dirs.discard(directory)
-            fd = create_in_dir(
-                tmp,
-                flags,
-                self.options.file_mode,
-                self.options.dir_mode,
-                replace_leftover=True,
-                root=self.options.root,
-            )
-        if len(self._known_dirs) >= _KNOWN_DIRS_MAX:
-            self._known_dirs.clear()
-        self._known_dirs.add(directory)
-        if self._chmod_files:
-            try:
-                os.fchmod(fd, self.options.file_mode)
-            except BaseException:
-                os.close(fd)
-                raise
-        return fd
-
-    def _make_leaf(self, directory: str) -> bool:
-        """Make a block's fan-out directory ``<hhh>/<hh>_g<g>`` without a
-        failing call: its parent first unless known, then the leaf (in a
-        young cache most stores open a new leaf; trying the open first cost
-        a failing open and a failing mkdir). False if the rank directory
-        itself is gone (the caller takes the careful path)."""
-        parent = directory[: directory.rindex("/")]
-        if parent not in self._known_dirs:
-            if not self._mkdir(parent):
-                return False
-            self._known_dirs.add(parent)
-        return self._mkdir(directory)
-
-    def _mkdir(self, directory: str) -> bool:
-        try:
-            os.mkdir(directory, self.options.dir_mode)
-        except FileExistsError:
-            return True
-        except OSError:
-            return False
-        if self._chmod_dirs:
-            os.chmod(directory, self.options.dir_mode)
-        return True
 
     @staticmethod
     def _fsync_dir(directory: str) -> None:

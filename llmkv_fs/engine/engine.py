@@ -20,27 +20,24 @@ the owner in ``take_finished``.
 from __future__ import annotations
 
 import collections
-import ctypes
-import dataclasses
 import errno
 import logging
-import mmap
 import time
 from collections.abc import Sequence
 
 from llmkv_fs.config import TierSettings
-from llmkv_fs.engine.blockio import BlockIO, IoOptions, probe_o_direct
+from llmkv_fs.engine.accounting import FinishedJob, JobAccountant, ThrottledErrorLog
+from llmkv_fs.engine.blockio import BlockIO
 from llmkv_fs.engine.housekeeping import Housekeeping
+from llmkv_fs.engine.io_setup import choose_o_direct, io_options, rows_view
 from llmkv_fs.engine.lookup import AsyncExistence
 from llmkv_fs.engine.numa import PinningPlan, plan_pinning, read_topology
 from llmkv_fs.engine.outcomes import (
-    SKIPPED,
     BlockResult,
     CounterKey,
     Direction,
     Failure,
     LookupAnswer,
-    Outcome,
     StoreRefused,
     Tally,
     VolumeFailed,
@@ -50,8 +47,8 @@ from llmkv_fs.engine.procpool import ProcPool, WorkerSpec, resolve_io_workers
 from llmkv_fs.engine.region import NoHandover, RegionHandover, find_handover
 from llmkv_fs.engine.space import SpaceGuard
 from llmkv_fs.engine.volume import EngineError, prepare_volume
-from llmkv_fs.layout.blockfile import BlockFileError, Buffer
-from llmkv_fs.layout.files import RootGone
+from llmkv_fs.layout.blockfile import Buffer
+from llmkv_fs.layout.files import PinnedRoot, RootGone
 from llmkv_fs.layout.fsinfo import filesystem_type
 from llmkv_fs.layout.leases import Lease
 from llmkv_fs.layout.paths import CacheLayout
@@ -66,77 +63,6 @@ _SPACE_ERRNOS = frozenset((errno.ENOSPC, errno.EDQUOT))
 # Lookups are one metadata call each; one that waits this long (or the job
 # deadline, if shorter) means the volume is not answering.
 _LOOKUP_TIMEOUT_CAP_S = 5.0
-# Memory-backed volumes, where a load is a memcpy: hash each piece while it
-# is still in cache (measured on tmpfs, 2 cores: the checksum's cost fell
-# from ~15 % to ~5 % with 256 KiB pieces). 1 MiB pieces (half an L2 of the
-# 2-core VM and of an H100 host's cores) keep that and make a 2 MiB load
-# 4 syscalls instead of 11 (issue 12; docs/benchmarks.md).
-_MEMORY_FS = frozenset(("tmpfs", "ramfs"))
-_HASH_CHUNK = 1 << 20
-
-
-# Load failures after which the key answers MISS for failed_load_miss_s:
-# the file is still there and would fail the same way (EIO, a bad file that
-# could not be moved aside, no checksum) for every new request.
-_KEEP_MISSING = frozenset((Failure.ERROR, Failure.NO_CHECKSUM))
-
-
-def _loaded_prefix(outcomes: list[BlockResult | None]) -> list[BlockResult | None]:
-    """A load job's outcomes as vLLM can use them: the successes before the
-    first failure, in key order (its built-in reports just that prefix).
-    Later successes -- read on another thread before the failure stopped the
-    job -- become SKIPPED; later failures keep their own reason."""
-    for cut, outcome in enumerate(outcomes):
-        if not isinstance(outcome, Outcome):
-            rest = [SKIPPED if isinstance(o, Outcome) else o for o in outcomes[cut + 1 :]]
-            return outcomes[: cut + 1] + rest
-    return outcomes
-
-
-@dataclasses.dataclass(frozen=True)
-class FinishedJob:
-    job_id: int
-    is_load: bool
-    succeeded: list[bytes]
-    failed: list[bytes]
-    io_seconds: float
-    nbytes: int  # bytes actually moved (existing blocks and failures excluded)
-    latency: float = 0.0  # submit to reported, seconds
-    quarantined: list[bytes] = dataclasses.field(default_factory=list)  # bad files moved aside
-
-    @property
-    def success(self) -> bool:
-        return not self.failed
-
-
-def _buffer_address(buf: memoryview) -> int | None:
-    if buf.readonly:
-        return None
-    return ctypes.addressof(ctypes.c_char.from_buffer(buf))
-
-
-class _ThrottledErrorLog:
-    """One warning per kind every ``interval`` seconds: a full or broken
-    volume fails every block, and a line per block would drown the log."""
-
-    def __init__(self, interval: float = 10.0):
-        self._interval = interval
-        self._last: dict[str, float] = {}
-        self._suppressed: collections.Counter[str] = collections.Counter()
-
-    def report(self, kind: str, error: object) -> None:
-        now = time.monotonic()
-        if now - self._last.get(kind, -self._interval) < self._interval:
-            self._suppressed[kind] += 1
-            return
-        self._last[kind] = now
-        also = self._suppressed.pop(kind, 0)
-        logger.warning(
-            "llmkv_fs: %s of a block failed: %r%s",
-            kind,
-            error,
-            f" (and {also} more since the last report)" if also else "",
-        )
 
 
 class FsEngine:
@@ -170,54 +96,21 @@ class FsEngine:
         self.settings = settings
         self.layout = layout
         self.block_size = block_size
-        self._flat = memoryview(primary).cast("B")
-        if block_size <= 0 or self._flat.nbytes % block_size:
-            raise EngineError(
-                f"primary buffer of {self._flat.nbytes} bytes is not a whole "
-                f"number of {block_size}-byte blocks"
-            )
+        self._flat = rows_view(primary, block_size)
         self.num_chunks = self._flat.nbytes // block_size
-        self.use_o_direct = self._choose_io_mode()
+        self.use_o_direct = choose_o_direct(
+            settings.io_mode, self._flat, block_size, layout.rank_dir
+        )
         self.pinning: PinningPlan = plan_pinning(read_topology(), settings.numa_node, self._flat)
         fstype = filesystem_type(layout.root_dir)
         self.blockio = BlockIO(
             layout,
-            IoOptions(
-                block_size=block_size,
-                use_o_direct=self.use_o_direct,
-                fsync_file=settings.durability in ("file", "full"),
-                fsync_dir=settings.durability == "full",
-                checksum=settings.checksum,
-                accept_trailerless=settings.accept_trailerless,
-                file_mode=settings.file_mode,
-                dir_mode=settings.dir_mode,
-                hash_chunk=_HASH_CHUNK if fstype in _MEMORY_FS else 0,
-                revalidate_misses=fstype.startswith("nfs"),
-                root=prepared.root,
-            ),
+            io_options(settings, block_size, self.use_o_direct, fstype, prepared.root),
         )
         # Cumulative, updated by the owner only; tier/metrics.py publishes them.
         self.counters: collections.Counter[CounterKey] = collections.Counter()
-        self.guard = SpaceGuard(
-            layout.root_dir,
-            settings.max_usage_percent,
-            settings.min_free_bytes,
-            # Every I/O thread may start a store the moment the guard lifts.
-            headroom_bytes=block_size * (settings.n_read_threads + settings.n_write_threads + 1),
-        )
-        self.housekeeping = Housekeeping(
-            self.guard,
-            layout.base_path,
-            settings.lease_interval_s,
-            settings.file_mode,
-            settings.dir_mode,
-            stamp=self.blockio.apply_access_stamps,
-            root=prepared.root,
-        )
-        self._error_log = _ThrottledErrorLog()
-        # Submit-to-report seconds per finished job, by direction; whoever
-        # publishes metrics takes and clears them.
-        self.job_latencies: dict[Direction, list[float]] = {d: [] for d in Direction}
+        self.guard, self.housekeeping = self._start_housekeeping(prepared.root)
+        self._error_log = ThrottledErrorLog()
         self._rejected: list[FinishedJob] = []
         self._stalled = False  # as of the last stalled() (lookups read this)
         self._volume_failed = False  # as of the last end_step() (lookups read this)
@@ -236,9 +129,42 @@ class FsEngine:
             timeout=min(settings.job_timeout_s, _LOOKUP_TIMEOUT_CAP_S),
             miss_for_s=settings.failed_load_miss_s,
         )
+        self._accountant = JobAccountant(
+            self.counters,
+            block_size,
+            self._error_log,
+            self._lookups.remember_misses,
+            settings.failed_load_miss_s,
+        )
+        self.job_latencies = self._accountant.job_latencies
+        self._log_start()
+
+    def _start_housekeeping(self, root: PinnedRoot) -> tuple[SpaceGuard, Housekeeping]:
+        settings, layout = self.settings, self.layout
+        guard = SpaceGuard(
+            layout.root_dir,
+            settings.max_usage_percent,
+            settings.min_free_bytes,
+            # Every I/O thread may start a store the moment the guard lifts.
+            headroom_bytes=self.block_size
+            * (settings.n_read_threads + settings.n_write_threads + 1),
+        )
+        housekeeping = Housekeeping(
+            guard,
+            layout.base_path,
+            settings.lease_interval_s,
+            settings.file_mode,
+            settings.dir_mode,
+            stamp=self.blockio.apply_access_stamps,
+            root=root,
+        )
+        return guard, housekeeping
+
+    def _log_start(self) -> None:
+        settings = self.settings
         logger.info(
             "llmkv_fs engine: %s, %s I/O, %s, durability=%s, checksum=%s, numa: %s",
-            layout.rank_dir,
+            self.layout.rank_dir,
             "O_DIRECT" if self.use_o_direct else "buffered",
             f"{self.io_workers} worker processes"
             if self.io_workers
@@ -247,29 +173,6 @@ class FsEngine:
             settings.checksum,
             self.pinning.reason,
         )
-
-    def _choose_io_mode(self) -> bool:
-        mode = self.settings.io_mode
-        if mode == "buffered":
-            return False
-        address = _buffer_address(self._flat)
-        aligned = (
-            address is not None
-            and address % mmap.PAGESIZE == 0
-            and self.block_size % mmap.PAGESIZE == 0
-        )
-        works = aligned and probe_o_direct(self.layout.rank_dir)
-        if mode == "direct" and not works:
-            why = (
-                "the volume refuses it"
-                if aligned
-                else "the primary buffer or block size is not page aligned"
-            )
-            raise EngineError(
-                f"io_mode=direct but O_DIRECT does not work here ({why}): "
-                f"{self.layout.rank_dir}. Use io_mode=auto or buffered."
-            )
-        return works
 
     # -- worker processes (issue 12) ---------------------------------------------------
 
@@ -386,71 +289,13 @@ class FsEngine:
             self._error_log.report("deadline", f"{expired} block(s) passed job_timeout_s")
         results, self._rejected = self._rejected, []
         for job in self._pool.take_finished():
-            results.append(self._account(job))
+            results.append(self._accountant.account(job))
         for result in results:
             if result.is_load:
                 self._lookups.set_verdict(result.failed, False)
             else:
                 self._lookups.set_verdict(result.succeeded, True)
         return results
-
-    def _account(self, job: IoJob) -> FinishedJob:
-        succeeded: list[bytes] = []
-        failed: list[bytes] = []
-        quarantined: list[bytes] = []
-        unreadable: list[bytes] = []  # failed loads whose file is still there
-        count = self.counters
-        direction = Direction.LOAD if job.is_load else Direction.STORE
-        moved_blocks = 0
-        outcomes = _loaded_prefix(job.outcomes) if job.is_load else job.outcomes
-        for key, outcome in zip(job.keys, outcomes):
-            if isinstance(outcome, Outcome):  # the common case: a success
-                succeeded.append(key)
-                count[outcome] += 1
-                moved_blocks += outcome is not Outcome.PRESENT
-                continue
-            failed.append(key)
-            assert outcome is not None, "a reported job has every block's result"
-            count[direction, outcome.reason] += 1
-            error = outcome.error
-            if isinstance(error, BlockFileError):
-                count[error.reason] += 1
-                if error.quarantined_to:
-                    count[Tally.QUARANTINED] += 1
-                    quarantined.append(key)
-                    # Rare and important: every bad file is named.
-                    logger.warning(
-                        "llmkv_fs: bad block file (%s); moved to %s", error, error.quarantined_to
-                    )
-                else:
-                    unreadable.append(key)
-                    logger.warning(
-                        "llmkv_fs: bad block file (%s) left in place: %s; it answers miss for %gs",
-                        error,
-                        error.left_because,
-                        self.settings.failed_load_miss_s,
-                    )
-                continue
-            if outcome.reason in _KEEP_MISSING:
-                unreadable.append(key)
-            if outcome.reason is Failure.ERROR:
-                self._error_log.report(direction.value, error)
-        if unreadable and job.is_load:
-            self._lookups.remember_misses(unreadable)
-        moved = moved_blocks * self.block_size
-        count[Tally.BYTES_READ if job.is_load else Tally.BYTES_WRITTEN] += moved
-        latency = time.monotonic() - job.submitted
-        self.job_latencies[direction].append(latency)
-        return FinishedJob(
-            job.job_id,
-            job.is_load,
-            succeeded,
-            failed,
-            job.io_seconds,
-            moved,
-            latency,
-            quarantined,
-        )
 
     def lookup(self, key: bytes, request_id: str) -> bool | None:
         # The step's cached verdict: a per-key clock read would cost more

@@ -1,0 +1,90 @@
+"""How the engine moves bytes, decided once at start-up: the primary
+buffer as rows, O_DIRECT or buffered I/O, and the per-block options
+BlockIO gets. No threads; runs on the constructing thread.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+
+from llmkv_fs.config import TierSettings
+from llmkv_fs.engine.blockio import IoOptions, probe_o_direct
+from llmkv_fs.engine.volume import EngineError
+from llmkv_fs.layout.blockfile import Buffer
+from llmkv_fs.layout.files import PinnedRoot
+
+__all__ = ["choose_o_direct", "io_options", "rows_view"]
+
+# Memory-backed volumes, where a load is a memcpy: hash each piece while it
+# is still in cache (measured on tmpfs, 2 cores: the checksum's cost fell
+# from ~15 % to ~5 % with 256 KiB pieces). 1 MiB pieces (half an L2 of the
+# 2-core VM and of an H100 host's cores) keep that and make a 2 MiB load
+# 4 syscalls instead of 11 (issue 12; docs/benchmarks.md).
+_MEMORY_FS = frozenset(("tmpfs", "ramfs"))
+_HASH_CHUNK = 1 << 20
+
+
+def io_options(
+    settings: TierSettings,
+    block_size: int,
+    use_o_direct: bool,
+    fstype: str,
+    root: PinnedRoot,
+) -> IoOptions:
+    return IoOptions(
+        block_size=block_size,
+        use_o_direct=use_o_direct,
+        fsync_file=settings.durability in ("file", "full"),
+        fsync_dir=settings.durability == "full",
+        checksum=settings.checksum,
+        accept_trailerless=settings.accept_trailerless,
+        file_mode=settings.file_mode,
+        dir_mode=settings.dir_mode,
+        hash_chunk=_HASH_CHUNK if fstype in _MEMORY_FS else 0,
+        # A client's cached "no such file" hides a block another client
+        # stored for up to acdirmax (measured ~30 s; docs/reliability.md).
+        revalidate_misses=fstype.startswith("nfs"),
+        root=root,
+    )
+
+
+def rows_view(primary: Buffer, block_size: int) -> memoryview:
+    """The primary buffer as flat bytes, checked to hold whole blocks."""
+    flat = memoryview(primary).cast("B")
+    if block_size <= 0 or flat.nbytes % block_size:
+        raise EngineError(
+            f"primary buffer of {flat.nbytes} bytes is not a whole "
+            f"number of {block_size}-byte blocks"
+        )
+    return flat
+
+
+def _buffer_address(buf: memoryview) -> int | None:
+    if buf.readonly:
+        return None
+    return ctypes.addressof(ctypes.c_char.from_buffer(buf))
+
+
+def choose_o_direct(mode: str, flat: memoryview, block_size: int, rank_dir: str) -> bool:
+    """Whether blocks move with O_DIRECT: io_mode ``auto`` uses it where the
+    buffer and block size are page aligned and the volume takes it (probed
+    in ``rank_dir``); ``direct`` insists (EngineError naming why not)."""
+    if mode == "buffered":
+        return False
+    address = _buffer_address(flat)
+    aligned = (
+        address is not None and address % mmap.PAGESIZE == 0 and block_size % mmap.PAGESIZE == 0
+    )
+    works = aligned and probe_o_direct(rank_dir)
+    if mode == "direct" and not works:
+        why = (
+            "the volume refuses it"
+            if aligned
+            else "the primary buffer or block size is not page aligned"
+        )
+        raise EngineError(
+            f"io_mode=direct but O_DIRECT does not work here ({why}): "
+            f"{rank_dir}. Use io_mode=auto or buffered."
+        )
+    return works
