@@ -101,6 +101,13 @@ def run_tier(tier: str, lengths: list[int], args, venv, model, site, spec_dir) -
         for kind in "WD"
         for i in range(args.repeat)
     }
+    cold, hit, files_of = _store_cold(tier, config, prompts, root, args.chunk_tokens)
+    return _serve_restarted(tier, config, prompts, cold, hit, files_of)
+
+
+def _store_cold(tier: str, config: ServeConfig, prompts: dict, root: str, chunk_tokens: int):
+    """Each prompt once cold (its TTFT and the files it stored) and once as a
+    prefix-cache hit (the reference answer)."""
     cold, hit, files_of = {}, {}, {}
     server = Server(config, f"bench-{tier}-cold").start(900)
     try:
@@ -112,10 +119,18 @@ def run_tier(tier: str, lengths: list[int], args, venv, model, site, spec_dir) -
             # the same tokens as a tier hit (block = chunk), so in bf16 it is
             # the one a right tier must reproduce exactly.
             hit[key], _ = server.complete(tokens)
-            stored = _wait_stored(root, len(before) + len(tokens) // args.chunk_tokens)
+            stored = _wait_stored(root, len(before) + len(tokens) // chunk_tokens)
             files_of[key] = sorted(set(stored) - before)
     finally:
         server.stop()
+    return cold, hit, files_of
+
+
+def _serve_restarted(
+    tier: str, config: ServeConfig, prompts: dict, cold: dict, hit: dict, files_of: dict
+) -> list[dict]:
+    """A restarted server (empty CPU tier) serves every prompt again from the
+    tier: TTFT, page cache warm or dropped, and whether the output matches."""
     server = Server(config, f"bench-{tier}-restart").launch()
     try:
         server.wait_ready(900)
