@@ -10,14 +10,7 @@ from llmkv_fs.engine import Direction, Failure, Outcome, Tally
 from llmkv_fs.layout.blockfile import TRAILER_SIZE, unpack_trailer
 
 from engine_kit import BS, make_key, pattern, row, settle, store_blocks, wait_jobs
-
-
-def flip_bit(path: str, offset: int = 777) -> None:
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        byte = f.read(1)[0]
-        f.seek(offset)
-        f.write(bytes([byte ^ 0x40]))
+from volume_kit import flip_a_bit
 
 
 def write_unchecked(engines, root) -> tuple[bytes, str]:
@@ -28,7 +21,7 @@ def write_unchecked(engines, root) -> tuple[bytes, str]:
     with open(path, "rb") as f:
         f.seek(BS)
         assert not unpack_trailer(f.read(TRAILER_SIZE)).has_checksum
-    flip_bit(path)
+    flip_a_bit(path, offset=777)
     return key, path
 
 

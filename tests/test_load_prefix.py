@@ -18,16 +18,9 @@ from engine_kit import BS, pattern, row, store_blocks, wait_jobs, wait_until
 from engine_kit import make_key as engine_key
 from harness import Replica, builtin, make_keys, offloading_config, ours, payload_for
 from matrix_kit import lookup_until, served
+from volume_kit import flip_a_bit
 
 HIT, MISS, HIT_PENDING = LookupResult.HIT, LookupResult.MISS, LookupResult.HIT_PENDING
-
-
-def flip_bit(path: str, offset: int = 12345) -> None:
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        byte = f.read(1)[0]
-        f.seek(offset)
-        f.write(bytes([byte ^ 0x10]))
 
 
 def test_engine_stops_a_load_job_at_its_first_bad_block(disk_root, engines, gate_for):
@@ -37,7 +30,7 @@ def test_engine_stops_a_load_job_at_its_first_bad_block(disk_root, engines, gate
     ids = list(range(6))
     store_blocks(engine, primary, 1, ids, ids)
     keys = [engine_key(i) for i in ids]
-    flip_bit(layout.block_path(keys[2]))
+    flip_a_bit(layout.block_path(keys[2]))
     primary[:] = bytes(len(primary))
 
     gate = gate_for(engine)
@@ -123,7 +116,7 @@ def test_bit_flip_mid_job_through_vllm_keeps_the_prefix(disk_root, replicas):
     writer = _start(replicas, ours(disk_root))
     keys = make_keys(4, seed="prefix-flip")
     writer.store(keys)
-    flip_bit(writer.tier.layout.block_path(keys[1]))
+    flip_a_bit(writer.tier.layout.block_path(keys[1]))
     reader = _start(replicas, ours(disk_root))
     ctx = reader.new_request()
     final, _ = reader.find(keys, ctx)

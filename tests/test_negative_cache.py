@@ -16,6 +16,7 @@ from llmkv_fs.layout.blockfile import Corruption
 
 from engine_kit import make_key, settle, store_blocks, wait_jobs
 from matrix_kit import ext4_shutdown, loop_ext4
+from volume_kit import flip_a_bit
 
 
 def count_loads(engine, monkeypatch) -> list[bytes]:
@@ -28,14 +29,6 @@ def count_loads(engine, monkeypatch) -> list[bytes]:
 
     monkeypatch.setattr(engine.blockio, "load", load)
     return loaded
-
-
-def flip_bit(path: str) -> None:
-    with open(path, "r+b") as f:
-        f.seek(100)
-        byte = f.read(1)[0]
-        f.seek(100)
-        f.write(bytes([byte ^ 1]))
 
 
 def fails_then_misses(engine, key: bytes, loaded: list[bytes]) -> None:
@@ -57,7 +50,7 @@ def test_bad_file_that_cannot_be_quarantined_is_a_miss_for_a_while(disk_root, en
     engine, layout, primary = engines(disk_root, n_blocks=4)
     store_blocks(engine, primary, 0, ["bad"], [0])
     key = make_key("bad")
-    flip_bit(layout.block_path(key))
+    flip_a_bit(layout.block_path(key), offset=100)
     # The quarantine directory is a read-only mount of its own: the move
     # aside fails (EXDEV/EROFS) the way it does on a volume gone read-only.
     qdir = layout.quarantine_dir
