@@ -269,8 +269,11 @@ def test_corrupt_block_file_is_recomputed_and_quarantined(story):
     assert server.metric_sum(OUR_PREFIX + "corrupt_blocks_total") >= 1
     moved = [p for p in Path(story.root).glob("**/.quarantine/*") if p.is_file()]
     assert any(Path(story.corrupted).name in p.name for p in moved), moved
-    # Blocks before the bad one still came from our files.
-    assert server.metric_sum(LOADED) >= full_chunks(story.prompts["P1"]) + 1
+    # P1 came from our files. Of P2 only the blocks before the bad one can
+    # (a load keeps the prefix before its first failure, as vLLM's built-in
+    # does); which position the damaged file holds is not known here, since
+    # files are named by hash, so that prefix may be empty.
+    assert server.metric_sum(LOADED) >= full_chunks(story.prompts["P1"])
 
 
 def test_sigkill_mid_store_leaves_no_temp_file_after_gc_and_restarts_cleanly(story):

@@ -228,7 +228,10 @@ def run_demo(args: argparse.Namespace) -> int:
         victim = None
         if args.damage:
             procs[0].send({"cmd": "paths", "tokens": work.doc_tokens(0)})
-            victim = procs[0].receive("paths")["paths"][args.doc_chunks // 2]
+            # The document's last chunk: a load keeps only the prefix before
+            # its first bad block (as vLLM's built-in does), so exactly the
+            # damaged chunk is recomputed.
+            victim = procs[0].receive("paths")["paths"][args.doc_chunks - 1]
         for p in procs:
             p.tally.counters = p.quit()["counters"]
         say("  r1 and r2 shut down (leases removed)")
@@ -236,7 +239,7 @@ def run_demo(args: argparse.Namespace) -> int:
             _damage(victim, args.damage, args.block_mib * MiB)
             say(
                 f"\n[--damage {args.damage}] altered {os.path.relpath(victim, root)} "
-                f"(doc 0, chunk {args.doc_chunks // 2})"
+                f"(doc 0, chunk {args.doc_chunks - 1})"
             )
 
         # Phase 2: a restarted replica, a fresh process, same volume and seed.
