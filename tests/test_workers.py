@@ -17,9 +17,10 @@ import time
 import pytest
 
 from llmkv_fs.config import TierConfigError, TierSettings
-from llmkv_fs.engine import Direction, Failure, FsEngine
+from llmkv_fs.engine import Direction, Failure, FsEngine, Tally
 from llmkv_fs.engine.procpool import ProcPool, resolve_io_workers
 from llmkv_fs.engine.region import NoHandover, find_handover
+from llmkv_fs.engine.workers import DEPTH
 from llmkv_fs.layout.blockfile import verify_block
 from llmkv_fs.layout.paths import CacheLayout
 from tests.engine_kit import BS, IDENTITY, fill, make_key, pattern, row, wait_jobs, wait_until
@@ -187,6 +188,12 @@ def test_sigkill_fails_exactly_the_killed_workers_blocks_and_is_replaced(root):
             assert row(primary, i) == pattern(i)
         wait_until(lambda: len(procs.worker_pids()) == 2, "a replacement worker")
         assert pids[0] not in procs.worker_pids() and procs.workers_died == 1
+        # What an operator sees: the death counted once, the crew whole again.
+        engine.end_step()
+        assert engine.counters[Tally.WORKER_DEATHS] == 1
+        assert engine.gauges()["io_workers"] == 2
+        # ENOSPC's headroom covers every block the workers can hold.
+        assert engine.guard.headroom_bytes == (2 * DEPTH + 1) * BS
         # The tier keeps serving.
         engine.submit_load(3, keys, list(range(4)))
         assert not wait_jobs(engine, [3])[3].failed

@@ -123,6 +123,9 @@ class FsEngine:
             settings.max_pending_store_blocks,
             pin_cpus=self.pinning.cpus,
         )
+        # Every block the pool can hold in flight may start a store the moment
+        # the guard lifts after ENOSPC.
+        self.guard.headroom_bytes = block_size * (self._pool.max_in_flight() + 1)
         self._lookups = AsyncExistence(
             self.blockio.exists,
             settings.lookup_threads,
@@ -145,9 +148,7 @@ class FsEngine:
             layout.root_dir,
             settings.max_usage_percent,
             settings.min_free_bytes,
-            # Every I/O thread may start a store the moment the guard lifts.
-            headroom_bytes=self.block_size
-            * (settings.n_read_threads + settings.n_write_threads + 1),
+            headroom_bytes=0,  # set once the pool exists (its in-flight blocks)
         )
         housekeeping = Housekeeping(
             guard,
@@ -307,6 +308,9 @@ class FsEngine:
 
     def end_step(self) -> None:
         self._lookups.end_step()
+        # Cumulative in the pool (its conductor counts); copied here so that
+        # only the owner writes counters.
+        self.counters[Tally.WORKER_DEATHS] = self._pool.workers_died
         self.stalled()
         self.volume_failed()
         expired = self._lookups.expire_overdue()
@@ -326,6 +330,7 @@ class FsEngine:
             "queued_store_blocks": self._pool.queued_store_blocks(),
             "queued_load_blocks": self._pool.queued_load_blocks(),
             "busy_threads": self._pool.busy_threads(),
+            "io_workers": len(self._pool.worker_pids()),
             "stuck_blocks": self._pool.stuck_blocks(),
             "space_guard_tripped": 0 if self.guard.allows_store() else 1,
             "volume_failed": 1 if self.volume_failed() else 0,

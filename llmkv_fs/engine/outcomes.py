@@ -176,6 +176,7 @@ class Tally(_CounterKeyEnum):
     BYTES_READ = enum.auto()
     QUARANTINED = enum.auto()  # bad block files moved aside
     DEADLINE_EXPIRED = enum.auto()  # blocks failed when their job's deadline passed
+    WORKER_DEATHS = enum.auto()  # I/O worker processes that died and were replaced
 
 
 # What FsEngine.counters is keyed by: successes by Outcome, failures by

@@ -143,6 +143,16 @@ class IoPool(JobReports):
     def busy_threads(self) -> int:
         return self._busy_threads
 
+    # The same questions ProcPool answers about its worker processes.
+    workers_died = 0
+
+    def worker_pids(self) -> list[int]:
+        return []
+
+    def max_in_flight(self) -> int:
+        """Blocks the threads can hold at once (any thread takes either direction)."""
+        return len(self._threads)
+
     def _expire(self, job: IoJob) -> int:
         with self._cond:
             queued = self._unqueue(job)

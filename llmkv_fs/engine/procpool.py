@@ -170,6 +170,10 @@ class ProcPool(Conductor):
     def workers_died(self) -> int:
         return self._crew.died
 
+    def max_in_flight(self) -> int:
+        """Blocks the workers can hold at once (running or in their pipes)."""
+        return len(self._workers) * DEPTH
+
     def _expire(self, job: IoJob) -> int:
         with self._cond:
             queued = self._unqueue(job)

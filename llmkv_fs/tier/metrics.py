@@ -130,6 +130,17 @@ METRICS = {
         ),
         _m("busy_threads", "gauge", "I/O threads inside a block transfer."),
         _m(
+            "io_workers",
+            "gauge",
+            "I/O worker processes running (io_workers); 0 when the I/O runs on threads.",
+        ),
+        _m(
+            "io_worker_deaths",
+            "counter",
+            "I/O worker processes that died (crashed or killed) and were replaced; "
+            "their in-flight blocks failed with reason error.",
+        ),
+        _m(
             "stuck_blocks",
             "gauge",
             "Blocks still inside a syscall after their job's deadline (volume stalled).",
@@ -156,11 +167,13 @@ _TALLIES = {
     Tally.BYTES_READ: "read_bytes",
     Tally.QUARANTINED: "quarantined_files",
     Tally.DEADLINE_EXPIRED: "deadline_expiries",
+    Tally.WORKER_DEATHS: "io_worker_deaths",
 }
 _JOB_SECONDS = {Direction.STORE: "store_job_seconds", Direction.LOAD: "load_job_seconds"}
 
 _GAUGES: dict[str, tuple[str, tuple[str, ...]]] = {
     "busy_threads": ("busy_threads", ()),
+    "io_workers": ("io_workers", ()),
     "stuck_blocks": ("stuck_blocks", ()),
     "space_guard_tripped": ("space_guard_tripped", ()),
     "volume_failed": ("volume_failed", ()),
