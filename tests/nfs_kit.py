@@ -16,10 +16,9 @@ re-invoked in the guest with the two mounts in ``LLMKV_FS_NFS_A`` /
 ``LLMKV_FS_NFS_B`` (tests/conftest.py then gives ``volume`` and
 ``shared_volume`` an "nfs" param). tests/test_nfs.py drives that.
 
-The batch is opt-in (``asked_for``): LLMKV_FS_NFS=1 runs it, and so does
-LLMKV_FS_REQUIRE_NFS=1, which also turns the skip of a machine that cannot
-provide it (not root, no apt-get, install or boot failure) into a failure.
-CI sets neither for now: the batch does not yet finish within its time.
+The batch runs unless LLMKV_FS_NFS=0 (``asked_for``); where the machine
+cannot provide it (not root, no apt-get, install or boot failure) it skips,
+or fails with LLMKV_FS_REQUIRE_NFS=1, which CI sets.
 
 Names: a guest is ``llmkv<pid>v<version>``; its state lives under
 /run/llmkv-fs-nfs/<name>. Guests whose pytest process is gone (a killed run)
@@ -44,6 +43,7 @@ REQUIRE_ENV = "LLMKV_FS_REQUIRE_NFS"
 MOUNT_A_ENV = "LLMKV_FS_NFS_A"
 MOUNT_B_ENV = "LLMKV_FS_NFS_B"
 VERSION_ENV = "LLMKV_FS_NFS_VERS"
+NO_VLLM_ENV = "LLMKV_FS_NO_VLLM"  # set in the guest's CI batch (tests/conftest.py)
 SCRIPT = os.path.join(
     os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools", "nfs_loopback.sh"
 )
@@ -157,8 +157,9 @@ def unavailable(reason: str):
 
 
 def asked_for() -> bool:
-    """Whether this run asked for the NFS batch (OPT_IN_ENV or REQUIRE_ENV)."""
-    return os.environ.get(OPT_IN_ENV) == "1" or os.environ.get(REQUIRE_ENV) == "1"
+    """Whether this run wants the NFS batch: yes unless OPT_IN_ENV=0 (and
+    always with REQUIRE_ENV=1)."""
+    return os.environ.get(OPT_IN_ENV) != "0" or os.environ.get(REQUIRE_ENV) == "1"
 
 
 def in_guest() -> bool:

@@ -3,6 +3,7 @@ writes. No vLLM, no torch."""
 
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 import random
@@ -201,7 +202,7 @@ def test_no_checksum_recorded():
 # -- the file BlockIO.store writes --------------------------------------------------------
 
 
-def _blockio(root: str, use_o_direct: bool, checksum: bool = True) -> BlockIO:
+def _blockio(root: str, use_o_direct: bool, checksum: bool = True, hash_chunk: int = 0) -> BlockIO:
     layout = CacheLayout.for_identity(root, IDENTITY)
     os.makedirs(layout.rank_dir)
     return BlockIO(
@@ -212,13 +213,17 @@ def _blockio(root: str, use_o_direct: bool, checksum: bool = True) -> BlockIO:
             fsync_file=False,
             fsync_dir=False,
             checksum=checksum,
+            hash_chunk=hash_chunk,
         ),
     )
 
 
+# hash_chunk: stores (and loads) hash and move the payload in pieces on
+# memory-backed volumes; the file must be the same as from one pass.
+@pytest.mark.parametrize("hash_chunk", [0, 16 * 1024], ids=["one_pass", "pieces"])
 @pytest.mark.parametrize("direct", [False, True], ids=["buffered", "o_direct"])
-def test_store_writes_payload_then_trailer(volume, direct):
-    bio = _blockio(volume, direct)
+def test_store_writes_payload_then_trailer(volume, direct, hash_chunk):
+    bio = _blockio(volume, direct, hash_chunk=hash_chunk)
     if direct and not probe_o_direct(bio.layout.rank_dir):
         pytest.fail("O_DIRECT expected to work on tmpfs and ext4 (kernel >= 6.6)")
     primary = mmap.mmap(-1, 2 * BS)
@@ -246,6 +251,30 @@ def test_store_writes_payload_then_trailer(volume, direct):
     other = memoryview(primary)[:BS]
     assert bio.load(KEY36, other) is Outcome.VERIFIED
     assert bytes(other) == bytes(payload(7))
+
+
+def test_store_in_pieces_that_runs_out_of_space_leaves_nothing(mount_tmpfs):
+    """ENOSPC after some pieces were written: no block file, no temp file."""
+    volume = mount_tmpfs("512k")
+    bio = _blockio(volume, False, hash_chunk=16 * 1024)
+    filler = os.path.join(volume, "filler")
+    fd = os.open(filler, os.O_WRONLY | os.O_CREAT, 0o600)
+    try:  # fill the tmpfs, then free room for two pieces only
+        while os.write(fd, b"\1" * 4096):
+            pass
+    except OSError as exc:
+        assert exc.errno == errno.ENOSPC
+    finally:
+        os.close(fd)
+    os.truncate(filler, os.path.getsize(filler) - 32 * 1024)
+    primary = mmap.mmap(-1, BS)
+    primary[:] = bytes(payload(5))
+    with pytest.raises(OSError) as raised:
+        bio.store(KEY36, memoryview(primary))
+    assert raised.value.errno == errno.ENOSPC
+    path = bio.layout.block_path(KEY36)
+    assert not os.path.exists(path)
+    assert os.listdir(os.path.dirname(path)) == []
 
 
 def test_store_without_checksum_records_none(disk_root):

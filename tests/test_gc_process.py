@@ -155,6 +155,25 @@ def test_second_gc_is_refused_or_waits(disk_root):
         assert json.loads(out)["digests_removed"] == 1
 
 
+def test_gc_lock_holds_across_clients_and_dies_with_its_holder(shared_volume):
+    """The lock taken through one client (lockf: NLM on NFSv3, a lock state
+    on v4, the posix-locks translator on GlusterFS) refuses a gc through the
+    other; a gc waiting there runs once the holder is SIGKILLed."""
+    orphan, _live, _paths, _temps = build_tree(shared_volume.a, blocks=5)
+    with lock_held(shared_volume.a) as holder:
+        busy = gc_run(shared_volume.b, "--high", "off")
+        assert busy.returncode == EXIT_BUSY, busy.stderr
+        assert f"pid={holder.pid}" in busy.stderr
+        with running(gc_process(shared_volume.b, "--high", "off", "--wait", "--json")) as waiting:
+            with pytest.raises(subprocess.TimeoutExpired):
+                waiting.wait(timeout=1.0)
+            assert os.path.exists(orphan[0].base_path)
+            holder.kill()  # no unlock: the lock must not outlive its process
+            out, err = waiting.communicate(timeout=120)
+            assert waiting.returncode == 0, err
+            assert json.loads(out)["digests_removed"] == 1
+
+
 def test_concurrent_gc_runs_do_not_fight(volume):
     orphan, live, _paths, _temps = build_tree(volume)
     runs = [

@@ -134,6 +134,26 @@ def _read_hashing(fd: int, row: memoryview, scratch: memoryview, piece: int) -> 
     return done, hasher.intdigest()
 
 
+def _write_hashing(
+    fd: int, row: memoryview, piece: int, trailer: memoryview, key: bytes, created_ns: int
+) -> None:
+    """Write the payload ``piece`` bytes at a time, hashing each piece right
+    before its write so the copy into the file reads it from cache; the
+    trailer, packed with the digest, rides with the last piece. A failed
+    write raises with the file incomplete (the caller removes it)."""
+    hasher = xxhash.xxh3_64()
+    done = 0
+    last = row.nbytes - piece
+    while done < last:
+        part = row[done : done + piece]
+        hasher.update(part)
+        write_all(fd, [part], done)
+        done += piece
+    hasher.update(row[done:])
+    pack_trailer(trailer, key, row.nbytes, hasher.intdigest(), created_ns)
+    write_all(fd, [row[done:], trailer], done)
+
+
 class BlockIO:
     def __init__(self, layout: CacheLayout, options: IoOptions):
         self.layout = layout
@@ -144,7 +164,9 @@ class BlockIO:
         trailerless = (options.block_size,) if options.accept_trailerless else ()
         self._valid_sizes = frozenset((options.block_size + TRAILER_SIZE, *trailerless))
         self._temps = TempFiles(options, self._open_flags(os.O_WRONLY | os.O_CREAT | os.O_EXCL))
-        self._hash_while_reading = bool(
+        # The same pieces serve stores: hashing a piece just before writing
+        # it saves a second pass over the row from memory.
+        self._hash_in_pieces = bool(
             options.checksum
             and options.hash_chunk
             and options.block_size % options.hash_chunk == 0
@@ -235,13 +257,16 @@ class BlockIO:
         if os.access(path, os.F_OK, follow_symlinks=False) and self._is_block_file(path):
             return Outcome.PRESENT
         trailer = self._scratch()[:TRAILER_SIZE]
-        checksum = payload_checksum(row) if opts.checksum else None
-        pack_trailer(trailer, key, row.nbytes, checksum, time.time_ns())
         tmp = temp_path(path, self._host, self._pid, self._local.nonce)
         fd = self._temps.create(tmp)
         try:
             try:
-                write_all(fd, [row, trailer])
+                if self._hash_in_pieces:
+                    _write_hashing(fd, row, opts.hash_chunk, trailer, key, time.time_ns())
+                else:
+                    checksum = payload_checksum(row) if opts.checksum else None
+                    pack_trailer(trailer, key, row.nbytes, checksum, time.time_ns())
+                    write_all(fd, [row, trailer])
                 if opts.fsync_file:
                     os.fsync(fd)
             finally:
@@ -299,7 +324,7 @@ class BlockIO:
         bad: BlockFileError | None = None
         try:
             try:
-                if self._hash_while_reading:
+                if self._hash_in_pieces:
                     n, digest = _read_hashing(fd, row, scratch, self.options.hash_chunk)
                 else:
                     n, digest = read_all(fd, [row, scratch], self._valid_sizes), None

@@ -204,6 +204,8 @@ class AsyncExistence:
         """Force what the next lookups of these keys say (a load failed: False;
         a store landed: True, except for a remembered miss: a store finds the
         unreadable file present). Keys nobody is looking up are ignored."""
+        if not self._states:
+            return
         for key in keys:
             state = self._states.get(key)
             if state is None:

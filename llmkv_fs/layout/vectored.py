@@ -43,9 +43,8 @@ def read_all(fd: int, buffers: list[memoryview], enough: Container[int] = ()) ->
     return done
 
 
-def write_all(fd: int, buffers: list[memoryview]) -> None:
-    """Loop ``pwritev`` from offset 0 until every buffer is written."""
-    offset = 0
+def write_all(fd: int, buffers: list[memoryview], offset: int = 0) -> None:
+    """Loop ``pwritev`` from ``offset`` until every buffer is written."""
     while buffers:
         n = os.pwritev(fd, buffers, offset)
         if n == 0:

@@ -137,6 +137,10 @@ class VolumeLock:
         with contextlib.suppress(OSError):
             os.ftruncate(fd, 0)
             os.pwrite(fd, note.encode(), 0)
+            # An NFS client sends cached writes at close or fsync only: without
+            # this, a gc refused on another client read an empty note
+            # ("holder unknown", tests/test_gc_process.py on NFS v4.2).
+            os.fsync(fd)
         self._fd = fd
         return True
 
