@@ -9,7 +9,7 @@ Draws device_throughput.png (store and load GB/s against blocks in flight
 per side: threads, worker processes, the C reference; idle and with the
 scheduler stand-in) and device_standin.png (the stand-in's iterations per
 second as a share of its idle rate). The first run gets filled markers, the
-others open ones; bars span each point's rounds. The defaults are the two
+others open ones; bars span each point's rounds. The defaults are the three
 runs committed under docs/bench/device/. Needs matplotlib; no vLLM.
 """
 
@@ -27,7 +27,7 @@ if importlib.util.find_spec("llmkv_fs") is None:  # a checkout, not installed
 from llmkv_fs.engine.procpool import resolve_io_workers
 
 DEVICE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "docs", "bench", "device")
-DEFAULT_RUNS = ("engine_matrix.json", "engine_per_side_6_7_8.json")
+DEFAULT_RUNS = ("engine_matrix.json", "engine_per_side_6_7_8.json", "engine_6_7_8_long.json")
 MARKERS = ("o", "s", "^", "D")
 TARGET_PER_SIDE = 8
 TARGETS = {"store": 18.0, "load": 20.0}  # issue 12: GB/s at 8 per side, idle
