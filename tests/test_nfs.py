@@ -13,9 +13,10 @@ batches:
   like the GlusterFS tests; ``LLMKV_FS_NFS=0`` skips it, and
   ``LLMKV_FS_REQUIRE_NFS=1`` (set by CI) turns "cannot be provided here"
   into a failure.
-* the vLLM batch (``test_vllm_stack_on_nfs``, v4.2): the tests through
-  vLLM's real manager and the fault matrix, opt-in with
-  ``LLMKV_FS_NFS_VLLM=1`` (about 15 minutes; docs/reliability.md, NFS).
+* the vLLM batch (``test_vllm_stack_on_nfs``, both versions): the tests
+  through vLLM's real manager and the fault matrix, opt-in with
+  ``LLMKV_FS_NFS_VLLM=1`` (about 15 minutes a version; docs/reliability.md,
+  NFS).
 """
 
 from __future__ import annotations
@@ -107,5 +108,6 @@ def test_suite_on_nfs(version):
     reason=f"the vLLM stack on NFS is opt-in ({VLLM_ENV}=1): ~6 min of emulated vLLM import",
 )
 @pytest.mark.skipif(nfs_kit.in_guest(), reason="this test boots the guest; inside it, no")
-def test_vllm_stack_on_nfs():
-    _batch("4.2", VLLM_FILES, {}, VLLM_TIMEOUT_S)
+@pytest.mark.parametrize("version", list(CI_FILES))
+def test_vllm_stack_on_nfs(version):
+    _batch(version, VLLM_FILES, {}, VLLM_TIMEOUT_S)
