@@ -282,8 +282,9 @@ class TierSettings:
             "integer, or a size with a decimal or binary suffix (see Sizes below): "
             '"20GB" or "20G" is 20 * 10^9 bytes, "20GiB" or "20Gi" 20 * 2^30. '
             "ENOSPC also trips the guard, "
-            "until free space has grown by one block per I/O thread (someone, e.g. "
-            "gc, made room).",
+            "until free space has grown by one block more than the tier can have in "
+            "flight (one per I/O thread, two per I/O worker process): someone, e.g. "
+            "gc, made room.",
             byte_size,
         ),
     )

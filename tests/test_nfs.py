@@ -50,7 +50,7 @@ CI_FILES = {
 }
 VLLM_FILES = [
     "tests/test_tier_vllm.py",
-    "tests/test_ops_verify.py",  # verify of blocks vLLM's built-in tier wrote
+    "tests/test_ops_verify.py::test_blocks_written_by_vllm_builtin_tier",
     "tests/test_matrix_io_errors.py",
     "tests/test_matrix_races.py",
     "tests/test_matrix_crash.py",
