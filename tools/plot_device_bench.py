@@ -124,7 +124,10 @@ def _axes(ax, runs: Runs, ylabel: str) -> None:
 
 def _draw(ax, at, ys, spans, color, style, marker, label) -> None:
     """Markers and round spans; lines only between neighbouring ticks, a
-    faint one across a per-side value the run did not measure."""
+    faint one across a per-side value the run did not measure. A series the
+    run did not measure at all gets no legend entry."""
+    if not at:
+        return
     open_marker = marker != MARKERS[0]
     width = 1.2 if open_marker else 2
     ax.errorbar(
