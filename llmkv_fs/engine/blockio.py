@@ -24,9 +24,8 @@ import threading
 import time
 from collections.abc import Callable
 
-import xxhash
-
 from llmkv_fs.engine.outcomes import Abandoned, BlockMissing, NoChecksum, Outcome
+from llmkv_fs.engine.piecewise import read_hashing, write_hashing
 from llmkv_fs.engine.tempfiles import TempFiles
 from llmkv_fs.layout.blockfile import (
     ACCESS_STAMP_INTERVAL_S,
@@ -109,49 +108,6 @@ def probe_o_direct(directory: str) -> bool:
         # after creating the file. unlink never follows a link.
         with contextlib.suppress(OSError):
             os.unlink(path)
-
-
-def _read_hashing(fd: int, row: memoryview, scratch: memoryview, piece: int) -> tuple[int, int]:
-    """Read the payload into ``row`` ``piece`` bytes at a time, hashing each
-    piece right after its read; the trailer pages ride along with the last
-    piece (one syscall fewer). Returns (bytes read, xxh3-64 of the payload);
-    a short read stops it (the caller judges the length, the digest is then
-    meaningless)."""
-    hasher = xxhash.xxh3_64()
-    done = 0
-    size = row.nbytes
-    while done < size:
-        end = done + piece
-        if end >= size:
-            n = os.preadv(fd, [row[done:], scratch], done)
-            hasher.update(row[done : min(size, done + n)])
-            return done + n, hasher.intdigest()
-        n = os.preadv(fd, [row[done:end]], done)
-        if n == 0:
-            return done, hasher.intdigest()
-        hasher.update(row[done : done + n])
-        done += n
-    return done, hasher.intdigest()
-
-
-def _write_hashing(
-    fd: int, row: memoryview, piece: int, trailer: memoryview, key: bytes, created_ns: int
-) -> None:
-    """Write the payload ``piece`` bytes at a time, hashing each piece right
-    before its write so the copy into the file reads it from cache; the
-    trailer, packed with the digest, rides with the last piece. A failed
-    write raises with the file incomplete (the caller removes it)."""
-    hasher = xxhash.xxh3_64()
-    done = 0
-    last = row.nbytes - piece
-    while done < last:
-        part = row[done : done + piece]
-        hasher.update(part)
-        write_all(fd, [part], done)
-        done += piece
-    hasher.update(row[done:])
-    pack_trailer(trailer, key, row.nbytes, hasher.intdigest(), created_ns)
-    write_all(fd, [row[done:], trailer], done)
 
 
 class BlockIO:
@@ -262,7 +218,7 @@ class BlockIO:
         try:
             try:
                 if self._hash_in_pieces:
-                    _write_hashing(fd, row, opts.hash_chunk, trailer, key, time.time_ns())
+                    write_hashing(fd, row, opts.hash_chunk, trailer, key, time.time_ns())
                 else:
                     checksum = payload_checksum(row) if opts.checksum else None
                     pack_trailer(trailer, key, row.nbytes, checksum, time.time_ns())
@@ -325,7 +281,7 @@ class BlockIO:
         try:
             try:
                 if self._hash_in_pieces:
-                    n, digest = _read_hashing(fd, row, scratch, self.options.hash_chunk)
+                    n, digest = read_hashing(fd, row, scratch, self.options.hash_chunk)
                 else:
                     n, digest = read_all(fd, [row, scratch], self._valid_sizes), None
             except OSError as exc:
