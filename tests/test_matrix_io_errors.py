@@ -18,6 +18,7 @@ import pytest
 from llmkv_fs.engine import Direction, EngineError, Failure, Outcome, Tally
 from llmkv_fs.layout.blockfile import Corruption
 
+from engine_kit import Gate
 from harness import Replica, make_keys, offloading_config, ours, start, wait_until
 from matrix_kit import (
     DAMAGES,
@@ -76,7 +77,7 @@ def assert_fresh_requests_miss(reader, clock, keys, requests: int = 1) -> None:
 
 
 @pytest.mark.parametrize("when", ["before-lookup", "after-hit"])
-def test_damaged_files_are_never_served(shared_volume, replicas, when):
+def test_damaged_files_are_never_served(shared_volume, replicas, when, monkeypatch):
     """Five damages in one request next to four good blocks. Damaged blocks:
     MISS, never loaded (a failed load is reported, not served), quarantined
     once read, counted by reason; good blocks: HIT, byte exact (vLLM's
@@ -93,15 +94,21 @@ def test_damaged_files_are_never_served(shared_volume, replicas, when):
         for name, key in bad.items():
             DAMAGES[name][0](writer.tier.layout.block_path(key), donor)
 
-    reader, clock = start_clocked(replicas, shared_volume.b)
+    # I/O threads: the gate below holds loads in this process.
+    reader, clock = start_clocked(replicas, shared_volume.b, io_workers=0)
     # A request per damaged block: a load job stops at its first bad block
     # (vLLM's prefix rule), so each damage needs a job of its own to be read.
     requests = [(reader.new_request(), good)] + [(reader.new_request(), [k]) for k in bad.values()]
     if when == "before-lookup":
         damage()
     else:
-        # The tier said HIT for every request (looked up within one step, so
-        # no load is submitted yet): loads are next.
+        # The tier said HIT for every request; loads are next. They are held
+        # until the damage is done: where lookups answer over several steps
+        # (NFS in the emulated guest), vLLM promotes the first requests'
+        # blocks before the last ones answer, and a load that ran before the
+        # damage rightly serves the undamaged block.
+        gate = Gate(reader.tier.engine, monkeypatch)
+
         def all_promoting() -> bool:
             with reader.manager.lock:
                 found = [reader.manager.lookup(k, c) for c, ks in requests for k in ks]
@@ -111,8 +118,11 @@ def test_damaged_files_are_never_served(shared_volume, replicas, when):
             reader.step()
             return False
 
-        wait_until(all_promoting, "every request to promote")
-        damage()
+        try:
+            wait_until(all_promoting, "every request to promote")
+            damage()
+        finally:
+            gate.opened.set()
     final: dict = {}
     hits = wrong = 0
     for ctx, ks in requests:
