@@ -38,6 +38,8 @@ import time
 
 import pytest
 
+from llmkv_fs.layout.leases import pid_alive
+
 OPT_IN_ENV = "LLMKV_FS_NFS"
 REQUIRE_ENV = "LLMKV_FS_REQUIRE_NFS"
 MOUNT_A_ENV = "LLMKV_FS_NFS_A"
@@ -120,21 +122,13 @@ def _run(argv: list[str], timeout: float, env: dict[str, str]) -> subprocess.Com
         raise NfsUnavailable(f"{' '.join(argv)} did not finish in {timeout:.0f}s") from exc
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
-
-
 def reap_stale() -> list[str]:
     """Shut down guests whose pytest process is gone; returns their names."""
     reaped = []
     with contextlib.suppress(FileNotFoundError):
         for name in os.listdir(STATE_ROOT):
             match = _NAME_RE.match(name)
-            if match and not _pid_alive(int(match.group(1))):
+            if match and not pid_alive(int(match.group(1))):
                 with contextlib.suppress(NfsUnavailable):
                     NfsGuest(name, "4.2").down()
                 reaped.append(name)

@@ -22,6 +22,7 @@ from llmkv_fs.engine.procpool import ProcPool, resolve_io_workers
 from llmkv_fs.engine.region import NoHandover, find_handover
 from llmkv_fs.engine.workers import DEPTH
 from llmkv_fs.layout.blockfile import verify_block
+from llmkv_fs.layout.leases import pid_alive
 from llmkv_fs.layout.paths import CacheLayout
 from tests.engine_kit import BS, IDENTITY, fill, make_key, pattern, row, wait_jobs, wait_until
 
@@ -49,14 +50,6 @@ def start(root, primary, workers=2, **extra) -> FsEngine:
     return engine
 
 
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
 def pool(engine: FsEngine) -> ProcPool:
     assert isinstance(engine._pool, ProcPool)
     return engine._pool
@@ -73,7 +66,7 @@ def test_round_trip_in_workers_and_nothing_left_behind(root):
     primary = memfd_primary()
     engine = start(root, primary)
     pids = pool(engine).worker_pids()
-    assert len(pids) == 2 and all(alive(p) for p in pids)
+    assert len(pids) == 2 and all(pid_alive(p) for p in pids)
     assert not store_all(engine, primary, range(8)).failed
     primary[:] = bytes(len(primary))
     engine.submit_load(2, [make_key(i) for i in range(8)], list(range(8)))
@@ -81,7 +74,7 @@ def test_round_trip_in_workers_and_nothing_left_behind(root):
     assert all(row(primary, i) == pattern(i) for i in range(8))
     assert engine.counters[Failure.ERROR] == 0
     engine.shutdown()
-    assert not any(alive(p) for p in pids)
+    assert not any(pid_alive(p) for p in pids)
 
 
 def test_a_private_primary_falls_back_to_threads(root, caplog):
@@ -154,7 +147,7 @@ def _hold_all(engine, count):
 
 def _resume(pids):
     for pid in pids:
-        if alive(pid):
+        if pid_alive(pid):
             os.kill(pid, signal.SIGCONT)
 
 
@@ -320,10 +313,10 @@ def test_workers_die_with_their_engine_process(root):
     )
     try:
         pids = [int(p) for p in owner.stdout.readline().split()]
-        assert len(pids) == 2 and all(alive(p) for p in pids)
+        assert len(pids) == 2 and all(pid_alive(p) for p in pids)
         owner.kill()
         owner.wait()
-        wait_until(lambda: not any(alive(p) for p in pids), "workers to die with the owner")
+        wait_until(lambda: not any(pid_alive(p) for p in pids), "workers to die with the owner")
     finally:
         owner.kill()
         owner.wait()
