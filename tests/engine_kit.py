@@ -15,7 +15,7 @@ import pytest
 
 from llmkv_fs.config import TierSettings
 from llmkv_fs.engine import FinishedJob, FsEngine, prepare_volume
-from llmkv_fs.engine.blockio import BlockIO, IoOptions
+from llmkv_fs.engine.block.blockio import BlockIO, IoOptions
 from llmkv_fs.layout.paths import CacheLayout, RunIdentity
 
 BS = 64 * 1024

@@ -13,7 +13,7 @@ import time
 import pytest
 import xxhash
 
-from llmkv_fs.engine.blockio import BlockIO, IoOptions, Outcome, probe_o_direct
+from llmkv_fs.engine.block.blockio import BlockIO, IoOptions, Outcome, probe_o_direct
 from llmkv_fs.layout.blockfile import (
     FLAG_CHECKSUM,
     FORMAT_VERSION,

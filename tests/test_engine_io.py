@@ -22,7 +22,7 @@ from llmkv_fs.engine import (
     Tally,
     prepare_volume,
 )
-from llmkv_fs.engine.blockio import BlockIO
+from llmkv_fs.engine.block.blockio import BlockIO
 from llmkv_fs.layout.blockfile import TRAILER_SIZE, Corruption, unpack_trailer
 from llmkv_fs.layout.paths import CacheLayout
 

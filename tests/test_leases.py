@@ -21,7 +21,7 @@ import pytest
 
 import llmkv_fs
 from llmkv_fs.engine import Outcome
-from llmkv_fs.engine.space import SpaceGuard
+from llmkv_fs.engine.volume.space import SpaceGuard
 from llmkv_fs.layout.leases import STALE_AFTER_INTERVALS, Lease, lease_dir, read_leases
 
 from harness import Replica, offloading_config, ours, payload_for, wait_until

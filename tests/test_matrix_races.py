@@ -15,7 +15,7 @@ import shutil
 import time
 
 from llmkv_fs.engine import Direction, EngineError, Failure, Outcome, prepare_volume
-from llmkv_fs.engine.blockio import BlockIO, IoOptions
+from llmkv_fs.engine.block.blockio import BlockIO, IoOptions
 from llmkv_fs.layout.paths import CacheLayout
 
 from engine_kit import IDENTITY

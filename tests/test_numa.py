@@ -5,7 +5,7 @@ import threading
 import pytest
 
 from llmkv_fs.engine import numa
-from llmkv_fs.engine.numa import (
+from llmkv_fs.engine.volume.numa import (
     NumaTopology,
     PinningPlan,
     format_cpulist,

@@ -27,9 +27,9 @@ import time
 import pytest
 
 from llmkv_fs.engine import prepare_volume
-from llmkv_fs.engine.blockio import probe_o_direct
-from llmkv_fs.engine.housekeeping import Housekeeping
-from llmkv_fs.engine.space import SpaceGuard
+from llmkv_fs.engine.block.blockio import probe_o_direct
+from llmkv_fs.engine.volume.housekeeping import Housekeeping
+from llmkv_fs.engine.volume.space import SpaceGuard
 from llmkv_fs.layout.blockfile import BlockFileError
 from llmkv_fs.layout.files import create_in_dir
 from llmkv_fs.layout.leases import lease_for, refresh_lease, write_lease

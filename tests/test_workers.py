@@ -18,9 +18,9 @@ import pytest
 
 from llmkv_fs.config import TierConfigError, TierSettings
 from llmkv_fs.engine import Direction, Failure, FsEngine, Tally
-from llmkv_fs.engine.procpool import ProcPool, resolve_io_workers
-from llmkv_fs.engine.region import NoHandover, find_handover
-from llmkv_fs.engine.workers import DEPTH
+from llmkv_fs.engine.workers.procpool import ProcPool, resolve_io_workers
+from llmkv_fs.engine.workers.region import NoHandover, find_handover
+from llmkv_fs.engine.workers.crew import DEPTH
 from llmkv_fs.layout.blockfile import verify_block
 from llmkv_fs.layout.leases import pid_alive
 from llmkv_fs.layout.paths import CacheLayout

@@ -47,7 +47,7 @@ if importlib.util.find_spec("llmkv_fs") is None:  # a checkout, not installed
 
 from llmkv_fs.config import TierSettings
 from llmkv_fs.engine import FsEngine
-from llmkv_fs.engine.numa import format_cpulist, read_topology
+from llmkv_fs.engine.volume.numa import format_cpulist, read_topology
 from llmkv_fs.layout.fsinfo import mount_of
 from llmkv_fs.layout.paths import CacheLayout, RunIdentity
 

@@ -24,7 +24,7 @@ from llmkv_fs.engine.outcomes import (
     VolumeFailed,
     all_counter_keys,
 )
-from llmkv_fs.engine.volume import EngineError, PreparedVolume, VolumeError, prepare_volume
+from llmkv_fs.engine.volume.prepare import EngineError, PreparedVolume, VolumeError, prepare_volume
 
 __all__ = [
     "CANCELLED",

@@ -26,12 +26,12 @@ import time
 from collections.abc import Sequence
 
 from llmkv_fs.config import TierSettings
-from llmkv_fs.engine.accounting import FinishedJob, JobAccountant, ThrottledErrorLog
-from llmkv_fs.engine.blockio import BlockIO
-from llmkv_fs.engine.housekeeping import Housekeeping
-from llmkv_fs.engine.io_setup import choose_o_direct, io_options, rows_view
+from llmkv_fs.engine.scheduling.accounting import FinishedJob, JobAccountant, ThrottledErrorLog
+from llmkv_fs.engine.block.blockio import BlockIO
+from llmkv_fs.engine.volume.housekeeping import Housekeeping
+from llmkv_fs.engine.volume.io_setup import choose_o_direct, io_options, rows_view
 from llmkv_fs.engine.lookup import AsyncExistence
-from llmkv_fs.engine.numa import PinningPlan, plan_pinning, read_topology
+from llmkv_fs.engine.volume.numa import PinningPlan, plan_pinning, read_topology
 from llmkv_fs.engine.outcomes import (
     BlockResult,
     CounterKey,
@@ -42,11 +42,11 @@ from llmkv_fs.engine.outcomes import (
     Tally,
     VolumeFailed,
 )
-from llmkv_fs.engine.pool import IoJob, IoPool, QueueFull
-from llmkv_fs.engine.procpool import ProcPool, WorkerSpec, resolve_io_workers
-from llmkv_fs.engine.region import NoHandover, RegionHandover, find_handover
-from llmkv_fs.engine.space import SpaceGuard
-from llmkv_fs.engine.volume import EngineError, prepare_volume
+from llmkv_fs.engine.threads.pool import IoJob, IoPool, QueueFull
+from llmkv_fs.engine.workers.procpool import ProcPool, WorkerSpec, resolve_io_workers
+from llmkv_fs.engine.workers.region import NoHandover, RegionHandover, find_handover
+from llmkv_fs.engine.volume.space import SpaceGuard
+from llmkv_fs.engine.volume.prepare import EngineError, prepare_volume
 from llmkv_fs.layout.blockfile import Buffer
 from llmkv_fs.layout.files import PinnedRoot, RootGone
 from llmkv_fs.layout.fsinfo import filesystem_type

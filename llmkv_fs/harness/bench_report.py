@@ -54,7 +54,7 @@ def _ram_gib() -> float | None:
 def machine_info(dirs: list[str]) -> dict:
     from importlib.metadata import PackageNotFoundError, version
 
-    from llmkv_fs.engine.numa import read_topology
+    from llmkv_fs.engine.volume.numa import read_topology
 
     try:
         vllm_version = version("vllm")

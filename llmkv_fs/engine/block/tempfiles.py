@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from llmkv_fs.layout.files import create_in_dir, needs_chmod
 
 if TYPE_CHECKING:
-    from llmkv_fs.engine.blockio import IoOptions
+    from llmkv_fs.engine.block.blockio import IoOptions
 
 __all__ = ["TempFiles"]
 

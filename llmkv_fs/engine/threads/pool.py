@@ -45,8 +45,8 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
-from llmkv_fs.engine.jobs import IoJob, JobReports, QueueFull
-from llmkv_fs.engine.numa import pin_current_thread
+from llmkv_fs.engine.scheduling.jobs import IoJob, JobReports, QueueFull
+from llmkv_fs.engine.volume.numa import pin_current_thread
 from llmkv_fs.engine.outcomes import CANCELLED, DEADLINE, SKIPPED, BlockResult, Failed, failed
 
 __all__ = ["IoJob", "IoPool", "JobReports", "QueueFull"]

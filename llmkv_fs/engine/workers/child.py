@@ -4,7 +4,7 @@ engine-core interpreter (no shared GIL with vLLM's scheduler).
 Started by the ProcPool's conductor (workers.Crew.spawn) as a fresh
 interpreter (never a fork of vLLM)::
 
-    python -c "<set umask 0>; from llmkv_fs.engine.worker import main; main()" SPEC_JSON
+    python -c "<set umask 0>; from llmkv_fs.engine.workers.child import main; main()" SPEC_JSON
 
 It imports only the engine room and the layout. Its life:
 
@@ -42,9 +42,9 @@ import sys
 import time
 from typing import Any
 
-from llmkv_fs.engine.blockio import BlockIO, IoOptions
+from llmkv_fs.engine.block.blockio import BlockIO, IoOptions
 from llmkv_fs.engine.outcomes import Outcome
-from llmkv_fs.engine.records import (
+from llmkv_fs.engine.workers.records import (
     JOB,
     OP_LOAD,
     OP_STOP,
@@ -54,7 +54,7 @@ from llmkv_fs.engine.records import (
     RESULT_HELLO,
     encode_error,
 )
-from llmkv_fs.engine.region import map_region
+from llmkv_fs.engine.workers.region import map_region
 from llmkv_fs.layout.files import PinnedRoot
 from llmkv_fs.layout.paths import CacheLayout
 

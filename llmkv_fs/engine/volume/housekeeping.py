@@ -24,7 +24,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from llmkv_fs.engine.space import SpaceGuard
+from llmkv_fs.engine.volume.space import SpaceGuard
 from llmkv_fs.layout.files import DEFAULT_DIR_MODE, DEFAULT_FILE_MODE, PinnedRoot
 from llmkv_fs.layout.leases import Lease, read_leases, refresh_lease, remove_lease, write_lease
 

@@ -26,8 +26,8 @@ import time
 from collections.abc import Callable
 
 from llmkv_fs.engine.outcomes import CANCELLED, SKIPPED, BlockResult, Failed, Failure, failed
-from llmkv_fs.engine.pool import IoJob, JobReports
-from llmkv_fs.engine.records import (
+from llmkv_fs.engine.threads.pool import IoJob, JobReports
+from llmkv_fs.engine.workers.records import (
     JOB,
     OP_LOAD,
     OP_STORE,
@@ -35,7 +35,7 @@ from llmkv_fs.engine.records import (
     decode_result,
     take_results,
 )
-from llmkv_fs.engine.workers import DEPTH, START_TIMEOUT_S, Crew, WorkerDied, WorkerHandle
+from llmkv_fs.engine.workers.crew import DEPTH, START_TIMEOUT_S, Crew, WorkerDied, WorkerHandle
 
 __all__ = ["Conductor"]
 

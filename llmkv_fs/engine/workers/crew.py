@@ -21,16 +21,17 @@ import json
 import logging
 import mmap
 import os
+import pathlib
 import selectors
 import subprocess
 import sys
 import time
 from collections.abc import Collection
 
-from llmkv_fs.engine.blockio import IoOptions
-from llmkv_fs.engine.pool import IoJob
-from llmkv_fs.engine.records import JOB, OP_STOP
-from llmkv_fs.engine.region import RegionHandover
+from llmkv_fs.engine.block.blockio import IoOptions
+from llmkv_fs.engine.threads.pool import IoJob
+from llmkv_fs.engine.workers.records import JOB, OP_STOP
+from llmkv_fs.engine.workers.region import RegionHandover
 from llmkv_fs.layout.paths import CacheLayout
 
 __all__ = [
@@ -150,7 +151,8 @@ class Crew:
             board_fd=board.fd,
             board_size=len(board.places),
         )
-        package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        # llmkv_fs/engine/workers/crew.py -> the directory holding llmkv_fs
+        package_root = str(pathlib.Path(__file__).resolve().parents[3])
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
         try:
@@ -158,7 +160,7 @@ class Crew:
                 [
                     sys.executable,
                     "-c",
-                    "import os; os.umask(0); from llmkv_fs.engine.worker import main; main()",
+                    "import os; os.umask(0); from llmkv_fs.engine.workers.child import main; main()",
                     json.dumps(spec),
                 ],
                 pass_fds=(jobs_r, results_w, board.fd, *handover.fds),

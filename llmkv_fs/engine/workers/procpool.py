@@ -43,10 +43,10 @@ import os
 import threading
 from collections.abc import Callable
 
-from llmkv_fs.engine.conductor import Conductor
+from llmkv_fs.engine.workers.conductor import Conductor
 from llmkv_fs.engine.outcomes import DEADLINE
-from llmkv_fs.engine.pool import IoJob, QueueFull
-from llmkv_fs.engine.workers import (
+from llmkv_fs.engine.threads.pool import IoJob, QueueFull
+from llmkv_fs.engine.workers.crew import (
     DEPTH,
     START_TIMEOUT_S,
     Crew,

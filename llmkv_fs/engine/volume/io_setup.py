@@ -9,8 +9,8 @@ import ctypes
 import mmap
 
 from llmkv_fs.config import TierSettings
-from llmkv_fs.engine.blockio import IoOptions, probe_o_direct
-from llmkv_fs.engine.volume import EngineError
+from llmkv_fs.engine.block.blockio import IoOptions, probe_o_direct
+from llmkv_fs.engine.volume.prepare import EngineError
 from llmkv_fs.layout.blockfile import Buffer
 from llmkv_fs.layout.files import PinnedRoot
 

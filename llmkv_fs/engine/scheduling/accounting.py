@@ -15,7 +15,7 @@ import logging
 import time
 from collections.abc import Callable
 
-from llmkv_fs.engine.jobs import IoJob
+from llmkv_fs.engine.scheduling.jobs import IoJob
 from llmkv_fs.engine.outcomes import (
     SKIPPED,
     BlockResult,
