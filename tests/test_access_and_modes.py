@@ -19,7 +19,8 @@ import time
 import pytest
 
 from llmkv_fs.config import TierConfigError, TierSettings
-from llmkv_fs.engine import Outcome, blockio
+from llmkv_fs.engine import Outcome
+from llmkv_fs.engine.block import blockio
 from llmkv_fs.layout.blockfile import ACCESS_STAMP_INTERVAL_S, TRAILER_SIZE
 
 from engine_kit import BS, make_key, pattern, row, store_blocks, wait_jobs, wait_until

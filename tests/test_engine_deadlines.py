@@ -16,7 +16,7 @@ import time
 import pytest
 
 from llmkv_fs.engine import Direction, Failure, LookupAnswer, Outcome, Tally
-from llmkv_fs.engine import blockio as blockio_module
+from llmkv_fs.engine.block import blockio as blockio_module
 from llmkv_fs.engine.block.blockio import BlockIO
 
 from engine_kit import (

@@ -248,7 +248,7 @@ def test_io_threads_pin_to_the_node_holding_the_primary_buffer(disk_root, engine
     owns one real CPU; the buffer is reported on node 1. Every I/O thread
     must then run on exactly that CPU."""
     from llmkv_fs.engine import engine as engine_module
-    from llmkv_fs.engine import numa
+    from llmkv_fs.engine.volume import numa
 
     cpus = sorted(os.sched_getaffinity(0))
     node1 = frozenset(cpus[-1:])

@@ -4,7 +4,7 @@ import threading
 
 import pytest
 
-from llmkv_fs.engine import numa
+from llmkv_fs.engine.volume import numa
 from llmkv_fs.engine.volume.numa import (
     NumaTopology,
     PinningPlan,

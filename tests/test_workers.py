@@ -18,9 +18,9 @@ import pytest
 
 from llmkv_fs.config import TierConfigError, TierSettings
 from llmkv_fs.engine import Direction, Failure, FsEngine, Tally
-from llmkv_fs.engine.workers.procpool import ProcPool, resolve_io_workers
+from llmkv_fs.engine.workers.crew import DEPTH, resolve_io_workers
+from llmkv_fs.engine.workers.executor import ProcessExecutor
 from llmkv_fs.engine.workers.region import NoHandover, find_handover
-from llmkv_fs.engine.workers.crew import DEPTH
 from llmkv_fs.layout.blockfile import verify_block
 from llmkv_fs.layout.leases import pid_alive
 from llmkv_fs.layout.paths import CacheLayout
@@ -50,9 +50,13 @@ def start(root, primary, workers=2, **extra) -> FsEngine:
     return engine
 
 
-def pool(engine: FsEngine) -> ProcPool:
-    assert isinstance(engine._pool, ProcPool)
-    return engine._pool
+def executor(engine: FsEngine) -> ProcessExecutor:
+    assert isinstance(engine.executor, ProcessExecutor)
+    return engine.executor
+
+
+def in_flight(engine: FsEngine) -> int:
+    return engine.gauges()["busy_threads"]
 
 
 def store_all(engine, primary, ids, job_id=1):
@@ -65,7 +69,7 @@ def store_all(engine, primary, ids, job_id=1):
 def test_round_trip_in_workers_and_nothing_left_behind(root):
     primary = memfd_primary()
     engine = start(root, primary)
-    pids = pool(engine).worker_pids()
+    pids = executor(engine).worker_pids()
     assert len(pids) == 2 and all(pid_alive(p) for p in pids)
     assert not store_all(engine, primary, range(8)).failed
     primary[:] = bytes(len(primary))
@@ -139,7 +143,7 @@ def test_multi_segment_region_unlinked_like_vllms(root):
 
 def _hold_all(engine, count):
     """SIGSTOP every worker; returns their pids (resume with _resume)."""
-    pids = pool(engine).worker_pids()
+    pids = executor(engine).worker_pids()
     for pid in pids:
         os.kill(pid, signal.SIGSTOP)
     return pids
@@ -157,30 +161,30 @@ def test_sigkill_fails_exactly_the_killed_workers_blocks_and_is_replaced(root):
     try:
         assert not store_all(engine, primary, range(4)).failed
         primary[:] = bytes(len(primary))
-        procs = pool(engine)
+        procs = executor(engine)
         pids = _hold_all(engine, 2)
         keys = [make_key(i) for i in range(4)]
         engine.submit_load(2, keys, list(range(4)))
         # 2 workers x 2 places: every block is held by a stopped worker.
-        wait_until(lambda: procs.busy_threads() == 4, "all blocks dispatched")
+        wait_until(lambda: in_flight(engine) == 4, "all blocks dispatched")
         victim = procs._workers[0]
-        victim_keys = {keys[held[1]] for held in victim.held if held is not None}
+        victim_keys = {held.key for held in victim.held if held is not None}
         assert len(victim_keys) == 2
         os.kill(victim.proc.pid, signal.SIGKILL)
         _resume(pids)
         job = wait_jobs(engine, [2])[2]
-        # Exactly the victim's two blocks fail as errors; as a load keeps only
+        # Exactly the victim's two blocks fail (worker_died); as a load keeps only
         # the prefix before its first failure, the blocks after it that other
         # workers did read are reported not loaded (skipped), never served.
         first = min(keys.index(k) for k in victim_keys)
         assert job.succeeded == keys[:first]
         assert set(job.failed) == set(keys[first:])
-        assert engine.counters[Direction.LOAD, Failure.ERROR] == 2
+        assert engine.counters[Direction.LOAD, Failure.WORKER_DIED] == 2
         assert engine.counters[Direction.LOAD, Failure.SKIPPED] == len(keys) - first - 2
         for i in range(first):
             assert row(primary, i) == pattern(i)
         wait_until(lambda: len(procs.worker_pids()) == 2, "a replacement worker")
-        assert pids[0] not in procs.worker_pids() and procs.workers_died == 1
+        assert pids[0] not in procs.worker_pids() and procs.deaths() == 1
         # What an operator sees: the death counted once, the crew whole again.
         engine.end_step()
         assert engine.counters[Tally.WORKER_DEATHS] == 1
@@ -200,7 +204,7 @@ def test_sigkill_under_load_never_publishes_a_bad_file_or_hangs(root):
     try:
         for i in range(CHUNKS):
             fill(primary, i, pattern(i))
-        procs = pool(engine)
+        procs = executor(engine)
         killed, jobs, keys_of = 0, 0, {}
         # Keep a stream of store jobs going; whenever a worker holds a block,
         # SIGKILL it (it may be mid-write, mid-rename or between blocks).
@@ -211,7 +215,7 @@ def test_sigkill_under_load_never_publishes_a_bad_file_or_hangs(root):
             engine.submit_store(jobs, keys, ids)
             jobs += 1
             victim = None
-            while victim is None and procs._jobs_in > procs._jobs_out:
+            while victim is None and engine.has_pending_work():
                 victim = next((w for w in procs._workers if w.ready and any(w.held)), None)
                 time.sleep(0.0002)  # let the conductor run; not a synchronization
             if victim is not None and victim.proc is not None:
@@ -221,7 +225,7 @@ def test_sigkill_under_load_never_publishes_a_bad_file_or_hangs(root):
         finished = wait_jobs(engine, range(jobs))
         failures = [k for j in finished.values() for k in j.failed]
         assert len(failures) <= killed * 2  # at most what the victims held
-        assert engine.counters[Direction.STORE, Failure.ERROR] == len(failures)
+        assert engine.counters[Direction.STORE, Failure.WORKER_DIED] == len(failures)
         for path in glob.glob(f"{engine.layout.rank_dir}/*/*/*.bin"):
             with open(path, "rb") as f:
                 data = memoryview(f.read())
@@ -233,19 +237,18 @@ def test_sigkill_under_load_never_publishes_a_bad_file_or_hangs(root):
 def test_a_store_past_its_deadline_is_never_published(root):
     primary = memfd_primary()
     engine = start(root, primary, job_timeout_s=0.2)
-    procs = pool(engine)
     pids = _hold_all(engine, 2)
     try:
         for i in range(2):
             fill(primary, i, pattern(i))
         keys = [make_key(("late", i)) for i in range(2)]
         engine.submit_store(1, keys, [0, 1])
-        wait_until(lambda: procs.busy_threads() == 2, "blocks dispatched")
+        wait_until(lambda: in_flight(engine) == 2, "blocks dispatched")
         job = wait_jobs(engine, [1])[1]  # reported at the deadline, workers still stopped
         assert set(job.failed) == set(keys)
         assert engine.stalled()
         _resume(pids)
-        wait_until(lambda: procs.busy_threads() == 0, "the cancelled blocks came back")
+        wait_until(lambda: in_flight(engine) == 0, "the cancelled blocks came back")
         assert not engine.stalled()
         assert not any(os.path.exists(engine.layout.block_path(k)) for k in keys)
         assert not glob.glob(f"{engine.layout.rank_dir}/*/*/.*.tmp")
@@ -257,14 +260,13 @@ def test_a_store_past_its_deadline_is_never_published(root):
 def test_a_load_past_its_deadline_waits_for_its_held_blocks(root):
     primary = memfd_primary()
     engine = start(root, primary, job_timeout_s=0.2)
-    procs = pool(engine)
     try:
         assert not store_all(engine, primary, range(2)).failed
         pids = _hold_all(engine, 2)
         engine.submit_load(2, [make_key(0), make_key(1)], [0, 1])
-        wait_until(lambda: procs.busy_threads() == 2, "blocks dispatched")
+        wait_until(lambda: in_flight(engine) == 2, "blocks dispatched")
         wait_until(lambda: engine.take_finished() == [] and engine.stalled(), "the stall")
-        assert procs.busy()  # not reported while a worker may still write the rows
+        assert engine.has_pending_work()  # not reported while a worker may still write the rows
         _resume(pids)
         job = wait_jobs(engine, [2])[2]
         assert job.failed  # cancelled in the worker before it started
@@ -303,7 +305,7 @@ def test_workers_die_with_their_engine_process(root):
         primary = mmap.mmap(fd, 8 * BS)
         settings = TierSettings.from_mapping({{"root_dir": {root!r}, "io_workers": 2}})
         engine = FsEngine(settings, CacheLayout.for_identity({root!r}, IDENTITY), primary, BS)
-        print(*engine._pool.worker_pids(), flush=True)
+        print(*engine.executor.worker_pids(), flush=True)
         sys.stdin.read()
         """
     )

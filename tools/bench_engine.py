@@ -221,7 +221,7 @@ def drive(
 def worker_page_tables_kib(engine: FsEngine) -> int:
     """Largest VmPTE among the engine's worker processes (0 for threads)."""
     most = 0
-    for pid in getattr(engine._pool, "worker_pids", lambda: [])():
+    for pid in getattr(engine.executor, "worker_pids", lambda: [])():
         try:
             with open(f"/proc/{pid}/status", encoding="ascii") as f:
                 for line in f:

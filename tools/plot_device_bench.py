@@ -24,7 +24,7 @@ import sys
 if importlib.util.find_spec("llmkv_fs") is None:  # a checkout, not installed
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from llmkv_fs.engine.workers.procpool import resolve_io_workers
+from llmkv_fs.engine.workers.crew import resolve_io_workers
 
 DEVICE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "docs", "bench", "device")
 DEFAULT_RUNS = ("engine_matrix.json", "engine_per_side_6_7_8.json", "engine_6_7_8_long.json")

@@ -55,7 +55,7 @@ def measure(directory: str, gib: float) -> dict:
     engine = FsEngine(settings, CacheLayout.for_identity(root, IDENTITY), primary, BLOCK)
     startup = time.perf_counter() - started
     try:
-        pids = engine._pool.worker_pids()
+        pids = engine.executor.worker_pids()
         before = [status_kib(p, "VmPTE") for p in pids]
         n = size // BLOCK
         seconds, _ = drive(engine, make_keys(n, f"wm-{gib}"), 64, False, 0.001, 0)

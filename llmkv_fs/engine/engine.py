@@ -20,35 +20,32 @@ the owner in ``take_finished``.
 from __future__ import annotations
 
 import collections
-import errno
 import logging
 import time
 from collections.abc import Sequence
 
 from llmkv_fs.config import TierSettings
-from llmkv_fs.engine.scheduling.accounting import FinishedJob, JobAccountant, ThrottledErrorLog
 from llmkv_fs.engine.block.blockio import BlockIO
+from llmkv_fs.engine.block.pause import PausePoints
+from llmkv_fs.engine.block.step import BlockStep
+from llmkv_fs.engine.lookup import AsyncExistence
+from llmkv_fs.engine.outcomes import CounterKey, Direction, Failure, LookupAnswer, Tally
+from llmkv_fs.engine.scheduling.accounting import FinishedJob, JobAccountant, ThrottledErrorLog
+from llmkv_fs.engine.scheduling.executor import Executor
+from llmkv_fs.engine.scheduling.jobs import IoJob, QueueFull
+from llmkv_fs.engine.scheduling.scheduler import BlockScheduler
+from llmkv_fs.engine.threads.executor import ThreadExecutor
 from llmkv_fs.engine.volume.housekeeping import Housekeeping
 from llmkv_fs.engine.volume.io_setup import choose_o_direct, io_options, rows_view
-from llmkv_fs.engine.lookup import AsyncExistence
 from llmkv_fs.engine.volume.numa import PinningPlan, plan_pinning, read_topology
-from llmkv_fs.engine.outcomes import (
-    BlockResult,
-    CounterKey,
-    Direction,
-    Failure,
-    LookupAnswer,
-    StoreRefused,
-    Tally,
-    VolumeFailed,
-)
-from llmkv_fs.engine.threads.pool import IoJob, IoPool, QueueFull
-from llmkv_fs.engine.workers.procpool import ProcPool, WorkerSpec, resolve_io_workers
-from llmkv_fs.engine.workers.region import NoHandover, RegionHandover, find_handover
-from llmkv_fs.engine.volume.space import SpaceGuard
 from llmkv_fs.engine.volume.prepare import EngineError, prepare_volume
+from llmkv_fs.engine.volume.signals import VolumeSignals
+from llmkv_fs.engine.volume.space import SpaceGuard
+from llmkv_fs.engine.workers.crew import WorkerSpec, resolve_io_workers
+from llmkv_fs.engine.workers.executor import ProcessExecutor
+from llmkv_fs.engine.workers.region import NoHandover, RegionHandover, find_handover
 from llmkv_fs.layout.blockfile import Buffer
-from llmkv_fs.layout.files import PinnedRoot, RootGone
+from llmkv_fs.layout.files import PinnedRoot
 from llmkv_fs.layout.fsinfo import filesystem_type
 from llmkv_fs.layout.leases import Lease
 from llmkv_fs.layout.paths import CacheLayout
@@ -59,7 +56,6 @@ logger = logging.getLogger("vllm.llmkv_fs.engine")
 
 
 _LOOKUP_ANSWER = {True: LookupAnswer.HIT, False: LookupAnswer.MISS, None: LookupAnswer.RETRY}
-_SPACE_ERRNOS = frozenset((errno.ENOSPC, errno.EDQUOT))
 # Lookups are one metadata call each; one that waits this long (or the job
 # deadline, if shorter) means the volume is not answering.
 _LOOKUP_TIMEOUT_CAP_S = 5.0
@@ -109,23 +105,20 @@ class FsEngine:
         )
         # Cumulative, updated by the owner only; tier/metrics.py publishes them.
         self.counters: collections.Counter[CounterKey] = collections.Counter()
+        self.signals = VolumeSignals.create()
         self.guard, self.housekeeping = self._start_housekeeping(prepared.root)
         self._error_log = ThrottledErrorLog()
         self._rejected: list[FinishedJob] = []
         self._stalled = False  # as of the last stalled() (lookups read this)
         self._volume_failed = False  # as of the last end_step() (lookups read this)
         self._handover: RegionHandover | None = None
-        self.io_workers = 0  # worker processes in use (0: I/O threads)
-        self._pool: IoPool | ProcPool = self._start_workers() or IoPool(
-            self._execute,
-            settings.n_read_threads,
-            settings.n_write_threads,
-            settings.max_pending_store_blocks,
-            pin_cpus=self.pinning.cpus,
-        )
-        # Every block the pool can hold in flight may start a store the moment
-        # the guard lifts after ENOSPC.
-        self.guard.headroom_bytes = block_size * (self._pool.max_in_flight() + 1)
+        self.step = BlockStep(self.blockio, self._flat, self.guard, PausePoints.from_environment())
+        self._scheduler = BlockScheduler(settings.max_pending_store_blocks)
+        self.io_workers = self._start_executor()  # worker processes in use (0: I/O threads)
+        self._executor: Executor = self._scheduler.executor
+        # Every block the executor can hold may start a store the moment the
+        # guard lifts after ENOSPC.
+        self.guard.headroom_bytes = block_size * (self._executor.capacity() + 1)
         self._lookups = AsyncExistence(
             self.blockio.exists,
             settings.lookup_threads,
@@ -148,7 +141,8 @@ class FsEngine:
             layout.root_dir,
             settings.max_usage_percent,
             settings.min_free_bytes,
-            headroom_bytes=0,  # set once the pool exists (its in-flight blocks)
+            headroom_bytes=0,  # set once the executor exists (the blocks it holds)
+            signals=self.signals,
         )
         housekeeping = Housekeeping(
             guard,
@@ -175,61 +169,36 @@ class FsEngine:
             self.pinning.reason,
         )
 
-    # -- worker processes (issue 12) ---------------------------------------------------
+    # -- executors ---------------------------------------------------------------------
 
-    def _start_workers(self) -> ProcPool | None:
-        """A ProcPool when io_workers asks for processes and the primary can
-        be handed over; else None (threads), with the reason logged once."""
+    def _start_executor(self) -> int:
+        """Start worker processes when io_workers asks for them and the
+        primary can be handed over, else I/O threads (the reason logged
+        once). Returns the number of worker processes (0: threads)."""
         wanted = resolve_io_workers(self.settings.io_workers)
-        if not wanted:
-            return None
-        try:
-            self._handover = handover = find_handover(self._flat)
-            pool = ProcPool(
-                WorkerSpec(handover, self.layout, self.blockio.options, self.pinning.cpus),
-                wanted,
-                self.settings.max_pending_store_blocks,
-                self._admit_store,
-                self._note_error,
+        if wanted:
+            try:
+                self._handover = handover = find_handover(self._flat)
+                spec = WorkerSpec(
+                    handover, self.layout, self.blockio.options, self.pinning.cpus, self.signals
+                )
+                self._scheduler.start(ProcessExecutor(spec, wanted))
+                return wanted
+            except (NoHandover, OSError, RuntimeError) as exc:
+                if self._handover is not None:
+                    self._handover.close()
+                    self._handover = None
+                logger.warning("llmkv_fs: I/O worker processes not used (%s); using threads", exc)
+        settings = self.settings
+        self._scheduler.start(
+            ThreadExecutor(
+                self.step,
+                settings.n_read_threads,
+                settings.n_write_threads,
+                pin_cpus=self.pinning.cpus,
             )
-        except (NoHandover, OSError, RuntimeError) as exc:
-            if self._handover is not None:
-                self._handover.close()
-                self._handover = None
-            logger.warning("llmkv_fs: I/O worker processes not used (%s); using threads", exc)
-            return None
-        self.io_workers = wanted
-        return pool
-
-    # -- I/O threads -----------------------------------------------------------------
-
-    def _admit_store(self) -> None:
-        if not self.guard.allows_store():
-            raise StoreRefused(self.guard.reason)
-
-    def _note_error(self, exc: BaseException) -> None:
-        if isinstance(exc, OSError) and exc.errno in _SPACE_ERRNOS:
-            self.guard.saw_enospc()
-
-    def _execute(self, job: IoJob, index: int) -> BlockResult:
-        chunk = job.chunks[index]
-        if not 0 <= chunk < self.num_chunks:
-            # A memoryview slice would clamp silently and copy the wrong bytes.
-            raise IndexError(f"chunk {chunk} outside the primary buffer (0..{self.num_chunks - 1})")
-        start = chunk * self.block_size
-        row = self._flat[start : start + self.block_size]
-        if self.housekeeping.root_lost:
-            raise VolumeFailed(self.layout.root_dir)
-        if job.is_load:
-            return self.blockio.load(job.keys[index], row)
-        self._admit_store()
-        try:
-            return self.blockio.store(job.keys[index], row, job.still_wanted)
-        except RootGone as exc:
-            raise VolumeFailed(self.layout.root_dir) from exc
-        except OSError as exc:
-            self._note_error(exc)
-            raise
+        )
+        return 0
 
     # -- owner side --------------------------------------------------------------------
 
@@ -244,7 +213,7 @@ class FsEngine:
         if not self.guard.allows_store():
             return self._refuse(job_id, Direction.STORE, keys, Failure.SPACE)
         try:
-            self._pool.submit(IoJob(job_id, False, keys, chunks, self.settings.job_timeout_s))
+            self._scheduler.submit(IoJob(job_id, False, keys, chunks, self.settings.job_timeout_s))
             return True
         except QueueFull:
             return self._refuse(job_id, Direction.STORE, keys, Failure.QUEUE_FULL)
@@ -256,7 +225,7 @@ class FsEngine:
             return self._refuse(job_id, Direction.LOAD, keys, Failure.VOLUME_FAILED)
         if self.stalled():
             return self._refuse(job_id, Direction.LOAD, keys, Failure.STALLED)
-        self._pool.submit(IoJob(job_id, True, keys, chunks, self.settings.job_timeout_s))
+        self._scheduler.submit(IoJob(job_id, True, keys, chunks, self.settings.job_timeout_s))
         return True
 
     def _refuse(
@@ -271,7 +240,7 @@ class FsEngine:
         """The volume stopped answering: an expired job still has a block
         inside a syscall, or a lookup batch is overdue. Clears by itself
         when the calls return."""
-        self._stalled = self._pool.stuck_blocks() > 0 or self._lookups.stuck()
+        self._stalled = self._scheduler.stuck_blocks() > 0 or self._lookups.stuck()
         return self._stalled
 
     def volume_failed(self) -> bool:
@@ -281,15 +250,15 @@ class FsEngine:
         return self._volume_failed
 
     def take_finished(self) -> list[FinishedJob]:
-        if not self._rejected and not self._pool.has_news():
+        if not self._rejected and not self._scheduler.has_news():
             return []  # vLLM polls every millisecond: keep the empty case cheap
-        expired = self._pool.expire_overdue()
+        expired = self._scheduler.expire_overdue()
         if expired:
             self.stalled()
             self.counters[Tally.DEADLINE_EXPIRED] += expired
             self._error_log.report("deadline", f"{expired} block(s) passed job_timeout_s")
         results, self._rejected = self._rejected, []
-        for job in self._pool.take_finished():
+        for job in self._scheduler.take_finished():
             results.append(self._accountant.account(job))
         for result in results:
             if result.is_load:
@@ -308,9 +277,9 @@ class FsEngine:
 
     def end_step(self) -> None:
         self._lookups.end_step()
-        # Cumulative in the pool (its conductor counts); copied here so that
-        # only the owner writes counters.
-        self.counters[Tally.WORKER_DEATHS] = self._pool.workers_died
+        # Cumulative in the executor; copied here so that only the owner
+        # writes counters.
+        self.counters[Tally.WORKER_DEATHS] = self._executor.deaths()
         self.stalled()
         self.volume_failed()
         expired = self._lookups.expire_overdue()
@@ -327,11 +296,11 @@ class FsEngine:
         """Point-in-time state for metrics; cheap, owner side."""
         usage = self.guard.usage
         return {
-            "queued_store_blocks": self._pool.queued_store_blocks(),
-            "queued_load_blocks": self._pool.queued_load_blocks(),
-            "busy_threads": self._pool.busy_threads(),
-            "io_workers": len(self._pool.worker_pids()),
-            "stuck_blocks": self._pool.stuck_blocks(),
+            "queued_store_blocks": self._scheduler.queued_store_blocks(),
+            "queued_load_blocks": self._scheduler.queued_load_blocks(),
+            "busy_threads": self._scheduler.blocks_in_flight(),
+            "io_workers": len(self._executor.worker_pids()),
+            "stuck_blocks": self._scheduler.stuck_blocks(),
             "space_guard_tripped": 0 if self.guard.allows_store() else 1,
             "volume_failed": 1 if self.volume_failed() else 0,
             "volume_used_bytes": usage.used_bytes if usage else 0,
@@ -348,21 +317,27 @@ class FsEngine:
         self._lookups.forget_request(request_id)
 
     def has_pending_work(self) -> bool:
-        return self._pool.busy() or bool(self._rejected)
+        return self._scheduler.busy() or bool(self._rejected)
 
     def queued_store_blocks(self) -> int:
-        return self._pool.queued_store_blocks()
+        return self._scheduler.queued_store_blocks()
+
+    @property
+    def executor(self) -> Executor:
+        """What runs the blocks (tests ask it for worker pids and deaths)."""
+        return self._executor
 
     def drain(self) -> None:
-        self._pool.drain()
+        self._scheduler.drain()
 
     def shutdown(self) -> None:
         started = time.monotonic()
         self._lookups.shutdown()
-        self._pool.shutdown()
+        self._scheduler.shutdown()
         if self._handover is not None:
             self._handover.close()
         self.housekeeping.stop()
+        self.signals.close()
         # Our view pins the primary mmap; vLLM unmaps it right after us.
         self._flat.release()
         logger.info("llmkv_fs engine stopped in %.3fs", time.monotonic() - started)

@@ -83,6 +83,9 @@ class Failure(_CounterKeyEnum):
     VOLUME_FAILED = "volume_failed"  # root_dir is gone or not the directory the tier started on
     DEADLINE = "deadline"  # the job passed job_timeout_s
     ERROR = "error"  # any other exception (logged, throttled)
+    # the I/O worker process running the block died (crash, SIGKILL, OOM);
+    # says nothing about the file, so the key is not remembered as a miss
+    WORKER_DIED = "worker_died"
     CANCELLED = "cancelled"  # never started: the engine shut down
     # load: the file has no payload checksum (written with checksum: false)
     # and this reader wants one; refused without accept_trailerless, left in place

@@ -24,9 +24,9 @@ import threading
 import time
 from collections.abc import Callable
 
-from llmkv_fs.engine.outcomes import Abandoned, BlockMissing, NoChecksum, Outcome
 from llmkv_fs.engine.block.piecewise import read_hashing, write_hashing
 from llmkv_fs.engine.block.tempfiles import TempFiles
+from llmkv_fs.engine.outcomes import Abandoned, BlockMissing, NoChecksum, Outcome
 from llmkv_fs.layout.blockfile import (
     ACCESS_STAMP_INTERVAL_S,
     TRAILER_SIZE,

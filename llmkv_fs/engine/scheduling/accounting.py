@@ -15,7 +15,6 @@ import logging
 import time
 from collections.abc import Callable
 
-from llmkv_fs.engine.scheduling.jobs import IoJob
 from llmkv_fs.engine.outcomes import (
     SKIPPED,
     BlockResult,
@@ -25,6 +24,7 @@ from llmkv_fs.engine.outcomes import (
     Outcome,
     Tally,
 )
+from llmkv_fs.engine.scheduling.jobs import IoJob
 from llmkv_fs.layout.blockfile import BlockFileError
 
 __all__ = ["FinishedJob", "JobAccountant", "ThrottledErrorLog", "loaded_prefix"]

@@ -6,9 +6,10 @@ digest hash blocks differently (they would never share a block).
 
 Threading: one daemon thread owns the lease file, stats the root, calls
 ``SpaceGuard.sample`` and applies queued access stamps (``stamp``, a
-callable from the engine). It alone writes ``root_lost`` (a bool the owner
-reads without a lock: the stat that may hang on a dead network volume never
-runs on the scheduler thread). The owner only calls ``set_lease`` (hands a
+callable from the engine). It alone writes ``root_lost`` (a byte of the
+shared ``VolumeSignals`` page the owner and the I/O workers read without a
+lock: the stat that may hang on a dead network volume never runs on the
+scheduler thread). The owner only calls ``set_lease`` (hands a
 Lease over, returns at once) and ``stop`` (joins; removes the lease). The
 thread never dies of an exception: each round's failure is counted in
 ``errors``, logged (throttled) and the next round runs as usual -- a dead
@@ -51,9 +52,6 @@ class Housekeeping:
     ):
         self.guard = guard
         self.root = root
-        # True while root_dir is missing or another directory (the volume
-        # was unmounted): the engine then treats the volume as failed.
-        self.root_lost = False
         self._stamp = stamp
         self.digest_dir = digest_dir
         self.lease_interval_s = lease_interval_s
@@ -70,6 +68,13 @@ class Housekeeping:
         self._sample_space()  # the guard starts with a real answer
         self._thread = threading.Thread(target=self._run, name="llmkv_fs_housekeeping", daemon=True)
         self._thread.start()
+
+    @property
+    def root_lost(self) -> bool:
+        """True while root_dir is missing or another directory (the volume
+        was unmounted): the engine then treats the volume as failed. Kept in
+        the guard's shared page, so I/O workers see it too."""
+        return self.guard.signals.root_lost
 
     def set_lease(self, lease: Lease) -> None:
         """Owner side: publish ``lease`` from the housekeeping thread."""
@@ -114,8 +119,8 @@ class Housekeeping:
         current = self.root.is_current()
         if current == (not self.root_lost):
             return current
-        self.root_lost = not current
-        if self.root_lost:
+        self.guard.signals.root_lost = not current
+        if not current:
             logger.error(
                 "llmkv_fs: root_dir %s is missing or is no longer the directory this "
                 "tier started on (volume unmounted?). The volume is failed: stores are "

@@ -1,17 +1,17 @@
 """The space guard: stop storing before the shared volume is full.
 
-Threading: ``sample`` runs on the housekeeping thread (statvfs can block on a
-network filesystem); ``allows_store`` is read by the owner when a store is
-submitted and ``saw_enospc`` is called by I/O threads. The ENOSPC state
-(tripped, and free space at the failure) changes under a small lock, never
-held across a statvfs; ``allows_store`` reads one attribute without it. A
-decision one sample old is fine.
+Threading and processes: ``sample`` runs on the housekeeping thread (statvfs
+can block on a network filesystem); ``allows_store`` is read by the owner
+when a store is submitted and by every block before it is stored;
+``saw_enospc`` is called by whichever I/O thread or worker process hit
+ENOSPC. The verdict lives in the shared ``VolumeSignals`` page, so a worker
+process reads and trips the same guard (signals.py says how its one race
+settles). A decision one sample old is fine.
 """
 
 from __future__ import annotations
 
-import threading
-
+from llmkv_fs.engine.volume.signals import VolumeSignals
 from llmkv_fs.layout.fsinfo import VolumeUsage, volume_usage
 
 __all__ = ["SpaceGuard"]
@@ -27,51 +27,55 @@ class SpaceGuard:
     The baseline is measured by the thread that saw ENOSPC, right then: taken
     at the next sample instead (up to a second later), it would include room
     freed meanwhile, and the guard would wait for that much more again --
-    possibly for good."""
+    possibly for good.
+
+    In a worker process only ``allows_store``, ``reason`` and ``saw_enospc``
+    are used (``sample`` is the engine's housekeeping)."""
 
     def __init__(
-        self, path: str, max_usage_percent: float, min_free_bytes: int, headroom_bytes: int
+        self,
+        path: str,
+        max_usage_percent: float,
+        min_free_bytes: int,
+        headroom_bytes: int,
+        signals: VolumeSignals | None = None,
     ):
         self.path = path
         self.max_usage_percent = max_usage_percent
         self.min_free_bytes = min_free_bytes
         self.headroom_bytes = headroom_bytes
+        # Its own page when none is shared (tools and tests without workers).
+        self.signals = signals if signals is not None else VolumeSignals.create()
         self.usage: VolumeUsage | None = None
-        self._full = False
-        self._enospc = False
-        self._free_at_enospc: int | None = None  # None: measure at the next sample
-        self._lock = threading.Lock()
 
     def allows_store(self) -> bool:
-        return not self._full
+        return not self.signals.stores_refused
 
     @property
     def reason(self) -> str:
-        if not self._full:
+        if not self.signals.stores_refused:
             return "ok"
-        return "ENOSPC" if self._enospc else "watermark"
+        return "ENOSPC" if self.signals.enospc else "watermark"
 
     def saw_enospc(self) -> None:
-        """A write failed with ENOSPC/EDQUOT (I/O thread): trip, with what is
-        free now as the baseline."""
+        """A write failed with ENOSPC/EDQUOT: trip, with what is free now as
+        the baseline."""
         try:
             free: int | None = volume_usage(self.path).free_bytes
         except OSError:
             free = None  # the next sample measures it
-        with self._lock:
-            self._free_at_enospc = free
-            self._enospc = True
-            self._full = True
+        self.signals.trip_enospc(free)
 
     def sample(self) -> VolumeUsage:
         usage = volume_usage(self.path)
         self.usage = usage
         over = usage.used_percent > self.max_usage_percent or usage.free_bytes < self.min_free_bytes
-        with self._lock:
-            if self._enospc:
-                if self._free_at_enospc is None:
-                    self._free_at_enospc = usage.free_bytes
-                elif usage.free_bytes >= self._free_at_enospc + self.headroom_bytes:
-                    self._enospc = False
-            self._full = over or self._enospc
+        signals = self.signals
+        if signals.enospc:
+            baseline = signals.free_at_enospc()
+            if baseline is None:
+                signals.set_free_at_enospc(usage.free_bytes)
+            elif usage.free_bytes >= baseline + self.headroom_bytes:
+                signals.clear_enospc()
+        signals.set_refused(over)
         return usage

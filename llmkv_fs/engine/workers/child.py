@@ -1,7 +1,7 @@
-"""One I/O worker process: runs blocks for the engine's ProcPool outside the
+"""One I/O worker process: runs blocks for the engine's worker executor outside the
 engine-core interpreter (no shared GIL with vLLM's scheduler).
 
-Started by the ProcPool's conductor (workers.Crew.spawn) as a fresh
+Started by the worker executor's conductor (workers.Crew.spawn) as a fresh
 interpreter (never a fork of vLLM)::
 
     python -c "<set umask 0>; from llmkv_fs.engine.workers.child import main; main()" SPEC_JSON
@@ -17,11 +17,13 @@ It imports only the engine room and the layout. Its life:
   with exactly file_mode/dir_mode and need no chmod (one syscall per new
   fan-out directory fewer than in-process threads, which must not touch
   vLLM's umask);
-* then it serves job records (records.JOB) one at a time and answers each
-  with a result record (records.RESULT) on its result pipe. Before running a
-  block and again right before a store's rename it reads the block's cancel
-  byte in the shared cancel board: the owner sets it when the job's deadline
-  passed, so an abandoned store is never published;
+* then it serves job records (records.JOB) one at a time, runs each block
+  through the same BlockStep as an I/O thread of the engine (block/step.py:
+  every per-block check, the shared volume signals, the test pause points)
+  and answers with a result record (records.RESULT) on its result pipe. The
+  block's cancel byte in the shared cancel board is its ``still_wanted``: the
+  owner sets it when the job's deadline passed, so an abandoned store is
+  never published;
 * access stamps for LRU eviction are applied here, when the job pipe is idle
   or at most once a second -- the same BlockIO method the housekeeping
   thread runs in thread mode.
@@ -31,7 +33,6 @@ Threading: single-threaded.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import json
 import mmap
@@ -40,20 +41,15 @@ import select
 import signal
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 from llmkv_fs.engine.block.blockio import BlockIO, IoOptions
-from llmkv_fs.engine.outcomes import Outcome
-from llmkv_fs.engine.workers.records import (
-    JOB,
-    OP_LOAD,
-    OP_STOP,
-    OUTCOME_CODES,
-    RESULT,
-    RESULT_CANCELLED,
-    RESULT_HELLO,
-    encode_error,
-)
+from llmkv_fs.engine.block.pause import PausePoints
+from llmkv_fs.engine.block.step import BlockStep
+from llmkv_fs.engine.volume.signals import VolumeSignals
+from llmkv_fs.engine.volume.space import SpaceGuard
+from llmkv_fs.engine.workers.records import JOB, OP_LOAD, OP_STOP, encode_result, hello_record
 from llmkv_fs.engine.workers.region import map_region
 from llmkv_fs.layout.files import PinnedRoot
 from llmkv_fs.layout.paths import CacheLayout
@@ -69,22 +65,36 @@ def _die_with_parent(parent: int) -> None:
         os._exit(1)
 
 
+def _block_step(spec: dict[str, Any]) -> BlockStep:
+    """The worker's BlockStep: the region and shared pages mapped from the
+    inherited fds (closed once mapped), its own BlockIO."""
+    rows = map_region(spec["size"], spec["segments"], spec["region_fds"])
+    for fd in spec["region_fds"]:
+        os.close(fd)
+    layout = CacheLayout(spec["root_dir"], spec["run_config"], spec["rank"])
+    root = spec.get("root")
+    pinned = None if root is None else PinnedRoot(root[0], (root[1], root[2]))
+    blockio = BlockIO(layout, IoOptions(**spec["options"], root=pinned))
+    # Only the guard's shared verdict and its ENOSPC trip are used here; the
+    # watermarks are sampled by the engine's housekeeping thread.
+    guard = SpaceGuard(layout.root_dir, 100.0, 0, 0, VolumeSignals.attach(spec["signals_fd"]))
+    return BlockStep(blockio, rows, guard, PausePoints.from_environment())
+
+
+def _cancel_byte_clear(board: mmap.mmap, slot: int) -> Callable[[], bool]:
+    return lambda: not board[slot]
+
+
 def serve(spec: dict[str, Any]) -> None:
     _die_with_parent(spec["parent"])
     if spec["cpus"]:
         os.sched_setaffinity(0, spec["cpus"])
     jobs_fd, results_fd = spec["jobs_fd"], spec["results_fd"]
-    row_view = map_region(spec["size"], spec["segments"], spec["region_fds"])
-    for fd in spec["region_fds"]:
-        os.close(fd)
+    step = _block_step(spec)
+    blockio = step.blockio
     board = mmap.mmap(spec["board_fd"], spec["board_size"])
     os.close(spec["board_fd"])
-    layout = CacheLayout(spec["root_dir"], spec["run_config"], spec["rank"])
-    root = spec.get("root")
-    pinned = None if root is None else PinnedRoot(root[0], (root[1], root[2]))
-    blockio = BlockIO(layout, IoOptions(**spec["options"], root=pinned))
-    block_size = blockio.options.block_size
-    os.write(results_fd, RESULT.pack(0, RESULT_HELLO, 0, os.getpid(), 0))
+    os.write(results_fd, hello_record(os.getpid()))
     buf = bytearray()
     last_stamp = time.monotonic()
     while True:
@@ -112,38 +122,11 @@ def serve(spec: dict[str, Any]) -> None:
         del buf[:end]
         if op == OP_STOP:
             break
-        os.write(results_fd, _run(blockio, board, op, slot, key, row_view, chunk, block_size))
+        # The cancel byte is the block's still_wanted: set when its job
+        # passed the deadline, read before it starts and before a rename.
+        result = step.run(op == OP_LOAD, key, chunk, _cancel_byte_clear(board, slot))
+        os.write(results_fd, encode_result(slot, result))
     blockio.apply_access_stamps()
-
-
-def _run(
-    blockio: BlockIO,
-    board: mmap.mmap,
-    op: int,
-    slot: int,
-    key: bytes,
-    primary: memoryview,
-    chunk: int,
-    block_size: int,
-) -> bytes:
-    if board[slot]:  # the job passed its deadline while this block waited
-        return RESULT.pack(slot, RESULT_CANCELLED, 0, 0, 0)
-    if (chunk + 1) * block_size > primary.nbytes:
-        # A memoryview slice would clamp silently and copy the wrong bytes.
-        error = IndexError(f"chunk {chunk} outside the primary buffer")
-        return encode_error(slot, error)
-    row = primary[chunk * block_size : (chunk + 1) * block_size]
-    try:
-        if op == OP_LOAD:
-            outcome: Outcome = blockio.load(key, row)
-        else:
-            outcome = blockio.store(key, row, lambda: not board[slot])
-    except Exception as exc:  # reported per block; never ends the worker
-        return encode_error(slot, exc)
-    finally:
-        with contextlib.suppress(BufferError):  # a view still exported: freed with it
-            row.release()
-    return RESULT.pack(slot, OUTCOME_CODES.index(outcome), 0, 0, 0)
 
 
 def main() -> None:

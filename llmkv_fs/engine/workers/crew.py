@@ -1,15 +1,16 @@
-"""The worker processes of one ProcPool (procpool.py): what they are given
-(WorkerSpec), the handle the pool keeps for each (WorkerHandle), the cancel
-board they share, and their life -- spawn, reap, replace, stop -- in Crew.
-How many there are: ``resolve_io_workers``. The worker's own side: worker.py.
+"""The worker processes of one worker executor (workers/executor.py): what
+they are given (WorkerSpec), the handle the executor keeps for each
+(WorkerHandle), the cancel board they share, and their life -- spawn, reap,
+replace after a growing pause, stop -- in Crew. How many there are:
+``resolve_io_workers``. The worker's own side: workers/child.py.
 
 Threading rules
 ---------------
 * The conductor thread alone spawns, reaps and stops workers: it spawns
   every worker, so PR_SET_PDEATHSIG (which fires when the spawning *thread*
-  exits) ties workers to the pool's life. It alone touches a handle's pipes,
-  process and ``buf``; ``held`` and ``ready`` it changes under the pool lock
-  or (``ready``) as a plain store the owner may read a moment late.
+  exits) ties workers to the executor's life. It alone writes a handle's
+  fields; the owner reads ``held`` (to mark the cancel board when a job
+  expires) and ``ready`` as plain loads that may be a moment stale.
 * The owner reads ``Crew.pids``, ``started`` and ``died``, and marks places
   of the cancel board (see CancelBoard).
 """
@@ -26,10 +27,11 @@ import selectors
 import subprocess
 import sys
 import time
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 
 from llmkv_fs.engine.block.blockio import IoOptions
-from llmkv_fs.engine.threads.pool import IoJob
+from llmkv_fs.engine.scheduling.jobs import BlockTicket
+from llmkv_fs.engine.volume.signals import VolumeSignals
 from llmkv_fs.engine.workers.records import JOB, OP_STOP
 from llmkv_fs.engine.workers.region import RegionHandover
 from llmkv_fs.layout.paths import CacheLayout
@@ -45,14 +47,15 @@ __all__ = [
     "resolve_io_workers",
 ]
 
-logger = logging.getLogger("vllm.llmkv_fs.procpool")
+logger = logging.getLogger("vllm.llmkv_fs.workers")
 
 DEPTH = 2  # blocks a worker holds: one running, one waiting in its pipe
 START_TIMEOUT_S = 120.0  # spawn, import, map the region, say hello
-_RESPAWN_LIMIT = 5  # replacements that die before saying hello, in a row
-_STOP_GRACE_S = 10.0
+_RESPAWN_WARN_AFTER = 5  # replacements dead before their hello, in a row: log an error
+_RESPAWN_MAX_PAUSE_S = 30.0
+STOP_GRACE_S = 10.0  # shutdown waits this long for held blocks and exits, then SIGKILLs
 
-HeldBlock = tuple[IoJob, int]  # (job, block index) a worker place holds
+ReadResults = Callable[["WorkerHandle", selectors.BaseSelector], bool]
 
 
 class WorkerDied(Exception):
@@ -68,8 +71,10 @@ class WorkerSpec:
         layout: CacheLayout,
         options: IoOptions,
         cpus: Collection[int] | None,
+        signals: VolumeSignals,
     ):
         self.handover = handover
+        self.signals = signals
         self.common = {
             "size": handover.size,
             "segments": [
@@ -107,10 +112,22 @@ class CancelBoard:
 
 
 class WorkerHandle:
-    """The pool's side of one worker process (a place in Crew.workers that
+    """The executor's side of one worker process (a place in Crew.workers that
     outlives the processes it is replaced with)."""
 
-    __slots__ = ("buf", "held", "index", "jobs_w", "load_first", "proc", "ready", "results_r")
+    __slots__ = (
+        "buf",
+        "failed_starts",
+        "held",
+        "index",
+        "jobs_w",
+        "load_first",
+        "proc",
+        "ready",
+        "respawn_at",
+        "results_r",
+        "served",
+    )
 
     def __init__(self, index: int, load_first: bool):
         self.index = index
@@ -119,12 +136,15 @@ class WorkerHandle:
         self.jobs_w = -1
         self.results_r = -1
         self.ready = False
-        self.held: list[HeldBlock | None] = [None] * DEPTH
+        self.held: list[BlockTicket | None] = [None] * DEPTH
         self.buf = bytearray()
+        self.failed_starts = 0  # deaths before the hello, in a row
+        self.served = False  # the last process in this place had said hello
+        self.respawn_at: float | None = None  # a replacement is due then
 
 
 class Crew:
-    """The worker processes of one pool and the cancel board they share.
+    """The worker processes of one executor and the cancel board they share.
     See the module doc for who calls what."""
 
     def __init__(self, spec: WorkerSpec, n_workers: int, name: str):
@@ -136,6 +156,24 @@ class Crew:
 
     def pids(self) -> list[int]:
         return [w.proc.pid for w in self.workers if w.proc is not None and w.ready]
+
+    def start_all(self, selector: selectors.BaseSelector, read: ReadResults) -> None:
+        """Spawn every worker and wait for each one's hello (``read`` consumes
+        a worker's records); raises if one cannot start."""
+        for worker in self.workers:
+            self.spawn(worker, selector)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not all(w.ready for w in self.workers):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"workers not ready after {START_TIMEOUT_S:.0f}s")
+            for key, _ in selector.select(left):
+                if key.data is not None and not read(key.data, selector):
+                    raise RuntimeError(f"worker {key.data.index} exited during start-up")
+
+    def said_hello(self, worker: WorkerHandle) -> None:
+        worker.ready = True
+        worker.failed_starts = 0
 
     def spawn(self, worker: WorkerHandle, selector: selectors.BaseSelector) -> None:
         jobs_r, jobs_w = os.pipe2(os.O_CLOEXEC)
@@ -150,6 +188,7 @@ class Crew:
             region_fds=handover.fds,
             board_fd=board.fd,
             board_size=len(board.places),
+            signals_fd=self.spec.signals.fd,
         )
         # llmkv_fs/engine/workers/crew.py -> the directory holding llmkv_fs
         package_root = str(pathlib.Path(__file__).resolve().parents[3])
@@ -160,10 +199,11 @@ class Crew:
                 [
                     sys.executable,
                     "-c",
-                    "import os; os.umask(0); from llmkv_fs.engine.workers.child import main; main()",
+                    "import os; os.umask(0); "
+                    "from llmkv_fs.engine.workers.child import main; main()",
                     json.dumps(spec),
                 ],
-                pass_fds=(jobs_r, results_w, board.fd, *handover.fds),
+                pass_fds=(jobs_r, results_w, board.fd, self.spec.signals.fd, *handover.fds),
                 stdin=subprocess.DEVNULL,
                 env=env,
             )
@@ -176,23 +216,50 @@ class Crew:
         for slot in range(DEPTH):
             board.places[worker.index * DEPTH + slot] = 0
         selector.register(results_r, selectors.EVENT_READ, worker)
+        worker.respawn_at = None
         self.started += 1
 
-    def respawn(self, worker: WorkerHandle, selector: selectors.BaseSelector) -> None:
-        for _attempt in range(_RESPAWN_LIMIT):
-            try:
-                self.spawn(worker, selector)
-                return
-            except OSError as exc:
-                logger.warning("llmkv_fs: could not start an I/O worker: %r", exc)
-        logger.error("llmkv_fs: I/O worker %d could not be replaced", worker.index)
+    def next_respawn(self) -> float | None:
+        """When the next replacement is due (monotonic), if one waits."""
+        due = [w.respawn_at for w in self.workers if w.respawn_at is not None]
+        return min(due) if due else None
 
-    def reap(
-        self, worker: WorkerHandle, selector: selectors.BaseSelector, replacing: bool
-    ) -> tuple[list[tuple[int, HeldBlock]], str]:
-        """Close a worker's pipes, kill and reap its process. Returns the
-        blocks it held, by slot (still in ``held``: the caller fails them
-        under the pool lock), and why they are lost."""
+    def respawn_due(self, selector: selectors.BaseSelector) -> None:
+        now = time.monotonic()
+        for worker in self.workers:
+            if worker.respawn_at is not None and worker.respawn_at <= now:
+                try:
+                    self.spawn(worker, selector)
+                except OSError as exc:
+                    logger.warning("llmkv_fs: could not start an I/O worker: %r", exc)
+                    worker.served = False
+                    self._schedule_respawn(worker)
+
+    def _schedule_respawn(self, worker: WorkerHandle) -> None:
+        """Replace at once after a worker that had served; after one that
+        died before its hello, wait 0.1 s doubling to 30 s (a replacement
+        that cannot start -- a broken interpreter -- once restarted 523
+        times in 4 s, burning a core)."""
+        worker.failed_starts += 1 if not worker.served else 0
+        pause = (
+            0.0
+            if worker.served
+            else min(_RESPAWN_MAX_PAUSE_S, 0.1 * 2 ** (worker.failed_starts - 1))
+        )
+        if worker.failed_starts == _RESPAWN_WARN_AFTER:
+            logger.error(
+                "llmkv_fs: I/O worker %d died %d times in a row before it was ready; "
+                "retrying every %.0fs at most (its blocks wait or pass their deadline)",
+                worker.index,
+                worker.failed_starts,
+                _RESPAWN_MAX_PAUSE_S,
+            )
+        worker.respawn_at = time.monotonic() + pause
+
+    def reap(self, worker: WorkerHandle, selector: selectors.BaseSelector, replace: bool) -> str:
+        """A worker ended unasked: close its pipes, kill and reap its
+        process, count the death, schedule a replacement (``replace``).
+        Returns why its blocks are lost (they are still in ``held``)."""
         with contextlib.suppress(KeyError, ValueError):
             selector.unregister(worker.results_r)
         for fd in (worker.jobs_w, worker.results_r):
@@ -205,31 +272,34 @@ class Crew:
             with contextlib.suppress(OSError):
                 proc.kill()
             status = proc.wait()
-        was_ready, worker.ready = worker.ready, False
-        lost = [(i, h) for i, h in enumerate(worker.held) if h is not None]
-        if lost or was_ready:
-            self.died += 1
-            logger.warning(
-                "llmkv_fs: I/O worker %d (pid %s) ended with status %s holding %d block(s)%s",
-                worker.index,
-                proc.pid if proc else "?",
-                status,
-                len(lost),
-                "; starting a replacement" if replacing else "",
-            )
-        return lost, f"I/O worker pid {proc.pid if proc else '?'} exited ({status})"
+        worker.served, worker.ready = worker.ready, False
+        held = sum(h is not None for h in worker.held)
+        self.died += 1
+        logger.warning(
+            "llmkv_fs: I/O worker %d (pid %s) ended with status %s holding %d block(s)%s%s",
+            worker.index,
+            proc.pid if proc else "?",
+            status,
+            held,
+            "" if worker.served else " before it was ready",
+            "; starting a replacement" if replace else "",
+        )
+        if replace:
+            self._schedule_respawn(worker)
+        return f"I/O worker pid {proc.pid if proc else '?'} exited ({status})"
 
-    def stop(self, selector: selectors.BaseSelector) -> None:
-        """Send every worker STOP, wait for it (SIGKILL after a grace), close
-        its pipes."""
+    def stop(self, selector: selectors.BaseSelector, grace_s: float) -> None:
+        """Send every worker STOP, wait for it up to ``grace_s`` in all
+        (SIGKILL after), close its pipes. Idempotent."""
         for worker in self.workers:
+            worker.respawn_at = None
             if worker.jobs_w >= 0:
                 with contextlib.suppress(OSError):
                     os.write(worker.jobs_w, JOB.pack(OP_STOP, 0, 0, 0))
                 with contextlib.suppress(OSError):
                     os.close(worker.jobs_w)
                 worker.jobs_w = -1
-        deadline = time.monotonic() + _STOP_GRACE_S
+        deadline = time.monotonic() + grace_s
         for worker in self.workers:
             proc, worker.proc = worker.proc, None
             if proc is not None:

@@ -1,10 +1,18 @@
-"""The records that travel between the ProcPool's conductor (procpool.py)
-and its worker processes (worker.py) through pipes, and their codec.
+"""The records that travel between the worker executor's conductor
+(workers/executor.py) and its worker processes (workers/child.py) through
+pipes, and their codec.
 
 Records (struct-packed, little-endian): a job record is ``JOB`` + the key; a
-result record is ``RESULT`` + an optional UTF-8 text (error message, or
-detail and quarantine path). ``slot`` names the block's place in the shared
-cancel board (workers.CancelBoard): the worker answers with the slot it got.
+result record is ``RESULT`` + an optional UTF-8 text. ``slot`` names the
+block's place in the shared cancel board (workers/crew.CancelBoard): the
+worker answers with the slot it got.
+
+A result is a block's ``BlockResult`` whole: an ``Outcome`` by its index, or
+a ``Failed`` by its ``Failure`` index plus the type of its error (one of
+``ERROR_TYPES``) and that error's fields. So every reason a block can end
+with in a worker reaches the owner as the same reason it has in a thread
+(a hand-written chain once turned ``no_checksum`` and ``volume_failed`` into
+``error``; tests/test_worker_records.py round-trips every member).
 
 Pure functions of their arguments: safe from any thread or process.
 """
@@ -14,87 +22,137 @@ from __future__ import annotations
 import struct
 
 from llmkv_fs.engine.outcomes import (
-    DEADLINE,
     Abandoned,
     BlockMissing,
     BlockResult,
+    Failed,
+    Failure,
+    NoChecksum,
     Outcome,
-    failed,
+    StoreRefused,
+    VolumeFailed,
 )
 from llmkv_fs.layout.blockfile import BlockFileError, Corruption
 
 __all__ = [
-    "CORRUPTION_CODES",
+    "ERROR_TYPES",
+    "HELLO",
     "JOB",
-    "OUTCOME_CODES",
+    "OP_LOAD",
+    "OP_STOP",
+    "OP_STORE",
     "RESULT",
     "decode_result",
-    "encode_error",
+    "encode_result",
+    "hello_record",
     "take_results",
 ]
 
 # op u8, slot u16, chunk u32, key length u16 (then the key)
 JOB = struct.Struct("<BHIH")
-# slot u16, kind u8, extra u8 (corruption code), errno i32 (pid for HELLO), text length u32
-RESULT = struct.Struct("<HBBiI")
+# slot u16, kind u8, code u8, error type u8, corruption u8, errno i32 (pid
+# for HELLO), text length u32 (then the text)
+RESULT = struct.Struct("<HBBBBiI")
 OP_LOAD, OP_STORE, OP_STOP = 1, 2, 3
-OUTCOME_CODES = (Outcome.WRITTEN, Outcome.PRESENT, Outcome.VERIFIED, Outcome.UNVERIFIED)
-CORRUPTION_CODES = tuple(Corruption)
-RESULT_MISSING, RESULT_CORRUPT, RESULT_ABANDONED = 10, 11, 12
-RESULT_OSERROR, RESULT_ERROR, RESULT_CANCELLED, RESULT_HELLO = 13, 14, 15, 16
+KIND_OUTCOME, KIND_FAILED, HELLO = 0, 1, 2
+
+OUTCOMES = tuple(Outcome)
+FAILURES = tuple(Failure)
+CORRUPTIONS = tuple(Corruption)
+# Index 0: no error. The last entry catches every other exception, which
+# arrives as a RuntimeError carrying its repr (its reason is kept anyway).
+ERROR_TYPES: tuple[type[Exception] | None, ...] = (
+    None,
+    BlockMissing,
+    Abandoned,
+    NoChecksum,
+    StoreRefused,
+    VolumeFailed,
+    BlockFileError,
+    OSError,
+    Exception,
+)
+_TEXT_LIMIT = 4000
+_SEP = "\0"
 
 
-def encode_error(slot: int, exc: BaseException) -> bytes:
-    """The result record of a block that raised ``exc`` (worker side)."""
-    errno_ = 0
-    extra = 0
-    if isinstance(exc, BlockMissing):
-        kind, text = RESULT_MISSING, str(exc)
-    elif isinstance(exc, Abandoned):
-        kind, text = RESULT_ABANDONED, str(exc)
-    elif isinstance(exc, BlockFileError):
-        kind, extra = RESULT_CORRUPT, CORRUPTION_CODES.index(exc.reason)
-        text = f"{exc}\0{exc.quarantined_to or ''}"
-    elif isinstance(exc, OSError):
-        kind, errno_ = RESULT_OSERROR, exc.errno or 0
-        text = f"{exc.strerror or exc}\0{exc.filename or ''}"
-    else:
-        kind, text = RESULT_ERROR, repr(exc)
-    data = text.encode("utf-8", "surrogateescape")[:4000]
-    return RESULT.pack(slot, kind, extra, errno_, len(data)) + data
+def hello_record(pid: int) -> bytes:
+    return RESULT.pack(0, HELLO, 0, 0, 0, pid, 0)
 
 
-def take_results(buf: bytearray) -> list[tuple[int, int, int, int, str]]:
-    """Cut the whole result records off the front of ``buf`` (owner side):
-    (slot, kind, extra, errno, text) each; a partial record stays in ``buf``."""
-    records = []
+def encode_result(slot: int, result: BlockResult) -> bytes:
+    """The result record of one block (worker side)."""
+    if isinstance(result, Outcome):
+        return RESULT.pack(slot, KIND_OUTCOME, OUTCOMES.index(result), 0, 0, 0, 0)
+    error = result.error
+    type_index = _error_type_index(error)
+    corruption, errno_, text = 0, 0, ""
+    if isinstance(error, BlockFileError):
+        corruption = CORRUPTIONS.index(error.reason)
+        detail = str(error).split(": ", 1)[-1]
+        text = _SEP.join((detail, error.quarantined_to or "", error.left_because))
+    elif isinstance(error, OSError):
+        errno_ = error.errno or 0
+        text = _SEP.join((str(error.strerror or error), str(error.filename or "")))
+    elif ERROR_TYPES[type_index] is Exception:
+        text = repr(error)
+    elif error is not None:
+        text = str(error)
+    data = text.encode("utf-8", "surrogateescape")[:_TEXT_LIMIT]
+    reason = FAILURES.index(result.reason)
+    return RESULT.pack(slot, KIND_FAILED, reason, type_index, corruption, errno_, len(data)) + data
+
+
+def _error_type_index(error: BaseException | None) -> int:
+    if error is None:
+        return 0
+    for index, kind in enumerate(ERROR_TYPES[1:], start=1):
+        if kind is not None and isinstance(error, kind):
+            return index
+    return len(ERROR_TYPES) - 1
+
+
+def take_results(buf: bytearray) -> list[tuple[int, int, int, BlockResult | None]]:
+    """Cut the whole result records off the front of ``buf`` (conductor
+    side): (slot, kind, errno field, result) each -- result None for HELLO,
+    whose errno field is the worker's pid. A partial record stays in ``buf``."""
+    records: list[tuple[int, int, int, BlockResult | None]] = []
     while len(buf) >= RESULT.size:
-        slot, kind, extra, err, text_len = RESULT.unpack_from(buf)
+        slot, kind, code, type_index, corruption, errno_, text_len = RESULT.unpack_from(buf)
         end = RESULT.size + text_len
         if len(buf) < end:
             break
         text = bytes(buf[RESULT.size : end]).decode("utf-8", "surrogateescape")
         del buf[:end]
-        records.append((slot, kind, extra, err, text))
+        result = (
+            None
+            if kind == HELLO
+            else decode_result(kind, code, type_index, corruption, errno_, text)
+        )
+        records.append((slot, kind, errno_, result))
     return records
 
 
-def decode_result(kind: int, extra: int, err: int, text: str) -> BlockResult:
-    """The block result a result record stands for (owner side)."""
-    if kind < len(OUTCOME_CODES):
-        return OUTCOME_CODES[kind]
-    if kind == RESULT_CANCELLED:
-        return DEADLINE
-    if kind == RESULT_MISSING:
-        return failed(BlockMissing(text))
-    if kind == RESULT_ABANDONED:
-        return failed(Abandoned(text))
-    if kind == RESULT_CORRUPT:
-        detail, _, moved = text.partition("\0")
-        exc = BlockFileError(CORRUPTION_CODES[extra], detail.split(": ", 1)[-1])
-        exc.quarantined_to = moved or None
-        return failed(exc)
-    if kind == RESULT_OSERROR:
-        message, _, filename = text.partition("\0")
-        return failed(OSError(err, message, filename or None))
-    return failed(RuntimeError(text))
+def decode_result(
+    kind: int, code: int, type_index: int, corruption: int, errno_: int, text: str
+) -> BlockResult:
+    """The BlockResult a result record stands for (conductor side)."""
+    if kind == KIND_OUTCOME:
+        return OUTCOMES[code]
+    error_type = ERROR_TYPES[type_index] if type_index < len(ERROR_TYPES) else Exception
+    error: Exception | None
+    if error_type is None:
+        error = None
+    elif error_type is BlockFileError:
+        detail, moved, left_because = [*text.split(_SEP), "", ""][:3]
+        error = BlockFileError(CORRUPTIONS[corruption], detail)
+        error.quarantined_to = moved or None
+        error.left_because = left_because
+    elif error_type is OSError:
+        message, _, filename = text.partition(_SEP)
+        error = OSError(errno_, message, filename or None)  # the errno's own subclass
+    elif error_type is Exception:
+        error = RuntimeError(text)
+    else:
+        error = error_type(text)
+    return Failed(FAILURES[code], error)

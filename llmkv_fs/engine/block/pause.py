@@ -1,0 +1,61 @@
+"""Test-only pause points in the per-block path, honoured in I/O threads and
+worker processes alike, so a test can hold a block at a known place instead
+of catching a window by polling (a SIGKILL "in the middle of a store" that
+depended on seeing a temp file in time failed on a loaded 2-core machine).
+
+Inactive unless the environment variable ``LLMKV_FS_TEST_PAUSE_DIR`` names a
+directory when the engine (or a worker) starts; then each block asks, at
+each point, whether the point is armed -- one ``stat`` per point, in tests
+only. Production never sets it, and the hot path then pays one ``is None``.
+
+The protocol is files in that directory, so it crosses process boundaries:
+
+* ``armed.<point>``: blocks stop at ``<point>`` (``enter``: before any I/O
+  of the block; ``publish``: a store whose temp file is written and closed,
+  right before its rename);
+* on stopping, a block creates ``at.<point>.<op>.<key hex>.<pid>.<thread>``
+  (what the test waits for), then waits while ``open`` is missing or
+  ``hold.<key hex>`` exists, polling every millisecond, at most
+  ``MAX_PAUSE_S`` (then it goes on: a forgotten gate costs time, not a hang).
+
+Threading: stateless apart from the directory; any thread or process.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+__all__ = ["MAX_PAUSE_S", "PAUSE_DIR_ENV", "PausePoints"]
+
+PAUSE_DIR_ENV = "LLMKV_FS_TEST_PAUSE_DIR"
+MAX_PAUSE_S = 120.0
+_POLL_S = 0.001
+
+
+class PausePoints:
+    """The pause points of one process (see the module doc)."""
+
+    def __init__(self, directory: str):
+        self.directory = directory
+
+    @classmethod
+    def from_environment(cls) -> PausePoints | None:
+        directory = os.environ.get(PAUSE_DIR_ENV)
+        return cls(directory) if directory else None
+
+    def reached(self, point: str, op: str, key: bytes) -> None:
+        """Stop here while the test says so (see the module doc)."""
+        directory = self.directory
+        if not os.path.exists(os.path.join(directory, f"armed.{point}")):
+            return
+        key_hex = key.hex()
+        marker = f"at.{point}.{op}.{key_hex}.{os.getpid()}.{threading.get_native_id()}"
+        with open(os.path.join(directory, marker), "w"):
+            pass
+        opened = os.path.join(directory, "open")
+        held = os.path.join(directory, f"hold.{key_hex}")
+        deadline = time.monotonic() + MAX_PAUSE_S
+        while (not os.path.exists(opened) or os.path.exists(held)) and time.monotonic() < deadline:
+            time.sleep(_POLL_S)

@@ -1,0 +1,127 @@
+"""One block, start to end: every check a block passes before and while it
+moves, and its result. An I/O thread of the engine and an I/O worker process
+call the same ``BlockStep.run``, so the two modes cannot drift apart (they
+did: a worker stored to a volume the engine had declared failed).
+
+The checks, in order: the job still wants the block (its deadline); the
+chunk index lies inside the primary buffer (a memoryview slice would clamp
+silently and copy the wrong bytes); root_dir is still the directory the tier
+started on (shared ``VolumeSignals``); for a store, the space guard admits
+it. Then the block moves (``BlockIO``); a directory creation that finds the
+root gone (pinned root, ``RootGone``) fails it as VOLUME_FAILED, and ENOSPC
+trips the space guard right there, with the free space of that moment.
+
+Threading: a BlockStep is shared by the I/O threads of one process; it
+holds no mutable state of its own (BlockIO keeps per-thread scratch).
+``run`` blocks on the filesystem and never raises.
+"""
+
+from __future__ import annotations
+
+import errno
+from collections.abc import Callable
+from typing import TypeVar
+
+from llmkv_fs.engine.block.blockio import BlockIO
+from llmkv_fs.engine.block.pause import PausePoints
+from llmkv_fs.engine.outcomes import (
+    DEADLINE,
+    BlockResult,
+    StoreRefused,
+    VolumeFailed,
+    failed,
+)
+from llmkv_fs.engine.volume.space import SpaceGuard
+from llmkv_fs.layout.files import RootGone
+
+__all__ = ["BlockStep"]
+
+_SPACE_ERRNOS = frozenset((errno.ENOSPC, errno.EDQUOT))
+_E = TypeVar("_E", bound=BaseException)
+
+
+def without_tracebacks(exc: _E) -> _E:
+    """Drop the frames an exception holds: they reference the primary-buffer
+    row being copied, and a result keeping that alive stops vLLM from
+    unmapping the region at shutdown."""
+    seen: set[int] = set()
+    link: BaseException | None = exc
+    while link is not None and id(link) not in seen:
+        seen.add(id(link))
+        link.__traceback__ = None
+        link = link.__cause__ or link.__context__
+    return exc
+
+
+class BlockStep:
+    """See the module doc. ``rows`` is the primary buffer as one flat view
+    of ``rows.nbytes // block_size`` rows."""
+
+    def __init__(
+        self,
+        blockio: BlockIO,
+        rows: memoryview,
+        guard: SpaceGuard,
+        pause: PausePoints | None = None,
+    ):
+        self.blockio = blockio
+        self.block_size = blockio.options.block_size
+        self.num_chunks = rows.nbytes // self.block_size
+        self._rows = rows
+        self._guard = guard
+        self._signals = guard.signals
+        self._pause = pause
+
+    def run(
+        self, is_load: bool, key: bytes, chunk: int, still_wanted: Callable[[], bool]
+    ) -> BlockResult:
+        """Move one block; its result (an Outcome, or a Failed naming why)."""
+        if not still_wanted():
+            return DEADLINE
+        if not 0 <= chunk < self.num_chunks:
+            message = f"chunk {chunk} outside the primary buffer (0..{self.num_chunks - 1})"
+            return failed(IndexError(message))
+        if self._signals.root_lost:
+            return failed(VolumeFailed(self.blockio.layout.root_dir))
+        start = chunk * self.block_size
+        row = self._rows[start : start + self.block_size]
+        try:
+            return self._move(is_load, key, row, still_wanted)
+        except Exception as exc:  # recorded per block; never ends a thread or worker
+            return failed(without_tracebacks(exc))
+        finally:
+            try:
+                row.release()
+            except BufferError:  # a view still exported: freed with it
+                pass
+
+    def _move(
+        self, is_load: bool, key: bytes, row: memoryview, still_wanted: Callable[[], bool]
+    ) -> BlockResult:
+        pause = self._pause
+        if pause is not None:
+            pause.reached("enter", "load" if is_load else "store", key)
+        if is_load:
+            return self.blockio.load(key, row)
+        if not self._guard.allows_store():
+            raise StoreRefused(self._guard.reason)
+        if pause is not None:
+            still_wanted = self._pausing_before_publish(pause, key, still_wanted)
+        try:
+            return self.blockio.store(key, row, still_wanted)
+        except RootGone as exc:
+            raise VolumeFailed(self.blockio.layout.root_dir) from exc
+        except OSError as exc:
+            if exc.errno in _SPACE_ERRNOS:
+                self._guard.saw_enospc()
+            raise
+
+    @staticmethod
+    def _pausing_before_publish(
+        pause: PausePoints, key: bytes, still_wanted: Callable[[], bool]
+    ) -> Callable[[], bool]:
+        def publish_point() -> bool:  # BlockIO.store asks this right before its rename
+            pause.reached("publish", "store", key)
+            return still_wanted()
+
+        return publish_point
