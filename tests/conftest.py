@@ -11,7 +11,7 @@ sys.path.insert(0, os.path.dirname(__file__))  # tests/harness.py, tests/engine_
 
 from nfs_kit import MOUNT_A_ENV, MOUNT_B_ENV, NO_VLLM_ENV, in_guest
 
-from engine_kit import engines, gate_for  # noqa: F401  (engine fixtures)
+from engine_kit import engines, gate_for, io_mode  # noqa: F401  (engine fixtures)
 from gluster_kit import gluster  # noqa: F401  (session fixture: GlusterFS mounted twice)
 
 SHM = "/dev/shm"
@@ -162,3 +162,24 @@ def mount_tmpfs(tmp_path):
     yield mount
     for path in reversed(mounted):
         subprocess.run(["umount", "-l", path], check=False)
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers",
+        "threads_only(reason): the test injects its fault into the engine's own process "
+        "(a monkeypatched BlockIO) to check owner-side behaviour that both modes share; "
+        "its workers variant is deselected, with the reason in the marker",
+    )
+
+
+def pytest_collection_modifyitems(config, items):
+    """Drop the workers variant of tests marked threads_only (see above)."""
+    keep, drop = [], []
+    for item in items:
+        callspec = getattr(item, "callspec", None)
+        workers = callspec is not None and callspec.params.get("io_mode") == 2
+        (drop if workers and item.get_closest_marker("threads_only") else keep).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep

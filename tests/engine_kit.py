@@ -6,9 +6,10 @@ that carry timeouts, never with sleeps.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import mmap
-import threading
+import os
 import time
 
 import pytest
@@ -16,6 +17,7 @@ import pytest
 from llmkv_fs.config import TierSettings
 from llmkv_fs.engine import FinishedJob, FsEngine, prepare_volume
 from llmkv_fs.engine.block.blockio import BlockIO, IoOptions
+from llmkv_fs.engine.block.pause import PAUSE_DIR_ENV
 from llmkv_fs.layout.paths import CacheLayout, RunIdentity
 
 BS = 64 * 1024
@@ -87,77 +89,150 @@ def settle(engine: FsEngine, key: bytes, request: str) -> bool:
 
 
 class Gate:
-    """Wraps engine.blockio.load/store: records (thread name, kind, key) on
-    entry and, while closed, holds the calling I/O thread."""
+    """Holds blocks at the engine's ``enter`` pause point (engine/block/pause.py)
+    -- in its I/O threads and in its worker processes alike, through files in
+    the pause directory the ``io_mode`` fixture gives every engine. Records
+    (place, kind, key) per block that reached it, in arrival order; ``place``
+    is ``<pid>.<thread id>``. ``kinds`` limits it to loads or stores."""
 
-    def __init__(self, engine: FsEngine, monkeypatch):
-        self.opened = threading.Event()
-        self.entries: list[tuple[str, str, bytes]] = []
-        self._cond = threading.Condition()
-        self.extra_wait = {}  # key -> Event the block waits for after the gate
-        self.load_entered = threading.Event()
-        real_load, real_store = engine.blockio.load, engine.blockio.store
+    def __init__(self, engine: FsEngine, pause_dir: str, kinds: tuple[str, ...] = ()):
+        assert engine.step._pause is not None, "the engine started without a pause directory"
+        self.dir = pause_dir
+        self.opened = _FileFlag(os.path.join(pause_dir, "open"))
+        for suffix in [f".{k}" for k in kinds] or [""]:
+            _touch(os.path.join(pause_dir, f"armed.enter{suffix}"))
 
-        def wrap(kind, real):
-            def wrapper(key, row_view, *rest):
-                with self._cond:
-                    self.entries.append((threading.current_thread().name, kind, key))
-                    self._cond.notify_all()
-                if kind == "load":
-                    self.load_entered.set()
-                self.opened.wait(GATE_TIMEOUT_S)
-                extra = self.extra_wait.get(key)
-                if extra is not None:
-                    extra.wait(GATE_TIMEOUT_S)
-                return real(key, row_view, *rest)
-
-            return wrapper
-
-        monkeypatch.setattr(engine.blockio, "load", wrap("load", real_load))
-        monkeypatch.setattr(engine.blockio, "store", wrap("store", real_store))
+    @property
+    def entries(self) -> list[tuple[str, str, bytes]]:
+        marks = []
+        for name in os.listdir(self.dir):
+            if name.startswith("at.enter."):
+                _at, _point, kind, key_hex, pid, tid = name.split(".")
+                when = os.stat(os.path.join(self.dir, name)).st_mtime_ns
+                marks.append((when, f"{pid}.{tid}", kind, bytes.fromhex(key_hex)))
+        return [(place, kind, key) for _when, place, kind, key in sorted(marks)]
 
     def wait_entered(self, n: int) -> None:
-        with self._cond:
-            ok = self._cond.wait_for(lambda: len(self.entries) >= n, DEADLINE_S)
-        assert ok, f"only {len(self.entries)} of {n} blocks reached the I/O threads"
+        wait_until(lambda: len(self.entries) >= n, f"{n} blocks at the gate")
+
+    def hold(self, key: bytes) -> None:
+        """Keep ``key``'s block at the gate after it opens, until release."""
+        _touch(os.path.join(self.dir, f"hold.{key.hex()}"))
+
+    def release(self, key: bytes) -> None:
+        os.unlink(os.path.join(self.dir, f"hold.{key.hex()}"))
 
     def open(self) -> None:
         self.opened.set()
 
+    def close_for_good(self) -> None:
+        """Open it and disarm it (teardown: blocks no longer stop)."""
+        for name in os.listdir(self.dir):
+            if name.startswith(("armed.", "hold.")):
+                os.unlink(os.path.join(self.dir, name))
+        self.open()
+
+
+class _FileFlag:
+    def __init__(self, path: str):
+        self.path = path
+
+    def is_set(self) -> bool:
+        return os.path.exists(self.path)
+
+    def set(self) -> None:
+        _touch(self.path)
+
+
+def _touch(path: str) -> None:
+    with open(path, "a"):
+        pass
+
+
+def memfd_primary(size: int) -> mmap.mmap:
+    """A primary buffer worker processes can map (vLLM's is a /dev/shm file)."""
+    fd = os.memfd_create("llmkv_test_primary", os.MFD_CLOEXEC)
+    os.ftruncate(fd, size)
+    primary = mmap.mmap(fd, size)
+    os.close(fd)  # like vLLM after start-up: only the mapping is left
+    return primary
+
+
+# Read by tests/harness.py (tiers started through vLLM's stack): the io_mode
+# fixture's choice; unset means threads.
+IO_WORKERS_ENV = "LLMKV_FS_TEST_IO_WORKERS"
+
+
+# I/O worker processes per engine in the "workers" mode: one per I/O thread
+# the test asks for, so both modes run as many blocks at once.
+def _workers_for(settings: dict) -> int:
+    return settings.get("n_read_threads", 2) + settings.get("n_write_threads", 2)
+
+
+@pytest.fixture(params=[0, 2], ids=["threads", "workers"])
+def io_mode(request, tmp_path_factory, monkeypatch):
+    """The engine's executor for this test: I/O threads (``io_workers: 0``)
+    or worker processes. Every engine the test starts -- through ``engines``
+    or vLLM's stack (tests/harness.py) -- gets it, and a pause directory for
+    ``Gate``. A module that drives the engine without ``engines`` opts in
+    with ``pytestmark = pytest.mark.usefixtures("io_mode")``."""
+    pause_dir = str(tmp_path_factory.mktemp("pause"))
+    monkeypatch.setenv(PAUSE_DIR_ENV, pause_dir)
+    monkeypatch.setenv(IO_WORKERS_ENV, str(request.param))
+    return IoMode(bool(request.param), pause_dir)
+
+
+@dataclasses.dataclass(frozen=True)
+class IoMode:
+    workers: bool
+    pause_dir: str
+
 
 @pytest.fixture
-def engines():
+def engines(io_mode):
     """make(root, n_blocks=16, block_size=BS, **settings) -> (engine, layout,
-    primary); every engine is shut down (gates opened first) at teardown."""
+    primary) in the test's ``io_mode``; every engine is shut down (gates
+    opened first) at teardown."""
     made: list[FsEngine] = []
     gates: list[Gate] = []
 
     def make(root, n_blocks: int = 16, block_size: int = BS, **settings):
         layout = CacheLayout.for_identity(root, IDENTITY)
-        primary = mmap.mmap(-1, n_blocks * block_size)
+        primary = memfd_primary(n_blocks * block_size)
+        if io_mode.workers:
+            settings.setdefault("io_workers", _workers_for(settings))
         settings.setdefault("n_read_threads", 2)
         settings.setdefault("n_write_threads", 2)
         settings.setdefault("lookup_threads", 2)
         engine = FsEngine(TierSettings(root_dir=root, **settings), layout, primary, block_size)
         made.append(engine)
+        if io_mode.workers and settings.get("io_workers", 0):
+            assert engine.io_workers == settings["io_workers"], "worker mode fell back to threads"
         return engine, layout, primary
 
     make.gates = gates
+    make.mode = io_mode
     yield make
     for gate in gates:
-        gate.open()
+        gate.close_for_good()
     for engine in reversed(made):
         engine.shutdown()
 
 
 @pytest.fixture
-def gate_for(engines, monkeypatch):
-    def install(engine):
-        gate = Gate(engine, monkeypatch)
+def gate_for(engines):
+    def install(engine, kinds: tuple[str, ...] = ()):
+        gate = Gate(engine, engines.mode.pause_dir, kinds)
         engines.gates.append(gate)
         return gate
 
     return install
+
+
+def held_by_executor(engine: FsEngine, n: int) -> None:
+    """Wait until the executor holds ``n`` blocks (entered or, in a worker's
+    pipe, next in line): what is left is queued in the scheduler."""
+    wait_until(lambda: engine.gauges()["busy_threads"] >= n, f"{n} blocks out of the queues")
 
 
 def store_blocks(engine, primary, job_id: int, ids, chunks) -> FinishedJob:

@@ -1,8 +1,11 @@
 """Test-side names for the vLLM driver (llmkv_fs.harness.driver), with the
 small thread counts a 2-core machine wants."""
 
+import os
 import threading
 from typing import Any
+
+from engine_kit import IO_WORKERS_ENV
 
 from llmkv_fs.harness import driver
 from llmkv_fs.harness.driver import (  # noqa: F401  (re-exported for tests)
@@ -17,7 +20,12 @@ from llmkv_fs.harness.driver import (  # noqa: F401  (re-exported for tests)
 
 
 def ours(root: str, **extra: Any) -> dict[str, Any]:
-    return driver.ours(root, **{"n_read_threads": 2, "n_write_threads": 2, **extra})
+    """Our tier's config, in the test's io_mode (engine_kit.io_mode): as many
+    worker processes as the I/O threads it would have otherwise."""
+    config = {"n_read_threads": 2, "n_write_threads": 2, **extra}
+    if "io_workers" not in config and os.environ.get(IO_WORKERS_ENV, "0") != "0":
+        config["io_workers"] = config["n_read_threads"] + config["n_write_threads"]
+    return driver.ours(root, **config)
 
 
 def builtin(root: str, **extra: Any) -> dict[str, Any]:

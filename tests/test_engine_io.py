@@ -413,6 +413,7 @@ def test_a_crashing_existence_check_answers_miss_not_retry_forever(disk_root, en
     assert settle(engine, make_key(5), "req") is False
 
 
+@pytest.mark.threads_only("the throttled log is the owner's; the failure is injected in-process")
 def test_repeated_block_errors_are_logged_once_per_interval(disk_root, engines, caplog):
     engine, _, _primary = engines(disk_root, n_blocks=4)
 
@@ -431,6 +432,9 @@ def test_repeated_block_errors_are_logged_once_per_interval(disk_root, engines, 
     assert len(messages) == 1 and "Input/output error" in messages[0]
 
 
+@pytest.mark.threads_only(
+    "simulates a filesystem refusing rename over a name by patching os in-process"
+)
 def test_rename_refused_because_another_writer_won_counts_as_present(
     disk_root, engines, monkeypatch
 ):

@@ -5,14 +5,15 @@ depended on seeing a temp file in time failed on a loaded 2-core machine).
 
 Inactive unless the environment variable ``LLMKV_FS_TEST_PAUSE_DIR`` names a
 directory when the engine (or a worker) starts; then each block asks, at
-each point, whether the point is armed -- one ``stat`` per point, in tests
-only. Production never sets it, and the hot path then pays one ``is None``.
+each point, whether the point is armed -- two ``stat`` calls per point, in
+tests only. Production never sets it, and the hot path then pays one ``is None``.
 
 The protocol is files in that directory, so it crosses process boundaries:
 
-* ``armed.<point>``: blocks stop at ``<point>`` (``enter``: before any I/O
-  of the block; ``publish``: a store whose temp file is written and closed,
-  right before its rename);
+* ``armed.<point>`` or ``armed.<point>.<op>``: blocks (of ``<op>``, ``load``
+  or ``store``, only) stop at ``<point>`` (``enter``: before any I/O of the
+  block; ``publish``: a store whose temp file is written and closed, right
+  before its rename);
 * on stopping, a block creates ``at.<point>.<op>.<key hex>.<pid>.<thread>``
   (what the test waits for), then waits while ``open`` is missing or
   ``hold.<key hex>`` exists, polling every millisecond, at most
@@ -48,7 +49,8 @@ class PausePoints:
     def reached(self, point: str, op: str, key: bytes) -> None:
         """Stop here while the test says so (see the module doc)."""
         directory = self.directory
-        if not os.path.exists(os.path.join(directory, f"armed.{point}")):
+        armed = os.path.join(directory, f"armed.{point}")
+        if not (os.path.exists(armed) or os.path.exists(f"{armed}.{op}")):
             return
         key_hex = key.hex()
         marker = f"at.{point}.{op}.{key_hex}.{os.getpid()}.{threading.get_native_id()}"

@@ -44,7 +44,7 @@ from llmkv_fs.engine.scheduling.executor import BlockSource
 from llmkv_fs.engine.scheduling.jobs import BlockTicket, IoJob
 from llmkv_fs.engine.workers import crew as crew_module
 from llmkv_fs.engine.workers.crew import DEPTH, START_TIMEOUT_S, Crew, WorkerHandle, WorkerSpec
-from llmkv_fs.engine.workers.records import HELLO, JOB, OP_LOAD, OP_STORE, take_results
+from llmkv_fs.engine.workers.records import HELLO, OP_LOAD, OP_STORE, job_record, take_results
 
 __all__ = ["ProcessExecutor"]
 
@@ -222,7 +222,7 @@ class ProcessExecutor:
             self._board[board_slot] = 1
         key = ticket.key
         op = OP_LOAD if job.is_load else OP_STORE
-        return JOB.pack(op, board_slot, ticket.chunk, len(key)) + key
+        return job_record(op, board_slot, ticket.chunk, key)
 
     @staticmethod
     def _send(writes: list[tuple[int, bytes]]) -> None:

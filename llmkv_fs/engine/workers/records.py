@@ -45,11 +45,16 @@ __all__ = [
     "decode_result",
     "encode_result",
     "hello_record",
+    "job_record",
     "take_results",
 ]
 
-# op u8, slot u16, chunk u32, key length u16 (then the key)
-JOB = struct.Struct("<BHIH")
+# op u8, slot u16, chunk i64, key length u16 (then the key). The chunk is
+# range-checked by the worker's BlockStep like a thread's, so any index the
+# owner passed must fit: a u32 field once turned chunk -1 into a struct.error
+# on the conductor.
+JOB = struct.Struct("<BHqH")
+_CHUNK_RANGE = range(-(1 << 63), 1 << 63)
 # slot u16, kind u8, code u8, error type u8, corruption u8, errno i32 (pid
 # for HELLO), text length u32 (then the text)
 RESULT = struct.Struct("<HBBBBiI")
@@ -74,6 +79,12 @@ ERROR_TYPES: tuple[type[Exception] | None, ...] = (
 )
 _TEXT_LIMIT = 4000
 _SEP = "\0"
+
+
+def job_record(op: int, slot: int, chunk: int, key: bytes) -> bytes:
+    """A job record (conductor side). A chunk beyond i64 travels as -1: out
+    of range either way, and failed as such by the worker."""
+    return JOB.pack(op, slot, chunk if chunk in _CHUNK_RANGE else -1, len(key)) + key
 
 
 def hello_record(pid: int) -> bytes:
