@@ -5,8 +5,6 @@ import os
 import threading
 from typing import Any
 
-from engine_kit import IO_WORKERS_ENV
-
 from llmkv_fs.harness import driver
 from llmkv_fs.harness.driver import (  # noqa: F401  (re-exported for tests)
     DEADLINE_S,
@@ -17,6 +15,8 @@ from llmkv_fs.harness.driver import (  # noqa: F401  (re-exported for tests)
     payload_for,
     wait_until,
 )
+
+from engine_kit import IO_WORKERS_ENV
 
 
 def ours(root: str, **extra: Any) -> dict[str, Any]:
