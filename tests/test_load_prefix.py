@@ -6,7 +6,6 @@ not delivered and not counted as read bytes.
 """
 
 import os
-import threading
 
 import pytest
 from vllm.v1.kv_offload.base import LookupResult
@@ -14,7 +13,15 @@ from vllm.v1.kv_offload.base import LookupResult
 from llmkv_fs.engine import Direction, Failure, Outcome, Tally
 from llmkv_fs.layout.blockfile import Corruption
 
-from engine_kit import BS, pattern, row, store_blocks, wait_jobs, wait_until
+from engine_kit import (
+    BS,
+    held_by_executor,
+    pattern,
+    row,
+    store_blocks,
+    wait_jobs,
+    wait_until,
+)
 from engine_kit import make_key as engine_key
 from harness import Replica, builtin, make_keys, offloading_config, ours, payload_for
 from matrix_kit import lookup_until, served
@@ -22,11 +29,19 @@ from volume_kit import flip_a_bit
 
 HIT, MISS, HIT_PENDING = LookupResult.HIT, LookupResult.MISS, LookupResult.HIT_PENDING
 
+# The tests through vLLM's stack run our tier in both io modes too.
+pytestmark = pytest.mark.usefixtures("io_mode")
+
 
 def test_engine_stops_a_load_job_at_its_first_bad_block(disk_root, engines, gate_for):
-    # Two I/O threads. Blocks 2 (bad) and 3 are held on their threads until
-    # both are in flight; block 2 then fails while 3 is still being read.
-    engine, layout, primary = engines(disk_root, n_blocks=16, n_read_threads=1, n_write_threads=1)
+    # Four places in both modes: four I/O threads, or two workers holding two
+    # blocks each (one at the gate, one next in its pipe). Blocks 0-3 are held
+    # out of the queue; block 2 (bad) is let go first and fails while 0, 1
+    # and 3 are still out and 4 and 5 still queued.
+    places = {"io_workers": 2} if engines.mode.workers else {}
+    engine, layout, primary = engines(
+        disk_root, n_blocks=16, n_read_threads=2, n_write_threads=2, **places
+    )
     ids = list(range(6))
     store_blocks(engine, primary, 1, ids, ids)
     keys = [engine_key(i) for i in ids]
@@ -34,15 +49,20 @@ def test_engine_stops_a_load_job_at_its_first_bad_block(disk_root, engines, gate
     primary[:] = bytes(len(primary))
 
     gate = gate_for(engine)
-    hold_bad, hold_next = threading.Event(), threading.Event()
-    gate.extra_wait = {keys[2]: hold_bad, keys[3]: hold_next}
+    for key in keys[:4]:
+        gate.hold(key)
     gate.open()
     assert engine.submit_load(2, keys, [10, 11, 12, 13, 14, 15])
-    gate.wait_entered(4)  # blocks 0-3 taken; both threads busy on 2 and 3
-    hold_bad.set()
+    held_by_executor(engine, 4)  # blocks 0-3 out, 4 and 5 queued
+    assert engine.gauges()["queued_load_blocks"] == 2
+    # Threads: 0-3 at the gate; workers: the head of each worker's pipe.
+    gate.wait_entered(2 if engines.mode.workers else 4)
+    assert keys[2] in [k for _place, _kind, k in gate.entries]
+    gate.release(keys[2])
     # The failure took blocks 4 and 5 off the queue, unread.
     wait_until(lambda: engine.gauges()["queued_load_blocks"] == 0, "the rest to be skipped")
-    hold_next.set()
+    for key in (keys[0], keys[1], keys[3]):
+        gate.release(key)
     job = wait_jobs(engine, [2])[2]
 
     loaded = [k for _thread, kind, k in gate.entries if kind == "load"]
@@ -82,10 +102,14 @@ def _start(replicas, tier):
 
 
 @pytest.mark.parametrize("tier", ["builtin", "ours"])
-def test_a_block_gone_mid_job_keeps_only_the_prefix_like_vllms_builtin(disk_root, replicas, tier):
+def test_a_block_gone_mid_job_keeps_only_the_prefix_like_vllms_builtin(
+    disk_root, replicas, tier, io_mode
+):
     """The same request through vLLM's TieringOffloadingManager, with vLLM's
     own fs tier and with ours: one file of four vanishes between the lookup
     and the load. Both keep exactly the block before it."""
+    if tier == "builtin" and io_mode.workers:
+        pytest.skip("vLLM's built-in tier has no io modes: its threads variant covers it")
     make = builtin if tier == "builtin" else ours
     writer = _start(replicas, make(disk_root))
     keys = make_keys(4, seed=f"prefix-{tier}")
