@@ -1,5 +1,6 @@
-"""FsEngine's two-priority pool without vLLM: jobs split across threads, load
-priority, the bounded store queue, drain, shutdown, empty jobs, NUMA pinning."""
+"""FsEngine's block scheduling without vLLM, with I/O threads and with worker
+processes (the io_mode fixture): jobs spread over every place, read priority,
+the bounded store queue, drain, shutdown, empty jobs, NUMA pinning."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from engine_kit import (
     BS,
     DEADLINE_S,
     fill,
+    held_by_executor,
     make_key,
     pattern,
     row,
@@ -27,62 +29,59 @@ from volume_kit import files_under
 # -- thread pool ----------------------------------------------------------------------------
 
 
-def test_job_blocks_run_on_four_threads_at_once(disk_root, engines, monkeypatch):
+def test_a_jobs_blocks_run_in_four_places_at_once(disk_root, engines, gate_for):
     engine, _, primary = engines(disk_root, n_blocks=8, n_read_threads=2, n_write_threads=2)
     store_blocks(engine, primary, 1, range(4), range(4))
-    barrier = threading.Barrier(4, timeout=10)
-    names = []
-    real_load = engine.blockio.load
-
-    def load_together(key, row_view):
-        names.append(threading.current_thread().name)
-        barrier.wait()  # breaks (and the block fails) unless 4 threads are here
-        return real_load(key, row_view)
-
-    monkeypatch.setattr(engine.blockio, "load", load_together)
+    gate = gate_for(engine)
     engine.submit_load(2, [make_key(i) for i in range(4)], [4, 5, 6, 7])
+    gate.wait_entered(4)  # one job, four threads or four worker processes, at once
+    assert len({place for place, _kind, _key in gate.entries}) == 4
+    gate.open()
     job = wait_jobs(engine, [2])[2]
-    assert job.success, f"blocks did not run concurrently: failed {len(job.failed)}"
-    assert len(set(names)) == 4, names
+    assert job.success
     for i in range(4):
         assert row(primary, 4 + i) == pattern(i)
 
 
-def test_read_priority_thread_takes_loads_first(disk_root, engines, gate_for):
+def fill_executor(engine, gate, primary, job_id: int, first_chunk: int) -> list[bytes]:
+    """Store blocks until the executor holds as many as it can (every thread
+    or every worker place), all held at the gate: what comes next is queued
+    in the scheduler, in either mode. Returns their keys."""
+    n = engine.executor.capacity()
+    keys = [make_key(("fill", first_chunk + i)) for i in range(n)]
+    for i in range(n):
+        fill(primary, first_chunk + i, pattern(("fill", first_chunk + i)))
+    assert engine.submit_store(job_id, keys, list(range(first_chunk, first_chunk + n)))
+    held_by_executor(engine, n)
+    assert engine.queued_store_blocks() == 0
+    return keys
+
+
+def test_read_priority_places_take_loads_first(disk_root, engines, gate_for):
     engine, _, primary = engines(disk_root, n_blocks=16, n_read_threads=1, n_write_threads=1)
     store_blocks(engine, primary, 1, ["L"], [0])  # the block to load later
     gate = gate_for(engine)
-    for c in range(1, 9):
-        fill(primary, c, pattern(c))
-    # Occupy both threads.
-    assert engine.submit_store(10, [make_key(1), make_key(2)], [1, 2])
-    gate.wait_entered(2)
-    # Later stores also wait for the load to start: if the read-priority
-    # thread wrongly picked a store, both threads would sit in stores and the
-    # order below would show it.
-    later = [make_key(c) for c in range(3, 9)]
-    for key in later:
-        gate.extra_wait[key] = gate.load_entered
+    filled = fill_executor(engine, gate, primary, 10, 1)
+    later = [make_key(c) for c in range(10, 16)]
     for n, key in enumerate(later):
-        assert engine.submit_store(20 + n, [key], [3 + n])
-    engine.submit_load(30, [make_key("L")], [9])
+        fill(primary, 10 + n, pattern(10 + n))
+        assert engine.submit_store(20 + n, [key], [10 + n])
+    engine.submit_load(30, [make_key("L")], [9])  # queued behind six stores
     gate.open()
     done = wait_jobs(engine, [10, 30, *range(20, 26)])
     assert all(job.success for job in done.values())
-    by_thread: dict[str, list[str]] = {}
-    for name, kind, _key in gate.entries:
-        by_thread.setdefault(name[-2:], []).append(kind)
-    assert set(by_thread) == {"r0", "w0"}, by_thread
-    assert by_thread["r0"][0] == "store" and by_thread["w0"][0] == "store"  # the gated pair
-    assert by_thread["r0"][1] == "load", f"read-priority thread ran {by_thread['r0']}"
-    assert by_thread["w0"][1] == "store", f"write-priority thread ran {by_thread['w0']}"
+    after_fill = [key for _place, _kind, key in gate.entries if key not in filled]
+    # Submitted last, the load is taken by the first read-priority place
+    # that frees up: ahead of most of the stores queued before it. In FIFO
+    # order it would come after all six.
+    assert after_fill.index(make_key("L")) <= 2, after_fill
     assert row(primary, 9) == pattern("L")
 
 
 def test_bounded_store_queue_rejects_without_io(disk_root, engines, gate_for):
     engine, layout, primary = engines(
         disk_root,
-        n_blocks=16,
+        n_blocks=32,
         n_read_threads=1,
         n_write_threads=1,
         max_pending_store_blocks=4,
@@ -90,9 +89,7 @@ def test_bounded_store_queue_rejects_without_io(disk_root, engines, gate_for):
     for c in range(16):
         fill(primary, c, pattern(c))
     gate = gate_for(engine)
-    assert engine.submit_store(1, [make_key(0), make_key(1)], [0, 1])
-    gate.wait_entered(2)  # both threads held; the store queue is empty
-    assert engine.queued_store_blocks() == 0
+    filled = fill_executor(engine, gate, primary, 1, 16)
 
     assert engine.submit_store(2, [make_key(c) for c in (2, 3, 4)], [2, 3, 4]) is True
     rejected_keys = [make_key(c) for c in (5, 6, 7)]
@@ -117,10 +114,10 @@ def test_bounded_store_queue_rejects_without_io(disk_root, engines, gate_for):
     done = wait_jobs(engine, [1, 2, 4, 5, 6])
     assert done[1].success and done[2].success and done[4].success
     assert not done[5].success and done[5].failed == [make_key(9)]
-    assert engine.counters[Outcome.WRITTEN] == 6
+    assert engine.counters[Outcome.WRITTEN] == len(filled) + 4
     for key in [*rejected_keys, make_key(9)]:
         assert not os.path.lexists(layout.block_path(key)), "a rejected store reached the disk"
-    for c in (0, 1, 2, 3, 4, 8):
+    for c in (2, 3, 4, 8):
         assert os.path.exists(layout.block_path(make_key(c)))
     assert all(
         gate_kind != "store" or key not in rejected_keys for _n, gate_kind, key in gate.entries
@@ -138,7 +135,7 @@ def test_a_job_larger_than_the_bound_fits_an_empty_queue_only(disk_root, engines
     gate = gate_for(engine)
     big = [make_key(c) for c in range(6)]
     assert engine.submit_store(1, big, list(range(6))) is True  # empty queue: accepted
-    gate.wait_entered(2)
+    held_by_executor(engine, engine.executor.capacity())  # the rest of it is queued
     assert engine.submit_store(2, [make_key(c) for c in range(6, 12)], list(range(6, 12))) is False
     gate.open()
     done = wait_jobs(engine, [1, 2])
@@ -181,12 +178,11 @@ def test_drain_waits_for_every_job(disk_root, engines, gate_for):
 
 
 def test_shutdown_cancels_queued_blocks_and_leaves_no_partial_files(disk_root, engines, gate_for):
-    engine, layout, primary = engines(disk_root, n_blocks=16, n_read_threads=1, n_write_threads=1)
+    engine, layout, primary = engines(disk_root, n_blocks=32, n_read_threads=1, n_write_threads=1)
     for c in range(16):
         fill(primary, c, pattern(c))
     gate = gate_for(engine)
-    assert engine.submit_store(1, [make_key(0), make_key(1)], [0, 1])
-    gate.wait_entered(2)
+    filled = fill_executor(engine, gate, primary, 1, 16)
     queued_store_ids = []
     for n in range(3):
         assert engine.submit_store(
@@ -198,7 +194,7 @@ def test_shutdown_cancels_queued_blocks_and_leaves_no_partial_files(disk_root, e
     stopper = threading.Thread(target=engine.shutdown, daemon=True)
     stopper.start()
 
-    def cancelled():  # both threads are held in the gate: only shutdown empties the queues
+    def cancelled():  # every place is held at the gate: only shutdown empties the queues
         gauges = engine.gauges()
         return gauges["queued_store_blocks"] == 0 and gauges["queued_load_blocks"] == 0
 
@@ -208,20 +204,20 @@ def test_shutdown_cancels_queued_blocks_and_leaves_no_partial_files(disk_root, e
     assert not stopper.is_alive(), "shutdown did not return"
 
     done = wait_jobs(engine, [1, 20, *queued_store_ids], deadline_s=2)
-    assert done[1].success  # it was running: completed, not cut short
+    assert done[1].success  # it was out of the queues: completed, not cut short
     for job_id in queued_store_ids:
         assert not done[job_id].success and len(done[job_id].failed) == 2
     assert sorted(done[20].failed) == sorted([make_key("absent-1"), make_key("absent-2")])
     assert engine.counters[Direction.STORE, Failure.CANCELLED] == 6
     assert engine.counters[Direction.LOAD, Failure.CANCELLED] == 2
     assert engine.counters[Direction.LOAD, Failure.MISSING] == 0  # cancelled, never tried
-    assert engine.counters[Outcome.WRITTEN] == 2
-    assert len(gate.entries) == 2  # nothing ran after the first two blocks
+    assert engine.counters[Outcome.WRITTEN] == len(filled)
+    assert {key for _p, _kind, key in gate.entries} == set(filled)  # nothing queued ran
 
     files = files_under(layout.rank_dir)
     assert not [f for f in files if f.endswith(".tmp")], files
     blocks = [f for f in files if f.endswith(".bin")]
-    assert sorted(blocks) == sorted(layout.block_path(make_key(c)) for c in (0, 1))
+    assert sorted(blocks) == sorted(layout.block_path(key) for key in filled)
     for path in blocks:
         assert os.path.getsize(path) == BS + TRAILER_SIZE
     with pytest.raises(RuntimeError):
@@ -246,7 +242,7 @@ def test_empty_job_finishes(disk_root, engines, is_load):
 def test_io_threads_pin_to_the_node_holding_the_primary_buffer(disk_root, engines, monkeypatch):
     """A two-node topology (faked: this machine has one node) whose node 1
     owns one real CPU; the buffer is reported on node 1. Every I/O thread
-    must then run on exactly that CPU."""
+    (or worker process) must then run on exactly that CPU."""
     from llmkv_fs.engine import engine as engine_module
     from llmkv_fs.engine.volume import numa
 
@@ -259,6 +255,11 @@ def test_io_threads_pin_to_the_node_holding_the_primary_buffer(disk_root, engine
 
     engine, _layout, primary = engines(disk_root, n_blocks=8)
     assert engine.pinning.cpus == node1 and engine.pinning.node == 1
+    if engines.mode.workers:  # each worker pins itself to the CPUs it was given
+        pids = engine.executor.worker_pids()
+        assert pids and all(frozenset(os.sched_getaffinity(pid)) == node1 for pid in pids)
+        store_blocks(engine, primary, 1, range(8), range(8))
+        return
     seen = []
     real_store = engine.blockio.store
 

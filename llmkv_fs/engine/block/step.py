@@ -76,6 +76,8 @@ class BlockStep:
         self, is_load: bool, key: bytes, chunk: int, still_wanted: Callable[[], bool]
     ) -> BlockResult:
         """Move one block; its result (an Outcome, or a Failed naming why)."""
+        if self._pause is not None:  # tests: before every check, so a held block re-checks
+            self._pause.reached("enter", "load" if is_load else "store", key)
         if not still_wanted():
             return DEADLINE
         if not 0 <= chunk < self.num_chunks:
@@ -98,15 +100,12 @@ class BlockStep:
     def _move(
         self, is_load: bool, key: bytes, row: memoryview, still_wanted: Callable[[], bool]
     ) -> BlockResult:
-        pause = self._pause
-        if pause is not None:
-            pause.reached("enter", "load" if is_load else "store", key)
         if is_load:
             return self.blockio.load(key, row)
         if not self._guard.allows_store():
             raise StoreRefused(self._guard.reason)
-        if pause is not None:
-            still_wanted = self._pausing_before_publish(pause, key, still_wanted)
+        if self._pause is not None:
+            still_wanted = self._pausing_before_publish(self._pause, key, still_wanted)
         try:
             return self.blockio.store(key, row, still_wanted)
         except RootGone as exc:

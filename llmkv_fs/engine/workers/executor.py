@@ -192,17 +192,17 @@ class ProcessExecutor:
         return max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
 
     def _dispatch(self) -> list[tuple[int, bytes]]:
-        """Give every ready worker blocks up to DEPTH; the records to write."""
+        """Give ready workers blocks up to DEPTH each: every worker's first
+        place before any second one, so a job spreads over all workers (its
+        blocks run at once) instead of queueing two by two in one pipe."""
         writes: list[tuple[int, bytes]] = []
         source = self._source
         assert source is not None
         if self._stop_requested:
             return writes
-        for worker in self._workers:
-            if not worker.ready:
-                continue
-            for slot, held in enumerate(worker.held):
-                if held is not None:
+        for slot in range(DEPTH):
+            for worker in self._workers:
+                if not worker.ready or worker.held[slot] is not None:
                     continue
                 ticket = source.take(worker.load_first)
                 if ticket is None:
