@@ -89,24 +89,33 @@ def settle(engine: FsEngine, key: bytes, request: str) -> bool:
 
 
 class Gate:
-    """Holds blocks at the engine's ``enter`` pause point (engine/block/pause.py)
+    """Holds blocks at one of the engine's pause points (engine/block/pause.py)
     -- in its I/O threads and in its worker processes alike, through files in
     the pause directory the ``io_mode`` fixture gives every engine. Records
     (place, kind, key) per block that reached it, in arrival order; ``place``
-    is ``<pid>.<thread id>``. ``kinds`` limits it to loads or stores."""
+    is ``<pid>.<thread id>``. ``kinds`` limits it to loads or stores;
+    ``point`` is ``enter`` (before any I/O of the block) or ``publish`` (a
+    store's temp file written and closed, right before its rename)."""
 
-    def __init__(self, engine: FsEngine, pause_dir: str, kinds: tuple[str, ...] = ()):
+    def __init__(
+        self,
+        engine: FsEngine,
+        pause_dir: str,
+        kinds: tuple[str, ...] = (),
+        point: str = "enter",
+    ):
         assert engine.step._pause is not None, "the engine started without a pause directory"
         self.dir = pause_dir
+        self.point = point
         self.opened = _FileFlag(os.path.join(pause_dir, "open"))
         for suffix in [f".{k}" for k in kinds] or [""]:
-            _touch(os.path.join(pause_dir, f"armed.enter{suffix}"))
+            _touch(os.path.join(pause_dir, f"armed.{point}{suffix}"))
 
     @property
     def entries(self) -> list[tuple[str, str, bytes]]:
         marks = []
         for name in os.listdir(self.dir):
-            if name.startswith("at.enter."):
+            if name.startswith(f"at.{self.point}."):
                 _at, _point, kind, key_hex, pid, tid = name.split(".")
                 when = os.stat(os.path.join(self.dir, name)).st_mtime_ns
                 marks.append((when, f"{pid}.{tid}", kind, bytes.fromhex(key_hex)))
@@ -221,8 +230,8 @@ def engines(io_mode):
 
 @pytest.fixture
 def gate_for(engines):
-    def install(engine, kinds: tuple[str, ...] = ()):
-        gate = Gate(engine, engines.mode.pause_dir, kinds)
+    def install(engine, kinds: tuple[str, ...] = (), point: str = "enter"):
+        gate = Gate(engine, engines.mode.pause_dir, kinds, point)
         engines.gates.append(gate)
         return gate
 
