@@ -94,8 +94,10 @@ class Gate:
     the pause directory the ``io_mode`` fixture gives every engine. Records
     (place, kind, key) per block that reached it, in arrival order; ``place``
     is ``<pid>.<thread id>``. ``kinds`` limits it to loads or stores;
-    ``point`` is ``enter`` (before any I/O of the block) or ``publish`` (a
-    store's temp file written and closed, right before its rename)."""
+    ``point`` is ``enter`` (before any check or I/O of the block: a held
+    block re-checks its deadline when let go), ``read`` (a load past its
+    checks: a read the volume has not answered) or ``publish`` (a store's
+    temp file written and closed, right before its rename)."""
 
     def __init__(
         self,

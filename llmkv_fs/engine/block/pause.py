@@ -12,8 +12,9 @@ The protocol is files in that directory, so it crosses process boundaries:
 
 * ``armed.<point>`` or ``armed.<point>.<op>``: blocks (of ``<op>``, ``load``
   or ``store``, only) stop at ``<point>`` (``enter``: before any I/O of the
-  block; ``publish``: a store whose temp file is written and closed, right
-  before its rename);
+  block; ``read``: a load past its checks, right before it opens the file;
+  ``publish``: a store whose temp file is written and closed, right before
+  its rename);
 * on stopping, a block creates ``at.<point>.<op>.<key hex>.<pid>.<thread>``
   (what the test waits for), then waits while ``open`` is missing or
   ``hold.<key hex>`` exists, polling every millisecond, at most

@@ -101,6 +101,8 @@ class BlockStep:
         self, is_load: bool, key: bytes, row: memoryview, still_wanted: Callable[[], bool]
     ) -> BlockResult:
         if is_load:
+            if self._pause is not None:  # tests: a read the volume has not answered yet
+                self._pause.reached("read", "load", key)
             return self.blockio.load(key, row)
         if not self._guard.allows_store():
             raise StoreRefused(self._guard.reason)
