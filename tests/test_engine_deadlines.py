@@ -1,6 +1,7 @@
 """Per-job deadlines and the stalled volume: FsEngine without vLLM (a Gate
-holds the I/O threads inside blockio.load/store, which is what a hung mount
-does), then the same through vLLM's real TieringOffloadingManager.
+holds blocks at the engine's pause points -- in I/O threads or in worker
+processes, see the io_mode fixture -- which is what a hung mount does), then
+the same through vLLM's real TieringOffloadingManager.
 
 Deadlines only fire when the owner polls (take_finished / end_step), so every
 test first waits until the I/O threads are provably held and only then lets
@@ -16,7 +17,6 @@ import time
 import pytest
 
 from llmkv_fs.engine import Direction, Failure, LookupAnswer, Outcome, Tally
-from llmkv_fs.engine.block import blockio as blockio_module
 from llmkv_fs.engine.block.blockio import BlockIO
 
 from engine_kit import (
@@ -25,6 +25,7 @@ from engine_kit import (
     GATE_TIMEOUT_S,
     Gate,
     fill,
+    held_by_executor,
     make_key,
     pattern,
     row,
@@ -52,25 +53,10 @@ def take_until(engine, predicate, what: str) -> list:
     return results
 
 
-def record_temp_names(monkeypatch) -> list[str]:
-    """Spy on the temp files a store creates (to check each is gone later)."""
-    made = []
-    real = blockio_module.temp_path
-
-    def spy(*args):
-        made.append(real(*args))
-        return made[-1]
-
-    monkeypatch.setattr(blockio_module, "temp_path", spy)
-    return made
-
-
 # -- stores ---------------------------------------------------------------------------------
 
 
-def test_stuck_store_fails_at_deadline_and_is_never_published(
-    volume, engines, gate_for, monkeypatch
-):
+def test_stuck_store_fails_at_deadline_and_is_never_published(volume, engines, gate_for):
     disk_root = volume  # tmpfs, ext4 and GlusterFS
     # A block already on the volume (stored with the default 30 s deadline).
     seeder, _, seed_primary = engines(disk_root, n_blocks=2)
@@ -83,18 +69,25 @@ def test_stuck_store_fails_at_deadline_and_is_never_published(
         n_write_threads=1,
         job_timeout_s=TIMEOUT_S,
     )
-    temps = record_temp_names(monkeypatch)
-    gate = gate_for(engine)
+    # Stores stop with their temp file written, right before the rename: a
+    # write the volume has not finished as far as the owner can tell.
+    gate = gate_for(engine, kinds=("store",), point="publish")
     for c in range(5):
         fill(primary, c, pattern(f"s{c}"))
     first = [make_key(f"s{c}") for c in range(3)]
     second = [make_key(f"s{c}") for c in (3, 4)]
     submitted = time.monotonic()
     assert engine.submit_store(1, first, [0, 1, 2])
-    gate.wait_entered(2)  # both threads hold a block of job 1; its third block is queued
+    gate.wait_entered(2)  # two places each wrote a block of job 1 and wait to publish it
     assert engine.submit_store(2, second, [3, 4])  # queued behind it, never started
-    assert engine.queued_store_blocks() == 3
+    # Out of the queues: two threads' blocks, or with workers also the
+    # blocks next in each worker's pipe (two each).
+    out = min(5, engine.executor.capacity())
+    held_by_executor(engine, out)
+    assert engine.queued_store_blocks() == 5 - out
     assert not engine.stalled()  # nobody is overdue yet
+    held_temps = temp_files(disk_root)
+    assert len(held_temps) == 2, held_temps
 
     got = {
         j.job_id: j
@@ -108,16 +101,16 @@ def test_stuck_store_fails_at_deadline_and_is_never_published(
     assert not got[2].success and sorted(got[2].failed) == sorted(second)
     assert got[1].nbytes == got[2].nbytes == 0
     c = engine.counters
-    assert c[Tally.DEADLINE_EXPIRED] == 5  # 2 in flight + 1 + 2 queued
+    assert c[Tally.DEADLINE_EXPIRED] == 5  # the blocks out + the queued ones
     assert c[Direction.STORE, Failure.DEADLINE] == 5
     assert c[Outcome.WRITTEN] == 0
     assert min(engine.job_latencies[Direction.STORE]) >= TIMEOUT_S
-    assert [kind for _t, kind, _k in gate.entries] == ["store", "store"]  # queued ones never ran
+    assert [kind for _t, kind, _k in gate.entries] == ["store", "store"]  # the others never ran
     assert engine.queued_store_blocks() == 0
 
     # Stalled: the volume is not answering.
     assert engine.stalled()
-    assert engine.gauges()["stuck_blocks"] == 2
+    assert engine.gauges()["stuck_blocks"] == out
     fill(primary, 5, pattern("late"))
     assert engine.submit_store(3, [make_key("late")], [5]) is False
     assert engine.submit_load(4, [make_key("old")], [6]) is False
@@ -130,16 +123,16 @@ def test_stuck_store_fails_at_deadline_and_is_never_published(
     assert len(gate.entries) == 2
     assert row(primary, 6) == bytes(BS)
 
-    # The volume answers again: the held writes run but must not publish.
+    # The volume answers again: the held writes go on but must not publish.
     gate.open()
     wait_until(lambda: not engine.stalled(), "the stuck blocks to return")
     assert engine.gauges()["stuck_blocks"] == 0
-    assert len(temps) == 2, temps  # both held blocks did write a temp file ...
-    for tmp in temps:
-        assert not os.path.lexists(tmp)  # ... and removed it
+    for tmp in held_temps:
+        assert not os.path.lexists(tmp)  # the held blocks removed their temp files
     for key in first + second + [make_key("late")]:
         assert not os.path.lexists(layout.block_path(key)), "an expired store was published"
     assert temp_files(disk_root) == []
+    assert len(gate.entries) == 2  # blocks waiting in a worker's pipe never started
     assert engine.take_finished() == []  # the abandoned blocks are not reported twice
     assert c[Outcome.WRITTEN] == 0 and c[Direction.STORE, Failure.ERROR] == 0
 
@@ -163,8 +156,10 @@ def test_store_failed_by_deadline_reports_a_sane_io_time(disk_root, engines, gat
     )
     gate = gate_for(engine)
     assert engine.submit_store(1, [make_key("t0"), make_key("t1")], [0, 1])
-    gate.wait_entered(2)
+    held_by_executor(engine, 2)
+    gate.wait_entered(1)
     job = wait_jobs(engine, [1])[1]
+    assert not gate.opened.is_set()
     assert not job.success
     # Not 0.0 - first_start (last_end was never set: no block finished).
     assert 0.0 <= job.io_seconds <= job.latency, job.io_seconds
@@ -192,42 +187,46 @@ def test_stuck_load_is_reported_only_when_its_reads_return(disk_root, engines, g
         n_write_threads=1,
         job_timeout_s=TIMEOUT_S,
     )
-    gate = gate_for(engine)
+    # Loads stop past their checks, right before the read: reads the volume
+    # has not answered. Threads: blocks 0 and 1 in their reads, 2 and 3
+    # queued. Workers: 0 and 1 in their reads, 2 and 3 next in the two
+    # workers' pipes.
+    gate = gate_for(engine, point="read")
     keys = [make_key(i) for i in range(4)]
-    held = {keys[0]: threading.Event(), keys[1]: threading.Event()}
-    gate.extra_wait.update(held)
+    gate.hold(keys[0])
+    gate.hold(keys[1])
     gate.open()
-    try:
-        submitted = time.monotonic()
-        assert engine.submit_load(7, keys, [4, 5, 6, 7])
-        gate.wait_entered(2)  # blocks 0 and 1 are inside the read; 2 and 3 queued
+    out = min(4, engine.executor.capacity())
+    submitted = time.monotonic()
+    assert engine.submit_load(7, keys, [4, 5, 6, 7])
+    held_by_executor(engine, out)
+    gate.wait_entered(2)
+    assert {k for _t, _kind, k in gate.entries} == set(keys[:2])
 
-        # Past the deadline the queued blocks fail, but the job is held back:
-        # the kernel may still write into rows 4 and 5.
-        early = []
+    # Past the deadline the queued blocks fail, but the job is held back:
+    # the kernel may still write into rows 4 and 5.
+    early = []
 
-        def overdue():
-            early.extend(engine.take_finished())
-            return engine.stalled()
+    def overdue():
+        early.extend(engine.take_finished())
+        return engine.stalled()
 
-        wait_until(overdue, "the load to pass its deadline")
-        assert early == []  # not reported while a read is in flight
-        assert time.monotonic() - submitted >= TIMEOUT_S
-        assert engine.counters[Tally.DEADLINE_EXPIRED] == 2
-        assert engine.gauges()["stuck_blocks"] == 2
-        assert engine.gauges()["queued_load_blocks"] == 0
+    wait_until(overdue, "the load to pass its deadline")
+    assert early == []  # not reported while a read is in flight
+    assert time.monotonic() - submitted >= TIMEOUT_S
+    assert engine.counters[Tally.DEADLINE_EXPIRED] == 4 - out
+    assert engine.gauges()["stuck_blocks"] == out
+    assert engine.gauges()["queued_load_blocks"] == 0
 
-        held[keys[0]].set()  # one read returns
-        wait_until(lambda: engine.gauges()["stuck_blocks"] == 1, "the first read to return")
-        assert engine.stalled()
-        assert engine.take_finished() == []  # still one read in flight
-        assert row(primary, 4) == pattern(0)  # the real read did land
+    gate.release(keys[0])  # one read returns (with workers, the block behind it fails unread)
+    left = 1 if out == 2 else 2
+    wait_until(lambda: engine.gauges()["stuck_blocks"] == left, "the first read to return")
+    assert engine.stalled()
+    assert engine.take_finished() == []  # still one read in flight
+    assert row(primary, 4) == pattern(0)  # the real read did land
 
-        held[keys[1]].set()
-        job = wait_jobs(engine, [7])[7]
-    finally:
-        for event in held.values():
-            event.set()
+    gate.release(keys[1])
+    job = wait_jobs(engine, [7])[7]
     assert not engine.stalled()
     assert job.is_load and not job.success
     assert job.succeeded == keys[:2]  # completed reads keep their real result
@@ -334,7 +333,7 @@ def test_lookup_deadline_is_job_timeout_capped_at_5s(
 
 
 def test_stuck_store_through_vllm_fails_cleanly_and_reset_completes(
-    disk_root, replicas, monkeypatch
+    disk_root, replicas, monkeypatch, io_mode
 ):
     from vllm.v1.kv_offload.base import LookupResult
 
@@ -343,7 +342,8 @@ def test_stuck_store_through_vllm_fails_cleanly_and_reset_completes(
     replica = Replica(offloading_config(tiers=[ours(disk_root, job_timeout_s=TIMEOUT_S)]))
     replicas.append(replica)
     engine = replica.tier.engine
-    gate = Gate(engine, monkeypatch)
+    assert bool(engine.io_workers) == io_mode.workers
+    gate = Gate(engine, io_mode.pause_dir, kinds=("store",))
     results = []
     real_finished = replica.tier.get_finished_jobs
 
@@ -356,7 +356,8 @@ def test_stuck_store_through_vllm_fails_cleanly_and_reset_completes(
     keys = make_keys(3, seed="stuck")
     try:
         replica.store(keys, settle=False)  # raises nothing into the "scheduler"
-        gate.wait_entered(3)
+        held_by_executor(engine, 3)  # the three blocks are out, held or next in line
+        gate.wait_entered(1)
         replica.settle()  # steps until the manager has nothing in flight
         assert not gate.opened.is_set()
         assert [(r.success, r.transfer_bytes) for r in results] == [(False, 0)]

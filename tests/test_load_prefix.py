@@ -36,8 +36,10 @@ pytestmark = pytest.mark.usefixtures("io_mode")
 def test_engine_stops_a_load_job_at_its_first_bad_block(disk_root, engines, gate_for):
     # Four places in both modes: four I/O threads, or two workers holding two
     # blocks each (one at the gate, one next in its pipe). Blocks 0-3 are held
-    # out of the queue; block 2 (bad) is let go first and fails while 0, 1
-    # and 3 are still out and 4 and 5 still queued.
+    # out of the queue, 4 and 5 stay queued. The first block after 0 that
+    # reached the gate (block b) goes bad and is let go first: it fails while
+    # the other blocks out wait, so 4 and 5 are never read and the blocks
+    # out after b are read but not delivered.
     places = {"io_workers": 2} if engines.mode.workers else {}
     engine, layout, primary = engines(
         disk_root, n_blocks=16, n_read_threads=2, n_write_threads=2, **places
@@ -45,7 +47,6 @@ def test_engine_stops_a_load_job_at_its_first_bad_block(disk_root, engines, gate
     ids = list(range(6))
     store_blocks(engine, primary, 1, ids, ids)
     keys = [engine_key(i) for i in ids]
-    flip_a_bit(layout.block_path(keys[2]))
     primary[:] = bytes(len(primary))
 
     gate = gate_for(engine)
@@ -57,28 +58,33 @@ def test_engine_stops_a_load_job_at_its_first_bad_block(disk_root, engines, gate
     assert engine.gauges()["queued_load_blocks"] == 2
     # Threads: 0-3 at the gate; workers: the head of each worker's pipe.
     gate.wait_entered(2 if engines.mode.workers else 4)
-    assert keys[2] in [k for _place, _kind, k in gate.entries]
-    gate.release(keys[2])
+    entered = {k for _place, _kind, k in gate.entries}
+    b = min(i for i in range(1, 4) if keys[i] in entered)
+    flip_a_bit(layout.block_path(keys[b]))
+    gate.release(keys[b])
     # The failure took blocks 4 and 5 off the queue, unread.
     wait_until(lambda: engine.gauges()["queued_load_blocks"] == 0, "the rest to be skipped")
-    for key in (keys[0], keys[1], keys[3]):
-        gate.release(key)
+    for key in keys[:4]:
+        if key != keys[b]:
+            gate.release(key)
     job = wait_jobs(engine, [2])[2]
 
     loaded = [k for _thread, kind, k in gate.entries if kind == "load"]
     assert sorted(loaded) == sorted(keys[:4])  # 4 and 5 never read
-    assert job.succeeded == keys[:2] and job.failed == keys[2:]
-    assert job.nbytes == 2 * BS and not job.success
-    assert row(primary, 10) == pattern(0) and row(primary, 11) == pattern(1)
+    assert job.succeeded == keys[:b] and job.failed == keys[b:]
+    assert job.nbytes == b * BS and not job.success
+    for i in range(b):
+        assert row(primary, 10 + i) == pattern(i)
     c = engine.counters
-    assert c[Outcome.VERIFIED] == 2  # block 3 was read and verified, but not delivered
-    assert c[Tally.BYTES_READ] == 2 * BS
+    assert c[Outcome.VERIFIED] == b  # blocks b+1..3 were read and verified, but not delivered
+    assert c[Tally.BYTES_READ] == b * BS
     assert c[Direction.LOAD, Failure.CORRUPT] == 1 and c[Corruption.BAD_CHECKSUM] == 1
-    assert c[Direction.LOAD, Failure.SKIPPED] == 3  # 3 (read, discarded), 4 and 5 (unread)
-    assert job.quarantined == [keys[2]]
-    assert not os.path.lexists(layout.block_path(keys[2]))
-    for key in (keys[0], keys[1], keys[3], keys[4], keys[5]):
-        assert os.path.exists(layout.block_path(key))  # skipped blocks are not bad
+    assert c[Direction.LOAD, Failure.SKIPPED] == 5 - b  # b+1..3 (read, discarded), 4 and 5
+    assert job.quarantined == [keys[b]]
+    assert not os.path.lexists(layout.block_path(keys[b]))
+    for key in keys:
+        if key != keys[b]:
+            assert os.path.exists(layout.block_path(key))  # skipped blocks are not bad
 
 
 def test_a_later_failure_in_the_job_keeps_its_own_reason(disk_root, engines):
