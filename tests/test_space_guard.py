@@ -23,7 +23,7 @@ from llmkv_fs.engine.volume.space import SpaceGuard
 from llmkv_fs.layout.blockfile import TRAILER_SIZE
 from llmkv_fs.layout.fsinfo import VolumeUsage, volume_usage
 
-from engine_kit import BS, Gate, fill, make_key, pattern, row, store_blocks, wait_jobs, wait_until
+from engine_kit import BS, fill, make_key, pattern, row, store_blocks, wait_jobs, wait_until
 from volume_kit import block_files, temp_files
 
 MiB = 1 << 20
@@ -233,9 +233,7 @@ def test_watermark_drops_stores_loads_continue_and_gc_lifts_it(small_tmpfs, engi
     assert engine.counters[Direction.STORE, Failure.SPACE] == 3
 
 
-def test_queued_stores_are_dropped_when_the_guard_trips_under_them(
-    small_tmpfs, engines, monkeypatch
-):
+def test_queued_stores_are_dropped_when_the_guard_trips_under_them(small_tmpfs, engines, gate_for):
     engine, layout, primary = engines(
         small_tmpfs,
         n_blocks=8,
@@ -243,19 +241,20 @@ def test_queued_stores_are_dropped_when_the_guard_trips_under_them(
         n_write_threads=1,
         max_usage_percent=50,
     )
-    gate = Gate(engine, monkeypatch)
+    # Held with their temp file written, past the guard check; the blocks
+    # after them are queued (threads) or next in a worker's pipe: not
+    # started, so they still ask the guard.
+    gate = gate_for(engine, kinds=("store",), point="publish")
     for c in range(5):
         fill(primary, c, pattern(c))
     running = [make_key(0), make_key(1)]
     queued = [make_key(c) for c in (2, 3, 4)]
-    try:
-        assert engine.submit_store(1, running, [0, 1])
-        gate.wait_entered(2)  # both threads are past the guard check, held
-        assert engine.submit_store(2, queued, [2, 3, 4])  # accepted: not full yet
-        write_filler(f"{small_tmpfs}/filler", 10 * MiB)
-        wait_until(lambda: tripped(engine), "the guard to trip")
-    finally:
-        gate.open()
+    assert engine.submit_store(1, running, [0, 1])
+    gate.wait_entered(2)  # both places are past the guard check, held
+    assert engine.submit_store(2, queued, [2, 3, 4])  # accepted: not full yet
+    write_filler(f"{small_tmpfs}/filler", 10 * MiB)
+    wait_until(lambda: tripped(engine), "the guard to trip")
+    gate.open()
     done = wait_jobs(engine, [1, 2])
     assert done[1].success  # a copy in flight is never cut short
     assert not done[2].success and sorted(done[2].failed) == sorted(queued)
@@ -302,7 +301,10 @@ def test_enospc_trips_the_guard_until_gc_frees_more_than_the_headroom(small_tmpf
         max_usage_percent=100,
     )
     headroom = engine.guard.headroom_bytes
-    assert headroom == 3 * bs  # one block per I/O thread (both kinds store), plus one
+    # One block per place the executor has (both kinds store), plus one:
+    # 2 threads, or 2 workers holding 2 blocks each.
+    assert headroom == (engine.executor.capacity() + 1) * bs
+    assert headroom == (3 if not engines.mode.workers else 5) * bs
     for c in range(4):
         fill(primary, c, pattern(c, bs), bs)
     keys = [make_key(f"e{i}") for i in range(24)]
@@ -327,6 +329,8 @@ def test_enospc_trips_the_guard_until_gc_frees_more_than_the_headroom(small_tmpf
 
     # gc frees two blocks: less than the headroom -- still tripped.
     written = sorted(files)
+    more_than_headroom = headroom // bs + 1
+    assert len(written) >= more_than_headroom
     for path in written[:2]:
         os.unlink(path)
     wait_until(lambda: engine.guard.usage.free_bytes >= baseline + 2 * bs, "a sample after gc")
@@ -334,8 +338,8 @@ def test_enospc_trips_the_guard_until_gc_frees_more_than_the_headroom(small_tmpf
     assert tripped(engine) and engine.guard.reason == "ENOSPC"
     assert engine.submit_store(3, [make_key("x")], [0]) is False
 
-    # Two more: now more than the headroom is free.
-    for path in written[2:4]:
+    # The rest of more than the headroom: now more than it is free.
+    for path in written[2:more_than_headroom]:
         os.unlink(path)
     wait_until(lambda: not tripped(engine), "the guard to lift", deadline_s=5.0)
     assert engine.guard.usage.free_bytes >= baseline + headroom
