@@ -19,19 +19,15 @@ from matrix_kit import ext4_shutdown, loop_ext4
 from volume_kit import flip_a_bit
 
 
-def count_loads(engine, monkeypatch) -> list[bytes]:
-    loaded: list[bytes] = []
-    real = engine.blockio.load
-
-    def load(key, row_view):
-        loaded.append(key)
-        return real(key, row_view)
-
-    monkeypatch.setattr(engine.blockio, "load", load)
-    return loaded
+def loads_seen(engine, gate_for):
+    """A record of every load a block of ``engine`` starts from now on, in
+    I/O threads or worker processes alike (an open gate only records)."""
+    gate = gate_for(engine, kinds=("load",))
+    gate.open()
+    return gate
 
 
-def fails_then_misses(engine, key: bytes, loaded: list[bytes]) -> None:
+def fails_then_misses(engine, key: bytes, loads) -> None:
     """A request finds ``key``, its load fails; fresh requests then answer
     MISS at their first lookup (no probe, no RETRY) and never load it."""
     assert settle(engine, key, "first") is True
@@ -42,11 +38,11 @@ def fails_then_misses(engine, key: bytes, loaded: list[bytes]) -> None:
         assert engine.lookup(key, f"again-{i}") is False
         engine.end_step()
         engine.forget_request(f"again-{i}")
-    assert loaded == [key]
-    assert engine._lookups.remembered_misses() == 1
+    assert [k for _place, _kind, k in loads.entries] == [key]
+    assert engine.lookups.remembered_misses() == 1
 
 
-def test_bad_file_that_cannot_be_quarantined_is_a_miss_for_a_while(disk_root, engines, monkeypatch):
+def test_bad_file_that_cannot_be_quarantined_is_a_miss_for_a_while(disk_root, engines, gate_for):
     engine, layout, primary = engines(disk_root, n_blocks=4)
     store_blocks(engine, primary, 0, ["bad"], [0])
     key = make_key("bad")
@@ -58,9 +54,9 @@ def test_bad_file_that_cannot_be_quarantined_is_a_miss_for_a_while(disk_root, en
     subprocess.run(["mount", "--bind", qdir, qdir], check=True)
     try:
         subprocess.run(["mount", "-o", "remount,bind,ro", qdir], check=True)
-        loaded = count_loads(engine, monkeypatch)
+        loads = loads_seen(engine, gate_for)
 
-        fails_then_misses(engine, key, loaded)
+        fails_then_misses(engine, key, loads)
         c = engine.counters
         assert c[Direction.LOAD, Failure.CORRUPT] == 1 and c[Corruption.BAD_CHECKSUM] == 1
         assert c[Direction.LOAD, Failure.ERROR] == 0  # still a bad file, not an I/O error
@@ -70,16 +66,16 @@ def test_bad_file_that_cannot_be_quarantined_is_a_miss_for_a_while(disk_root, en
         subprocess.run(["umount", "-l", qdir], check=False)
 
 
-def test_a_block_answering_eio_is_a_miss_for_a_while(tmp_path, engines, monkeypatch):
+def test_a_block_answering_eio_is_a_miss_for_a_while(tmp_path, engines, gate_for):
     with loop_ext4(tmp_path / "eio") as root:
         engine, _layout, primary = engines(root, n_blocks=4)
         store_blocks(engine, primary, 0, ["eio"], [0])
         key = make_key("eio")
         os.sync()
-        loaded = count_loads(engine, monkeypatch)
+        loads = loads_seen(engine, gate_for)
         ext4_shutdown(root)  # lstat still answers (cached); every read is EIO
 
-        fails_then_misses(engine, key, loaded)
+        fails_then_misses(engine, key, loads)
         assert engine.counters[Direction.LOAD, Failure.ERROR] == 1
 
 
