@@ -104,6 +104,11 @@ def test_load_stamps_access_once_per_interval(noatime_tmpfs, engines):
     assert os.path.getsize(path_a) == BS + TRAILER_SIZE  # stamping did not touch the content
 
 
+@pytest.mark.threads_only(
+    "shortens BlockIO's 60 s stamp interval by patching the module in this process; a worker "
+    "runs the same BlockIO stamping with the real interval, and the once-per-interval half "
+    "(test_load_stamps_access_once_per_interval) runs in both modes"
+)
 def test_stamp_is_renewed_after_the_interval(noatime_tmpfs, engines, monkeypatch):
     monkeypatch.setattr(blockio, "ACCESS_STAMP_INTERVAL_S", 1.0)
     engine, layout, primary = engines(noatime_tmpfs, n_blocks=4)
