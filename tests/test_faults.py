@@ -12,11 +12,15 @@ from llmkv_fs.engine import Direction, Failure
 from harness import Replica, make_keys, offloading_config, ours, payload_for
 from volume_kit import block_files, temp_files
 
+# Our tier through vLLM's stack, in both io modes (I/O threads, worker processes).
+pytestmark = pytest.mark.usefixtures("io_mode")
 
-def test_full_disk_fails_stores_cleanly_and_reads_continue(mount_tmpfs):
+
+def test_full_disk_fails_stores_cleanly_and_reads_continue(mount_tmpfs, io_mode):
     small_tmpfs = mount_tmpfs("12m")  # room for five 2 MiB blocks and their trailers
     replica = Replica(offloading_config(tiers=[ours(small_tmpfs)], cpu_bytes=64 << 20))
     try:
+        assert bool(replica.tier.engine.io_workers) == io_mode.workers
         keys = make_keys(10, seed="enospc")
         replica.store(keys)  # raises nothing into the "scheduler"
         counters = replica.tier.engine.counters
