@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import pytest
@@ -24,7 +25,17 @@ from llmkv_fs.engine.workers.region import NoHandover, find_handover
 from llmkv_fs.layout.blockfile import verify_block
 from llmkv_fs.layout.leases import pid_alive
 from llmkv_fs.layout.paths import CacheLayout
-from tests.engine_kit import BS, IDENTITY, fill, make_key, pattern, row, wait_jobs, wait_until
+from tests.engine_kit import (
+    BS,
+    IDENTITY,
+    fill,
+    make_key,
+    pattern,
+    row,
+    settle,
+    wait_jobs,
+    wait_until,
+)
 
 CHUNKS = 32
 
@@ -333,3 +344,86 @@ def test_io_workers_setting():
     for bad in (-1, 257, "many", True, 1.5):
         with pytest.raises(TierConfigError, match="io_workers"):
             TierSettings.from_mapping({"root_dir": "/x", "io_workers": bad})
+
+
+# -- drifts found by an operator's tries (issue 18) -----------------------------------
+
+
+def test_a_replacement_that_dies_at_start_up_is_counted_and_backs_off(root, monkeypatch):
+    """Reproduced before: with the interpreter broken after start, one
+    SIGKILLed worker led to 523 interpreter starts in 4 s, none counted."""
+    primary = memfd_primary()
+    engine = start(root, primary)
+    try:
+        procs = executor(engine)
+        started = procs.workers_started
+        monkeypatch.setenv("PYTHONHOME", "/nonexistent")  # replacements cannot start
+        os.kill(procs.worker_pids()[0], signal.SIGKILL)
+        t0 = time.monotonic()
+        wait_until(lambda: procs.deaths() >= 4, "three replacements to die", deadline_s=30)
+        elapsed = time.monotonic() - t0
+        # Death 1 is the kill; replacements 1..3 die before their hello, the
+        # later ones after pauses of 0.1 and 0.2 s (doubling).
+        assert elapsed >= 0.3
+        assert procs.workers_started - started <= procs.deaths()  # no start uncounted
+        assert procs.workers_started - started < 8, "replacements in a tight loop"
+        engine.end_step()
+        assert engine.counters[Tally.WORKER_DEATHS] == procs.deaths()
+        monkeypatch.delenv("PYTHONHOME")
+        wait_until(lambda: len(procs.worker_pids()) == 2, "a replacement once it can start")
+        assert not store_all(engine, primary, range(4)).failed
+    finally:
+        engine.shutdown()
+
+
+def test_shutdown_kills_a_stopped_worker_holding_a_block(root, monkeypatch):
+    """Reproduced before: shutdown() still blocked after 30 s while a
+    SIGSTOPped worker held a block (the docs promise SIGKILL after the grace)."""
+    from llmkv_fs.engine.workers import crew
+
+    monkeypatch.setattr(crew, "STOP_GRACE_S", 1.0)
+    primary = memfd_primary()
+    engine = start(root, primary)
+    pids = _hold_all(engine, 2)
+    try:
+        engine.submit_store(1, [make_key(i) for i in range(2)], [0, 1])
+        wait_until(lambda: in_flight(engine) == 2, "blocks held by stopped workers")
+        stopper = threading.Thread(target=engine.shutdown, daemon=True)
+        t0 = time.monotonic()
+        stopper.start()
+        stopper.join(15)
+        assert not stopper.is_alive(), "shutdown hangs on a stopped worker"
+        assert time.monotonic() - t0 < 10
+        assert not any(pid_alive(p) for p in pids)
+        job = wait_jobs(engine, [1])[1]
+        assert len(job.failed) == 2  # given back cancelled, never published
+        assert engine.counters[Direction.STORE, Failure.CANCELLED] == 2
+        assert not glob.glob(f"{engine.layout.rank_dir}/*/*/*.bin")
+    finally:
+        _resume(pids)
+
+
+def test_a_workers_death_does_not_make_good_blocks_miss(root):
+    """Reproduced before: the blocks a dying worker held were failed as a
+    generic error, which the negative cache keeps as a miss for
+    failed_load_miss_s (60 s) although their files are fine."""
+    primary = memfd_primary()
+    engine = start(root, primary)
+    try:
+        assert not store_all(engine, primary, range(4)).failed
+        pids = _hold_all(engine, 2)
+        keys = [make_key(i) for i in range(4)]
+        engine.submit_load(2, keys, list(range(4)))
+        wait_until(lambda: in_flight(engine) == 4, "every block held")
+        for pid in pids:
+            os.kill(pid, signal.SIGKILL)
+        job = wait_jobs(engine, [2])[2]
+        assert set(job.failed) == set(keys)
+        assert engine.counters[Direction.LOAD, Failure.WORKER_DIED] == 4
+        assert engine.counters[Direction.LOAD, Failure.ERROR] == 0
+        wait_until(lambda: len(executor(engine).worker_pids()) == 2, "replacements")
+        assert all(settle(engine, key, "next request") for key in keys)
+        engine.submit_load(3, keys, list(range(4)))
+        assert not wait_jobs(engine, [3])[3].failed
+    finally:
+        engine.shutdown()
