@@ -14,7 +14,6 @@ tiers are live: a block republished meanwhile is left alone.
 from __future__ import annotations
 
 import argparse
-import collections
 import json
 import os
 import queue
@@ -40,8 +39,9 @@ from llmkv_fs.ops.blockcheck import (
     check_block,
     infer_chunk_size,
 )
-from llmkv_fs.ops.problems import EXAMPLES_PER_KIND, Problems, shorten
+from llmkv_fs.ops.problems import EXAMPLES_PER_KIND, Problems
 from llmkv_fs.ops.stats import select_digests
+from llmkv_fs.ops.verify_text import print_report
 from llmkv_fs.units import format_bytes
 
 __all__ = ["add_arguments", "quarantine", "run", "verify_volume"]
@@ -104,10 +104,13 @@ class _Progress:
         self.bar.close()
 
 
-def quarantine(rank_dir: str, result: Result) -> tuple[str, str | None]:
+def quarantine(
+    rank_dir: str, result: Result, problems: Problems | None = None
+) -> tuple[str, str | None]:
     """Move a bad file aside if its path still names the inode judged bad.
     Returns (outcome, new path): "quarantined", "replaced" (another file is
-    there now: left alone), "vanished", "skipped" or "failed: ..."."""
+    there now: left alone), "vanished", "skipped" or "failed: ..." (also
+    recorded in ``problems``)."""
     if result.ident is None:
         return "skipped", None
     try:
@@ -117,6 +120,8 @@ def quarantine(rank_dir: str, result: Result) -> tuple[str, str | None]:
     except FileNotFoundError:
         return "vanished", None
     except OSError as exc:
+        if problems is not None:
+            problems.add(exc, result.path, "quarantine")
         return f"failed: {exc}", None
     return ("quarantined", target) if target is not None else ("replaced", None)
 
@@ -262,7 +267,9 @@ class _Results:
                 "quarantined_to": None,
             }
             if self.repair:
-                record["repair"], record["quarantined_to"] = quarantine(rank_dir, result)
+                record["repair"], record["quarantined_to"] = quarantine(
+                    rank_dir, result, self.problems
+                )
             self.bad.append(record)
         elif result.status == ERROR:
             self.problems.add_kind(
@@ -331,62 +338,6 @@ def verify_volume(
     }
 
 
-def _print_human(report: dict, out) -> None:
-    t = report["totals"]
-    rate = ""
-    if report["files_per_s"] is not None:
-        rate = f" ({report['files_per_s']:.0f} files/s, {report['bytes_per_s'] / 1e9:.2f} GB/s)"
-    print(
-        f"verify {report['root']}: {t['files']} files in {len(report['digests'])} digest(s), "
-        f"{format_bytes(t['bytes_read'])} read in {report['elapsed_s']:.2f} s{rate}, "
-        f"listed in {report['listing_s']:.2f} s",
-        file=out,
-    )
-    for d in report["digests"]:
-        chunk = "-" if d["chunk_bytes"] is None else format_bytes(d["chunk_bytes"])
-        ranks = " ".join(f"r{r}" for r in d["ranks"]) or "no rank dirs"
-        source = {"trailer": "a trailer"}.get(d["chunk_source"], d["chunk_source"])
-        print(f"  {d['name']}  chunk {chunk} (from {source})  {ranks}", file=out)
-        print(
-            f"    verified {d['verified']}  unverified {d['unverified']}  bad {d['bad']}  "
-            f"unreadable {d['errors']}  vanished {d['vanished']}",
-            file=out,
-        )
-    if report["bad"]:
-        print(f"bad files ({len(report['bad'])}):", file=out)
-        for b in report["bad"]:
-            repair = ""
-            if b["repair"] == "quarantined":
-                repair = f"  -> {b['quarantined_to']}"
-            elif b["repair"]:
-                repair = f"  [not moved: {b['repair']}]"
-            print(f"  {b['reason']:<13} {b['path']}  ({b['detail']}){repair}", file=out)
-    if report["errors"]:
-        print(f"unreadable ({len(report['errors'])}), not moved:", file=out)
-        for kind, found in report["problems"].items():
-            print(f"  {kind}: {found['count']}", file=out)
-            for e in found["examples"]:
-                print(f"    {e['op']} {shorten(e['path'])}: {e['detail']}", file=out)
-    links = report["symlinks"]
-    if links["count"]:
-        print(
-            f"symlinks left alone (never followed): {links['count']}, "
-            f"e.g. {shorten(links['examples'][0])}",
-            file=out,
-        )
-    if t["atime_touched"]:
-        print(
-            f"note: {t['atime_touched']} files are not ours to read with O_NOATIME; reading "
-            "them may have refreshed their atime (LRU age)",
-            file=out,
-        )
-    outcomes = collections.Counter(b["repair"] for b in report["bad"])
-    summary = "OK" if not (t["bad"] or t["errors"]) else f"{t['bad']} bad, {t['errors']} unreadable"
-    if report["repair"] and report["bad"]:
-        summary += " (" + ", ".join(f"{n} {k}" for k, n in sorted(outcomes.items())) + ")"
-    print(f"result: {summary}", file=out)
-
-
 def run(args: argparse.Namespace) -> int:
     if not os.path.isdir(args.root):
         print(f"llmkv-fs verify: {args.root}: not a directory", file=sys.stderr)
@@ -400,5 +351,5 @@ def run(args: argparse.Namespace) -> int:
         json.dump(report, sys.stdout, indent=1)
         print()
     else:
-        _print_human(report, sys.stdout)
+        print_report(report, sys.stdout)
     return 1 if report["totals"]["bad"] or report["totals"]["errors"] else 0

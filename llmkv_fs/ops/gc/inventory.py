@@ -191,12 +191,17 @@ def take_inventory(
             inv.dir_depth[listing.id] = listing.depth
             inv.dir_digest[listing.id] = digest_index
             inv.dir_rank_area[listing.id] = tops[listing.top][1] == scan.RANK_AREA
-            inv.dir_entries[listing.id] = len(listing.files) + listing.subdirs
+            # Entries that could not be looked at still count: pruning must
+            # not take their directory for empty (nor one it could not read).
+            inv.dir_entries[listing.id] = (
+                len(listing.files) + listing.subdirs + len(listing.problems)
+            )
             inv.dirs += 1
             if listing.gone:
                 inv.dir_removed(listing.id)
                 continue
             if listing.error is not None:
+                inv.dir_entries[listing.id] = 1
                 facts.unreadable += 1
                 inv.problems.add(listing.error, listing.path, "list")
                 continue
