@@ -29,6 +29,27 @@ LONG_NAME = "d" * 250  # NAME_MAX is 255: 20 levels of these pass PATH_MAX
 _DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
+LOCAL_FILESYSTEMS = ["ext4", "tmpfs"]
+
+
+def local_dir(fs: str, tmp_path) -> Iterator[str]:
+    """A fresh root on ext4 (pytest's tmp_path) or tmpfs (/dev/shm), for a
+    ``local_root`` fixture: the faults here are made in this process, so a
+    network filesystem adds nothing (and GlusterFS cannot even hold a tree
+    deeper than PATH_MAX: its bricks answer such a mkdir ESTALE)."""
+    if fs == "ext4":
+        path = tmp_path / "kv"
+        path.mkdir()
+        yield str(path)
+        return
+    made = f"/dev/shm/llmkv_fs_test_{os.getpid()}_{tmp_path.name}"
+    os.mkdir(made)
+    try:
+        yield made
+    finally:
+        shutil.rmtree(made, ignore_errors=True)
+
+
 # -- chains deeper than PATH_MAX ------------------------------------------------------------
 
 

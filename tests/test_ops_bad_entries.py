@@ -12,28 +12,8 @@ import errno
 import json
 import os
 import select
-import shutil
 
 import pytest
-from ops_fault_kit import (
-    EIO,
-    ESTALE,
-    DirFault,
-    chown_tree,
-    deep_chain,
-    depth_of_chain,
-    moved_aside,
-    nested_ext4,
-    raise_errno,
-    reachable_root,
-    remove_chain,
-    shut_down_ext4,
-    swap_for_file,
-    swap_for_symlink,
-    tool,
-    tool_as,
-    vanish,
-)
 
 from llmkv_fs.cli import main as cli_main
 
@@ -48,6 +28,27 @@ from gc_kit import (
     put_block,
     running,
     stop_watch,
+)
+from ops_fault_kit import (
+    EIO,
+    ESTALE,
+    LOCAL_FILESYSTEMS,
+    DirFault,
+    chown_tree,
+    deep_chain,
+    depth_of_chain,
+    local_dir,
+    moved_aside,
+    nested_ext4,
+    raise_errno,
+    reachable_root,
+    remove_chain,
+    shut_down_ext4,
+    swap_for_file,
+    swap_for_symlink,
+    tool,
+    tool_as,
+    vanish,
 )
 
 OLD = 8 * DAY
@@ -67,26 +68,15 @@ def fan_out_dirs(blocks: list[str]) -> set[str]:
     }
 
 
-@pytest.fixture(params=["ext4", "tmpfs"])
+@pytest.fixture(params=LOCAL_FILESYSTEMS)
 def local_root(request, tmp_path):
-    """ext4 (pytest's tmp_path) and tmpfs (/dev/shm): the faults below are
-    made in this process, so a network filesystem adds nothing."""
-    if request.param == "ext4":
-        path = tmp_path / "kv"
-        path.mkdir()
-        yield str(path)
-        return
-    path = f"/dev/shm/llmkv_fs_test_{os.getpid()}_{tmp_path.name}"
-    os.mkdir(path)
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
+    yield from local_dir(request.param, tmp_path)
 
 
 # -- a tree deeper than PATH_MAX -----------------------------------------------------------------
 
 
 def test_a_tree_deeper_than_path_max_costs_nothing(local_root, capsys):
-    # (GlusterFS cannot hold one: its bricks answer such a mkdir ESTALE.)
     volume = local_root
     layout, blocks = cache_with_blocks(volume)
     old_empty = f"{layout.rank_dir}/fff/ff_g0"
