@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import hashlib
 import json
 import os
 import shutil
@@ -48,6 +49,13 @@ def local_dir(fs: str, tmp_path) -> Iterator[str]:
         yield made
     finally:
         shutil.rmtree(made, ignore_errors=True)
+
+
+def key_in_dir(directory: int, seed: str, group: int = 0) -> bytes:
+    """A key whose block lies in fan-out directory number ``directory``
+    (0 to 0xfffff): its hash's first five hex digits are ``<hhh><hh>``."""
+    tail = hashlib.sha256(seed.encode()).hexdigest()[5:]
+    return bytes.fromhex(f"{directory:05x}{tail}") + group.to_bytes(4, "big")
 
 
 # -- chains deeper than PATH_MAX ------------------------------------------------------------

@@ -6,14 +6,13 @@ directory, then name), however the blocks lie in the fan-out directories."""
 
 from __future__ import annotations
 
-import hashlib
 import os
 import time
 
 import pytest
 
 from gc_kit import DAY, block_bytes, gc, make_digest
-from ops_fault_kit import LOCAL_FILESYSTEMS, local_dir
+from ops_fault_kit import LOCAL_FILESYSTEMS, key_in_dir, local_dir
 
 OLDER, BURST, EVICT = 3000, 2000, 4000
 SHARED_DIRS = 100  # the "shared" layout: 30 older and 20 burst blocks in each
@@ -22,13 +21,6 @@ SHARED_DIRS = 100  # the "shared" layout: 30 older and 20 burst blocks in each
 @pytest.fixture(params=LOCAL_FILESYSTEMS)
 def local_root(request, tmp_path):
     yield from local_dir(request.param, tmp_path)
-
-
-def key_in_dir(directory: int, seed: str) -> bytes:
-    """A key whose block lies in fan-out directory number ``directory``:
-    its hash's first five hex digits are ``<hhh>`` and ``<hh>``."""
-    tail = hashlib.sha256(seed.encode()).hexdigest()[5:]
-    return bytes.fromhex(f"{directory:05x}{tail}") + (0).to_bytes(4, "big")
 
 
 def spread(directory: int) -> int:

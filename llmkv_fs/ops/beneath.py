@@ -12,7 +12,9 @@ no call sees more than one name.
 
 from __future__ import annotations
 
+import errno
 import os
+import stat
 
 __all__ = ["DIR_FLAGS", "MAX_DEPTH", "DirHandles", "open_beneath", "open_dir"]
 
@@ -24,9 +26,23 @@ MAX_DEPTH = 32
 
 
 def open_dir(name: str, dir_fd: int | None = None) -> int:
-    """An fd of the directory ``name`` (relative to ``dir_fd`` if given);
-    ELOOP or ENOTDIR if it is a symlink or not a directory."""
-    return os.open(name, DIR_FLAGS, dir_fd=dir_fd)
+    """An fd of the directory ``name`` (relative to ``dir_fd`` if given).
+    A symlink there is ELOOP ("a symlink, not followed"), whichever of
+    ELOOP and ENOTDIR the kernel chose; anything else not a directory is
+    ENOTDIR."""
+    try:
+        return os.open(name, DIR_FLAGS, dir_fd=dir_fd)
+    except OSError as exc:
+        if exc.errno not in (errno.ELOOP, errno.ENOTDIR) or not _is_link(name, dir_fd):
+            raise
+        raise OSError(errno.ELOOP, "a symlink, not followed", name) from exc
+
+
+def _is_link(name: str, dir_fd: int | None) -> bool:
+    try:
+        return stat.S_ISLNK(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode)
+    except OSError:
+        return False
 
 
 def open_beneath(top: str, path: str) -> int:

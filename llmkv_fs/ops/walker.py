@@ -19,11 +19,9 @@ volume changes while it is read.
 from __future__ import annotations
 
 import dataclasses
-import errno
 import itertools
 import os
 import queue
-import stat
 import threading
 from collections.abc import Generator, Iterable
 from typing import NamedTuple
@@ -71,18 +69,6 @@ class _Item(NamedTuple):
     in_leases: bool
 
 
-def _what_took_its_place(path: str, exc: OSError) -> OSError:
-    """A directory that could not be opened as one (ELOOP or ENOTDIR, as
-    the kernel chooses): say so plainly when a symlink holds its name now."""
-    try:
-        is_link = stat.S_ISLNK(os.lstat(path).st_mode)
-    except OSError:
-        return exc
-    if not is_link:
-        return exc
-    return OSError(errno.ELOOP, "a symlink now, not followed", path)
-
-
 class _Walker:
     """A queue of directories to read and a pool of threads reading them.
 
@@ -107,8 +93,6 @@ class _Walker:
     @staticmethod
     def unread(item: _Item, exc: OSError) -> Listing:
         gone = isinstance(exc, FileNotFoundError)
-        if exc.errno in (errno.ELOOP, errno.ENOTDIR):
-            exc = _what_took_its_place(item.path, exc)
         return Listing(
             item.id,
             item.parent,

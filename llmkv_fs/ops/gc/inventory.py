@@ -71,11 +71,12 @@ class DigestFacts:
 
     def read_leases(self, problems: Problems) -> None:
         """(Re-)read the digest's leases; one that cannot be read keeps the
-        digest (``lease_error``) and is reported."""
+        digest (``lease_error``) and is reported (once a pass)."""
         try:
             found = self.digest.lease_dir()
         except OSError as exc:
-            problems.add(exc, exc.filename or self.digest.config_dir, "read leases")
+            if not self.lease_error:
+                problems.add(exc, exc.filename or self.digest.config_dir, "read leases")
             self.leases, self.bad_leases = [], []
             self.lease_error = exc.strerror or str(exc)
             return
