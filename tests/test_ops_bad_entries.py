@@ -369,3 +369,18 @@ def test_a_disk_answering_eio_below_a_rank_dir(disk_root, tmp_path, capsys):
         assert cli_main(["gc", disk_root, "--pid-check", "on", *EVICT_ALL]) == 1
         text = capsys.readouterr().out
         assert "EIO: 2" in text and f"unlink {broken[0]}: Input/output error" in text
+
+
+def test_a_root_gc_cannot_list_still_gets_a_report():
+    """Only the root failing ends a pass early; even then it reports."""
+    uid, gid = nobody()
+    with reachable_root("/tmp") as root:
+        os.chmod(root, 0o733)  # the lock file can be made, the root not listed
+        status, out, err = tool_as(uid, gid, ["gc", root, "--json"])
+        assert status == 1
+        report = json.loads(out)
+        assert report["aborted"] == f"{root}: Permission denied"
+        assert report["problems"]["EACCES"]["examples"] == [
+            {"op": "pass", "path": root, "detail": "Permission denied"}
+        ]
+        assert "pass stopped early" in err

@@ -228,12 +228,27 @@ def _age(now: float, then: float | None) -> float | None:
     return None if then is None else round(now - then, 3)
 
 
-def _read_leases(d: scan.Digest, problems: Problems) -> tuple[LeaseDir, str | None]:
+def _leases(
+    d: scan.Digest, now: float, this_host: str, problems: Problems
+) -> tuple[dict[str, Any], list[Lease]]:
+    """The report's ``leases`` (live, stale, bad and why ``leases/`` could
+    not be read) and the live ones."""
     try:
-        return d.lease_dir(), None
+        found, error = d.lease_dir(), None
     except OSError as exc:  # leases/ a symlink (never followed), unreadable, ...
         problems.add(exc, exc.filename or d.config_dir, "read leases")
-        return LeaseDir([], []), exc.strerror or str(exc)
+        found, error = LeaseDir([], []), exc.strerror or str(exc)
+    live: list[Lease] = []
+    stale: list[Lease] = []
+    for lease in found.leases:
+        (live if lease.is_live(now, this_host) else stale).append(lease)
+    report = {
+        "live": [_lease_json(x, now) for x in live],
+        "stale": [_lease_json(x, now) for x in stale],
+        "bad": [{"path": b.path, "why": b.why} for b in found.bad],
+        "error": error,
+    }
+    return report, live
 
 
 def _digest_stats(
@@ -243,11 +258,7 @@ def _digest_stats(
     found = _walk_digest(d, now, threads, problems)
     ranks = found.ranks
     chunk = infer_chunk_size(found.probe)
-    found_leases, lease_error = _read_leases(d, problems)
-    live: list[Lease] = []
-    stale: list[Lease] = []
-    for lease in found_leases.leases:
-        (live if lease.is_live(now, this_host) else stale).append(lease)
+    leases, live = _leases(d, now, this_host, problems)
     fingerprints = sorted({lease.seed_fingerprint for lease in live})
     return {
         "name": d.name,
@@ -270,12 +281,7 @@ def _digest_stats(
             "oldest_age_s": _age(now, found.oldest),
             "newest_age_s": _age(now, found.newest),
         },
-        "leases": {
-            "live": [_lease_json(x, now) for x in live],
-            "stale": [_lease_json(x, now) for x in stale],
-            "bad": [{"path": b.path, "why": b.why} for b in found_leases.bad],
-            "error": lease_error,  # why leases/ could not be read, else None
-        },
+        "leases": leases,
         "seed_fingerprints": fingerprints,
         "seed_mismatch": len(fingerprints) > 1,
         "temp": {

@@ -32,6 +32,7 @@ from llmkv_fs.ops.gc.evict import evict
 from llmkv_fs.ops.gc.inventory import DigestFacts, Inventory, allocated
 from llmkv_fs.ops.gc.rules import Policy, digest_verdict, temp_verdict
 from llmkv_fs.ops.problems import Problems, TooDeep
+from llmkv_fs.ops.scan import FileEntry
 
 __all__ = ["delete_tree", "evict", "prune_dirs", "remove_digest", "remove_temps"]
 
@@ -225,7 +226,12 @@ def remove_temps(
 
 
 def _remove_temp(
-    inv: Inventory, entry, dir_id: int, dirs: DirHandles, dry_run: bool, problems: Problems
+    inv: Inventory,
+    entry: FileEntry,
+    dir_id: int,
+    dirs: DirHandles,
+    dry_run: bool,
+    problems: Problems,
 ) -> bool | None:
     """Unlink one temp file if it is still the file judged (same inode, a
     regular file). True: removed (or would be); False: gone already or

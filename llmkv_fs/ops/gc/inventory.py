@@ -186,32 +186,11 @@ def take_inventory(
         for listing in listings:
             digest_index = top_digest[listing.top]
             facts = digests[digest_index]
-            inv._grow(listing.id)
-            inv.dir_path[listing.id] = listing.path
-            inv.dir_parent[listing.id] = listing.parent
-            inv.dir_depth[listing.id] = listing.depth
-            inv.dir_digest[listing.id] = digest_index
-            inv.dir_rank_area[listing.id] = tops[listing.top][1] == scan.RANK_AREA
-            # Entries that could not be looked at still count: pruning must
-            # not take their directory for empty (nor one it could not read).
-            inv.dir_entries[listing.id] = (
-                len(listing.files) + listing.subdirs + len(listing.problems)
-            )
-            inv.dirs += 1
-            if listing.gone:
-                inv.dir_removed(listing.id)
-                continue
-            if listing.error is not None:
-                inv.dir_entries[listing.id] = 1
-                facts.unreadable += 1
-                inv.problems.add(listing.error, listing.path, "list")
-                continue
-            for op, path, exc in listing.problems:
-                facts.unreadable += 1
-                inv.problems.add(exc, path, op)
-            _fold(inv, facts, digest_index, listing)
-            if not facts.proven:
-                _judge_names(facts, listing, tops[listing.top][0], tops[listing.top][1])
+            top, area = tops[listing.top]
+            if _take(inv, facts, digest_index, listing, area == scan.RANK_AREA):
+                _fold(inv, facts, digest_index, listing)
+                if not facts.proven:
+                    _judge_names(facts, listing, top, area)
             if progress is not None:
                 progress(inv)
             if stop is not None and stop():
@@ -222,6 +201,35 @@ def take_inventory(
         if facts.newest == 0.0:
             _empty_digest_age(facts)
     return inv
+
+
+def _take(
+    inv: Inventory, facts: DigestFacts, digest_index: int, listing: scan.Listing, rank_area: bool
+) -> bool:
+    """Record ``listing``'s directory and what could not be read in it;
+    whether its files are there to fold in."""
+    inv._grow(listing.id)
+    inv.dir_path[listing.id] = listing.path
+    inv.dir_parent[listing.id] = listing.parent
+    inv.dir_depth[listing.id] = listing.depth
+    inv.dir_digest[listing.id] = digest_index
+    inv.dir_rank_area[listing.id] = rank_area
+    # Entries that could not be looked at still count: pruning must not
+    # take their directory for empty (nor one it could not read at all).
+    inv.dir_entries[listing.id] = len(listing.files) + listing.subdirs + len(listing.problems)
+    inv.dirs += 1
+    if listing.gone:
+        inv.dir_removed(listing.id)
+        return False
+    if listing.error is not None:
+        inv.dir_entries[listing.id] = 1
+        facts.unreadable += 1
+        inv.problems.add(listing.error, listing.path, "list")
+        return False
+    for op, path, exc in listing.problems:
+        facts.unreadable += 1
+        inv.problems.add(exc, path, op)
+    return True
 
 
 def _empty_digest_age(facts: DigestFacts) -> None:
