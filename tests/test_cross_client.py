@@ -17,6 +17,7 @@ from llmkv_fs.layout.files import read_small_regular_file, write_file_atomically
 from llmkv_fs.layout.leases import Lease, read_leases, refresh_lease, write_lease
 from llmkv_fs.layout.names import is_silly_rename_name, trash_path
 from llmkv_fs.ops.gc.actions import delete_tree
+from llmkv_fs.ops.problems import Problems
 
 from engine_kit import (
     BS,
@@ -138,8 +139,8 @@ def test_a_digest_removed_under_a_reader_gives_it_clean_misses(shared_volume, en
     rank_b = os.path.join(shared_volume.b, os.path.basename(layout_a.rank_dir))
     trash = trash_path(shared_volume.b, "0" * 12, 0, os.getpid(), time.time_ns())
     os.rename(rank_b, trash)
-    errors: list[str] = []
-    assert delete_tree(trash, errors) == (3, True) and errors == []
+    problems = Problems()
+    assert delete_tree(trash, problems) == (3, True) and not problems
 
     primary_a[3 * BS : 6 * BS] = b"\0" * (3 * BS)
     assert engine_a.submit_load(2, keys, [3, 4, 5])

@@ -624,7 +624,8 @@ def test_gc_trash_never_deletes_through_a_link(root, tmp_path):
     assert not os.path.lexists(inner)
     # And delete_tree itself, handed a link, unlinks the link only.
     from llmkv_fs.ops.gc.actions import delete_tree
+    from llmkv_fs.ops.problems import Problems
 
-    errors: list[str] = []
-    assert delete_tree(top_link, errors) == (1, True) and errors == []
+    problems = Problems()
+    assert delete_tree(top_link, problems) == (1, True) and not problems
     assert not os.path.lexists(top_link) and os.listdir(outside / "deep") == ["keep.txt"]

@@ -30,6 +30,8 @@ from llmkv_fs.layout.blockfile import (
 from llmkv_fs.layout.names import parse_block_path
 from llmkv_fs.layout.quarantine import file_ident
 from llmkv_fs.layout.vectored import read_all
+from llmkv_fs.ops.beneath import open_beneath
+from llmkv_fs.ops.problems import kind_of
 
 __all__ = [
     "BAD",
@@ -54,18 +56,30 @@ _PROBE_SIZES = 8  # distinct file sizes tried when looking for a trailer
 _PROBE_PER_SIZE = 3  # files of one size tried
 
 
-def open_for_check(path: str) -> tuple[int, bool]:
+def open_for_check(path: str, dir_fd: int | None = None) -> tuple[int, bool]:
     """Open a block for reading without following a symlink, without
     blocking on a FIFO and -- where we may (our own files, or root) --
     without touching its atime: reading a block must not make it look
     recently used to LRU eviction (relatime bumps an atime <= mtime, which
-    every never-loaded block has). Returns (fd, atime_preserved)."""
+    every never-loaded block has). ``path`` is relative to ``dir_fd`` if
+    given. Returns (fd, atime_preserved)."""
     if O_NOATIME:
         try:
-            return os.open(path, _BASE_FLAGS | O_NOATIME), True
+            return os.open(path, _BASE_FLAGS | O_NOATIME, dir_fd=dir_fd), True
         except PermissionError:
             pass  # EPERM: not the owner and no CAP_FOWNER
-    return os.open(path, _BASE_FLAGS), False
+    return os.open(path, _BASE_FLAGS, dir_fd=dir_fd), False
+
+
+def _open_block(rank_dir: str, path: str) -> tuple[int, bool]:
+    """``open_for_check`` of a block below ``rank_dir``, its directories
+    opened name by name: a directory swapped for a symlink since the walk
+    is ELOOP or ENOTDIR, never a way off the volume."""
+    dir_fd = open_beneath(rank_dir, os.path.dirname(path))
+    try:
+        return open_for_check(os.path.basename(path), dir_fd)
+    finally:
+        os.close(dir_fd)
 
 
 def undo_atime(fd: int, before: os.stat_result) -> bool:
@@ -141,6 +155,7 @@ class Result:
     detail: str = ""
     ident: tuple[int, int] | None = None  # (st_dev, st_ino) of what was judged
     atime_preserved: bool = True
+    error_kind: str = ""  # ERROR: the errno's name (EIO, EACCES, ...)
 
 
 class _Buffers(threading.local):
@@ -187,16 +202,16 @@ def check_block(rank_dir: str, path: str, lst: os.stat_result, chunk: int) -> Re
     if key is None:
         return _bad(path, "bad-name", "not a block path of this rank directory", lst)
     try:
-        fd, preserved = open_for_check(path)
+        fd, preserved = _open_block(rank_dir, path)
     except FileNotFoundError:
         return Result(path, VANISHED)
     except OSError as exc:
-        if exc.errno == errno.ELOOP:  # replaced by a symlink since the walk
-            try:
+        if exc.errno == errno.ELOOP and exc.filename == os.path.basename(path):
+            try:  # the block itself replaced by a symlink since the walk
                 return _bad(path, "symlink", "symlink, not followed", os.lstat(path))
             except OSError:
                 return Result(path, VANISHED)
-        return Result(path, ERROR, 0, "open-error", str(exc))
+        return Result(path, ERROR, 0, "open-error", str(exc), error_kind=kind_of(exc))
     try:
         st = os.fstat(fd)
         result = Result(path, BAD, 0, "", "", file_ident(st), preserved)
@@ -228,6 +243,6 @@ def check_block(rank_dir: str, path: str, lst: os.stat_result, chunk: int) -> Re
             result.reason, result.detail = _size_reason(n, chunk)
         return result
     except OSError as exc:
-        return Result(path, ERROR, 0, "read-error", str(exc))
+        return Result(path, ERROR, 0, "read-error", str(exc), error_kind=kind_of(exc))
     finally:
         os.close(fd)

@@ -2,7 +2,8 @@
 blocks and bytes, how recently blocks were used, the tiers holding leases
 (and whether they hash blocks alike), temp files, quarantined files and
 anything unexpected. Reads metadata only (plus at most a few trailer pages
-per digest to tell the chunk size); never changes the volume.
+per digest to tell the chunk size); never changes the volume, never follows
+a symlink. What cannot be read is counted under ``problems`` and skipped.
 """
 
 from __future__ import annotations
@@ -20,11 +21,12 @@ from typing import Any
 
 from llmkv_fs.layout.blockfile import TRAILER_SIZE, last_used
 from llmkv_fs.layout.fsinfo import volume_usage
-from llmkv_fs.layout.leases import Lease
+from llmkv_fs.layout.leases import Lease, LeaseDir
 from llmkv_fs.layout.names import in_quarantine, is_block_name, parse_quarantine_name
 from llmkv_fs.layout.paths import run_config_digest
 from llmkv_fs.ops import scan
 from llmkv_fs.ops.blockcheck import infer_chunk_size
+from llmkv_fs.ops.problems import Problems
 from llmkv_fs.ops.stats_text import print_report
 
 __all__ = ["AGE_BUCKETS", "add_arguments", "run", "select_digests", "volume_stats"]
@@ -151,7 +153,7 @@ class _DigestFiles:
     unreadable: list[dict[str, str]] = dataclasses.field(default_factory=list)
 
 
-def _walk_digest(d: scan.Digest, now: float, threads: int) -> _DigestFiles:
+def _walk_digest(d: scan.Digest, now: float, threads: int, problems: Problems) -> _DigestFiles:
     found = _DigestFiles(ranks={rank: {"blocks": 0, "bytes": 0} for rank in sorted(d.rank_dirs)})
     ranks = found.ranks
     tops: list[tuple[str, str]] = [(d.rank_dirs[r], scan.RANK_AREA) for r in ranks]
@@ -161,6 +163,9 @@ def _walk_digest(d: scan.Digest, now: float, threads: int) -> _DigestFiles:
     for listing in scan.walk(tops, threads):
         if listing.error is not None:
             found.unreadable.append({"path": listing.path, "detail": str(listing.error)})
+            problems.add(listing.error, listing.path, "list")
+        for op, path, exc in listing.problems:
+            problems.add(exc, path, op)
         top_dir, area = tops[listing.top]
         quarantined_here = area == scan.RANK_AREA and in_quarantine(top_dir, listing.path)
         for e in listing.files:
@@ -223,16 +228,37 @@ def _age(now: float, then: float | None) -> float | None:
     return None if then is None else round(now - then, 3)
 
 
-def _digest_stats(d: scan.Digest, now: float, this_host: str, threads: int) -> dict[str, Any]:
-    config = d.read_config()
-    found = _walk_digest(d, now, threads)
-    ranks = found.ranks
-    chunk = infer_chunk_size(found.probe)
-    found_leases = d.lease_dir()
+def _leases(
+    d: scan.Digest, now: float, this_host: str, problems: Problems
+) -> tuple[dict[str, Any], list[Lease]]:
+    """The report's ``leases`` (live, stale, bad and why ``leases/`` could
+    not be read) and the live ones."""
+    try:
+        found, error = d.lease_dir(), None
+    except OSError as exc:  # leases/ a symlink (never followed), unreadable, ...
+        problems.add(exc, exc.filename or d.config_dir, "read leases")
+        found, error = LeaseDir([], []), exc.strerror or str(exc)
     live: list[Lease] = []
     stale: list[Lease] = []
-    for lease in found_leases.leases:
+    for lease in found.leases:
         (live if lease.is_live(now, this_host) else stale).append(lease)
+    report = {
+        "live": [_lease_json(x, now) for x in live],
+        "stale": [_lease_json(x, now) for x in stale],
+        "bad": [{"path": b.path, "why": b.why} for b in found.bad],
+        "error": error,
+    }
+    return report, live
+
+
+def _digest_stats(
+    d: scan.Digest, now: float, this_host: str, threads: int, problems: Problems
+) -> dict[str, Any]:
+    config = d.read_config()
+    found = _walk_digest(d, now, threads, problems)
+    ranks = found.ranks
+    chunk = infer_chunk_size(found.probe)
+    leases, live = _leases(d, now, this_host, problems)
     fingerprints = sorted({lease.seed_fingerprint for lease in live})
     return {
         "name": d.name,
@@ -255,11 +281,7 @@ def _digest_stats(d: scan.Digest, now: float, this_host: str, threads: int) -> d
             "oldest_age_s": _age(now, found.oldest),
             "newest_age_s": _age(now, found.newest),
         },
-        "leases": {
-            "live": [_lease_json(x, now) for x in live],
-            "stale": [_lease_json(x, now) for x in stale],
-            "bad": [{"path": b.path, "why": b.why} for b in found_leases.bad],
-        },
+        "leases": leases,
         "seed_fingerprints": fingerprints,
         "seed_mismatch": len(fingerprints) > 1,
         "temp": {
@@ -283,13 +305,15 @@ def _digest_stats(d: scan.Digest, now: float, this_host: str, threads: int) -> d
     }
 
 
-def _unexpected_in_root(listing: scan.RootListing) -> list[dict[str, str]]:
+def _unexpected_in_root(listing: scan.RootListing, problems: Problems) -> list[dict[str, str]]:
     out = []
     for path in listing.symlinks + listing.other:
         try:
             out.append({"path": path, "type": _entry_type(os.lstat(path))})
         except FileNotFoundError:
             continue
+        except OSError as exc:
+            problems.add(exc, path, "lstat")
     return sorted(out, key=lambda e: e["path"])
 
 
@@ -312,8 +336,10 @@ def volume_stats(
     now = time.time() if now is None else now
     this_host = socket.gethostname()
     listing = scan.list_root(root)
+    problems = listing.problems
     digests = select_digests(root, digest_names, listing)
-    per = [_digest_stats(d, now, this_host, max(1, threads)) for d in digests]
+    per = [_digest_stats(d, now, this_host, max(1, threads), problems) for d in digests]
+    unexpected = [] if digest_names else _unexpected_in_root(listing, problems)
     totals = {
         "digests": len(per),
         **{k: sum(p[k] for p in per) for k in ("blocks", "bytes")},
@@ -326,14 +352,16 @@ def volume_stats(
         "live_leases": sum(len(p["leases"]["live"]) for p in per),
         "stale_leases": sum(len(p["leases"]["stale"]) for p in per),
         "bad_leases": sum(len(p["leases"]["bad"]) for p in per),
+        "problems": problems.count,
     }
     return {
         "root": root,
         "time": now,
         "digests": per,
-        "unexpected": [] if digest_names else _unexpected_in_root(listing),
+        "unexpected": unexpected,
         "gc_trash": [] if digest_names else listing.trash,
         "totals": totals,
+        "problems": problems.as_dict(),
         "filesystem": _statvfs(root),
         "warnings": [w for p in per for w in p["warnings"]],
     }

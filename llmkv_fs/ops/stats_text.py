@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any, TextIO
 
+from llmkv_fs.ops.problems import shorten
 from llmkv_fs.units import format_bytes, format_duration
 
 __all__ = ["print_report"]
@@ -101,6 +102,8 @@ def _print_blocks(p: dict[str, Any], out: TextIO) -> None:
 def _print_leases(p: dict[str, Any], out: TextIO) -> None:
     live, stale, bad = p["leases"]["live"], p["leases"]["stale"], p["leases"]["bad"]
     print(f"  leases     {len(live)} live, {len(stale)} stale, {len(bad)} bad", file=out)
+    if p["leases"]["error"]:
+        print(f"  !!! leases/ cannot be read: {p['leases']['error']}", file=out)
     for x in bad:
         print(f"    bad   {x['path']}: {x['why']}", file=out)
     for state, leases in (("live", live), ("stale", stale)):
@@ -131,7 +134,7 @@ def _print_leftovers(p: dict[str, Any], out: TextIO, other_listed: int) -> None:
         file=out,
     )
     for u in p["unreadable_dirs"]:
-        print(f"  !!! cannot list {u['path']}: {u['detail']}", file=out)
+        print(f"  !!! cannot list {shorten(u['path'])}: {u['detail']}", file=out)
     s = p["nfs_silly_renamed"]
     if s["count"]:
         print(
@@ -172,3 +175,9 @@ def _print_volume(report: dict[str, Any], out: TextIO) -> None:
     )
     for w in report["warnings"]:
         print(f"!!! {w}", file=out)
+    if report["problems"]:
+        print(f"could not be read (skipped): {t['problems']}", file=out)
+        for kind, found in report["problems"].items():
+            print(f"  {kind}: {found['count']}", file=out)
+            for e in found["examples"]:
+                print(f"    {e['op']} {shorten(e['path'])}: {e['detail']}", file=out)

@@ -2,7 +2,9 @@
 version, the key against the file's path, payload length, the trailer's own
 checksum and the payload's xxh3. Trailer-less files of exactly the chunk size
 (vLLM's built-in tier wrote them) count as unverified; any other size is bad.
-Symlinks are never followed. Exit status 1 when a file is bad or unreadable.
+Symlinks are never followed: a block path that is one is bad, any other is
+reported and left alone. Exit status 1 when a file is bad or unreadable (a
+directory that cannot be listed included: its blocks went unchecked).
 
 With --repair, bad files move into their rank directory's .quarantine/ --
 only if the path still names the inode that was read, so it is safe while
@@ -12,7 +14,6 @@ tiers are live: a block republished meanwhile is left alone.
 from __future__ import annotations
 
 import argparse
-import collections
 import json
 import os
 import queue
@@ -38,7 +39,9 @@ from llmkv_fs.ops.blockcheck import (
     check_block,
     infer_chunk_size,
 )
+from llmkv_fs.ops.problems import EXAMPLES_PER_KIND, Problems
 from llmkv_fs.ops.stats import select_digests
+from llmkv_fs.ops.verify_text import print_report
 from llmkv_fs.units import format_bytes
 
 __all__ = ["add_arguments", "quarantine", "run", "verify_volume"]
@@ -101,10 +104,13 @@ class _Progress:
         self.bar.close()
 
 
-def quarantine(rank_dir: str, result: Result) -> tuple[str, str | None]:
+def quarantine(
+    rank_dir: str, result: Result, problems: Problems | None = None
+) -> tuple[str, str | None]:
     """Move a bad file aside if its path still names the inode judged bad.
     Returns (outcome, new path): "quarantined", "replaced" (another file is
-    there now: left alone), "vanished", "skipped" or "failed: ..."."""
+    there now: left alone), "vanished", "skipped" or "failed: ..." (also
+    recorded in ``problems``)."""
     if result.ident is None:
         return "skipped", None
     try:
@@ -114,6 +120,8 @@ def quarantine(rank_dir: str, result: Result) -> tuple[str, str | None]:
     except FileNotFoundError:
         return "vanished", None
     except OSError as exc:
+        if problems is not None:
+            problems.add(exc, result.path, "quarantine")
         return f"failed: {exc}", None
     return ("quarantined", target) if target is not None else ("replaced", None)
 
@@ -170,24 +178,34 @@ def _new_counts() -> dict:
     return {"files": 0, **dict.fromkeys(_COUNT.values(), 0), "bytes_read": 0}
 
 
-def _collect(digests: list[scan.Digest], threads: int) -> tuple[list, dict, list]:
+class _Unread:
+    """What the walk could not read (directories, entries) and the symlinks
+    it saw and left alone."""
+
+    def __init__(self, problems: Problems, symlinks: list[str]):
+        self.problems = problems
+        self.symlinks = symlinks
+        self.errors: list[dict[str, Any]] = []
+
+    def add(self, digest: str, op: str, path: str, exc: OSError) -> None:
+        problem = self.problems.add(exc, path, op)
+        self.errors.append(
+            {"path": path, "digest": digest, "reason": f"{op}-error", "detail": problem.detail}
+        )
+
+
+def _collect(digests: list[scan.Digest], threads: int, unread: _Unread) -> tuple[list, dict]:
     """List every rank directory (one walk, ``threads`` listings in flight)
-    and size each digest's chunk: (items to check, per-digest counts,
-    directories that could not be listed)."""
+    and size each digest's chunk: (items to check, per-digest counts).
+    What could not be listed, and the symlinks seen, go to ``unread``."""
     tops = [(d, d.rank_dirs[r]) for d in digests for r in sorted(d.rank_dirs)]
     found: dict[str, list] = {d.name: [] for d in digests}
-    errors = []
     for listing in scan.walk([rank_dir for _, rank_dir in tops], threads):
         d, rank_dir = tops[listing.top]
         if listing.error is not None:
-            errors.append(
-                {
-                    "path": listing.path,
-                    "digest": d.name,
-                    "reason": "list-error",
-                    "detail": str(listing.error),
-                }
-            )
+            unread.add(d.name, "list", listing.path, listing.error)
+        for op, path, exc in listing.problems:
+            unread.add(d.name, op, path, exc)
         if in_quarantine(rank_dir, listing.path):
             continue
         for entry in listing.files:
@@ -195,6 +213,8 @@ def _collect(digests: list[scan.Digest], threads: int) -> tuple[list, dict, list
             # block is reported (and never followed or opened).
             if entry.kind != scan.TEMP and is_block_name(os.path.basename(entry.path)):
                 found[d.name].append((rank_dir, entry))
+            elif entry.kind == scan.SYMLINK:
+                unread.symlinks.append(entry.path)
     items: list[tuple[str, str, scan.FileEntry, int]] = []
     per_digest: dict[str, dict[str, Any]] = {}
     for d in digests:
@@ -210,24 +230,23 @@ def _collect(digests: list[scan.Digest], threads: int) -> tuple[list, dict, list
             **_new_counts(),
         }
         items.extend((d.name, rank_dir, e, chunk.payload or 0) for rank_dir, e in entries)
-    for e in errors:
+    for e in unread.errors:
         per_digest[e["digest"]]["errors"] += 1
-    return items, per_digest, errors
+    return items, per_digest
 
 
 class _Results:
     """Counts and lists of one run, filled from the checkers' results
     (owner thread only: _check_all calls ``add`` there)."""
 
-    def __init__(
-        self, per_digest: dict[str, dict[str, Any]], errors: list[dict[str, Any]], repair: bool
-    ):
+    def __init__(self, per_digest: dict[str, dict[str, Any]], unread: _Unread, repair: bool):
         self.per_digest = per_digest
-        self.errors = errors
+        self.errors = unread.errors
+        self.problems = unread.problems
         self.repair = repair
         self.totals = _new_counts()
         self.totals["atime_touched"] = 0
-        self.totals["errors"] = len(errors)  # directories that could not be listed
+        self.totals["errors"] = len(self.errors)  # what the walk could not read
         self.bad: list[dict[str, Any]] = []
 
     def add(self, digest: str, rank_dir: str, result: Result) -> None:
@@ -248,9 +267,14 @@ class _Results:
                 "quarantined_to": None,
             }
             if self.repair:
-                record["repair"], record["quarantined_to"] = quarantine(rank_dir, result)
+                record["repair"], record["quarantined_to"] = quarantine(
+                    rank_dir, result, self.problems
+                )
             self.bad.append(record)
         elif result.status == ERROR:
+            self.problems.add_kind(
+                result.error_kind or result.reason, result.path, result.reason, result.detail
+            )
             self.errors.append(
                 {
                     "path": result.path,
@@ -270,12 +294,14 @@ def verify_volume(
 ) -> dict:
     """The whole run as a JSON-able report (see docs/operations.md)."""
     threads = max(1, threads)
-    digests = select_digests(root, digest_names)
+    root_listing = scan.list_root(root)
+    digests = select_digests(root, digest_names, root_listing)
+    unread = _Unread(root_listing.problems, [] if digest_names else list(root_listing.symlinks))
     listed = time.monotonic()
-    items, per_digest, errors = _collect(digests, threads)
+    items, per_digest = _collect(digests, threads, unread)
     listing_s = time.monotonic() - listed
-    results = _Results(per_digest, errors, repair)
-    totals, bad = results.totals, results.bad
+    results = _Results(per_digest, unread, repair)
+    totals, bad, errors = results.totals, results.bad, results.errors
     total_bytes = sum(e.st.st_size for _, _, e, _ in items if stat.S_ISREG(e.st.st_mode))
     progress = _Progress(len(items), total_bytes, progress_stream)
 
@@ -300,58 +326,16 @@ def verify_volume(
         "totals": totals,
         "bad": bad,
         "errors": errors,
+        "problems": unread.problems.as_dict(),
+        "symlinks": {
+            "count": len(unread.symlinks),
+            "examples": sorted(unread.symlinks)[:EXAMPLES_PER_KIND],
+        },
         "listing_s": round(listing_s, 6),
         "elapsed_s": round(elapsed, 6),
         "files_per_s": round(totals["files"] / elapsed, 1) if elapsed > 0 else None,
         "bytes_per_s": round(totals["bytes_read"] / elapsed) if elapsed > 0 else None,
     }
-
-
-def _print_human(report: dict, out) -> None:
-    t = report["totals"]
-    rate = ""
-    if report["files_per_s"] is not None:
-        rate = f" ({report['files_per_s']:.0f} files/s, {report['bytes_per_s'] / 1e9:.2f} GB/s)"
-    print(
-        f"verify {report['root']}: {t['files']} files in {len(report['digests'])} digest(s), "
-        f"{format_bytes(t['bytes_read'])} read in {report['elapsed_s']:.2f} s{rate}, "
-        f"listed in {report['listing_s']:.2f} s",
-        file=out,
-    )
-    for d in report["digests"]:
-        chunk = "-" if d["chunk_bytes"] is None else format_bytes(d["chunk_bytes"])
-        ranks = " ".join(f"r{r}" for r in d["ranks"]) or "no rank dirs"
-        source = {"trailer": "a trailer"}.get(d["chunk_source"], d["chunk_source"])
-        print(f"  {d['name']}  chunk {chunk} (from {source})  {ranks}", file=out)
-        print(
-            f"    verified {d['verified']}  unverified {d['unverified']}  bad {d['bad']}  "
-            f"unreadable {d['errors']}  vanished {d['vanished']}",
-            file=out,
-        )
-    if report["bad"]:
-        print(f"bad files ({len(report['bad'])}):", file=out)
-        for b in report["bad"]:
-            repair = ""
-            if b["repair"] == "quarantined":
-                repair = f"  -> {b['quarantined_to']}"
-            elif b["repair"]:
-                repair = f"  [not moved: {b['repair']}]"
-            print(f"  {b['reason']:<13} {b['path']}  ({b['detail']}){repair}", file=out)
-    if report["errors"]:
-        print(f"unreadable ({len(report['errors'])}), not moved:", file=out)
-        for e in report["errors"]:
-            print(f"  {e['reason']:<13} {e['path']}  ({e['detail']})", file=out)
-    if t["atime_touched"]:
-        print(
-            f"note: {t['atime_touched']} files are not ours to read with O_NOATIME; reading "
-            "them may have refreshed their atime (LRU age)",
-            file=out,
-        )
-    outcomes = collections.Counter(b["repair"] for b in report["bad"])
-    summary = "OK" if not (t["bad"] or t["errors"]) else f"{t['bad']} bad, {t['errors']} unreadable"
-    if report["repair"] and report["bad"]:
-        summary += " (" + ", ".join(f"{n} {k}" for k, n in sorted(outcomes.items())) + ")"
-    print(f"result: {summary}", file=out)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -367,5 +351,5 @@ def run(args: argparse.Namespace) -> int:
         json.dump(report, sys.stdout, indent=1)
         print()
     else:
-        _print_human(report, sys.stdout)
+        print_report(report, sys.stdout)
     return 1 if report["totals"]["bad"] or report["totals"]["errors"] else 0

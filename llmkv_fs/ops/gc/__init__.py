@@ -10,8 +10,9 @@ Also runs as ``python -m llmkv_fs gc``; needs neither vLLM nor torch.
 
 # The package: rules.py decides (pure: facts in, verdicts out), inventory.py
 # holds what one scan found, actions.py acts (re-checking right before each
-# removal), lock.py keeps one gc per volume, sweep.py runs one pass in order,
-# report.py says what it did, command.py is the command line's side.
+# removal; evict.py: capacity eviction in global age order), lock.py keeps
+# one gc per volume, sweep.py runs one pass in order, report.py says what it
+# did, command.py is the command line's side.
 
 from llmkv_fs.ops.gc.command import (
     EXIT_BUSY,

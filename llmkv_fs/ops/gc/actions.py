@@ -5,11 +5,15 @@ as done: live tiers keep writing while gc runs.
 * A digest is first renamed, whole, to a hidden trash name in the root (one
   atomic rename per directory), then deleted there. Nothing under the live
   names is ever removed recursively.
-* Temp files and evicted blocks are unlinked one by one after a fresh lstat
-  (same inode, still old enough).
+* Temp files are unlinked one by one after a fresh lstat (same inode, still
+  old enough); evicted blocks likewise (``evict.py``).
 * Empty directories are removed bottom-up with ``rmdir`` only; a writer that
   creates a file meanwhile makes the rmdir fail (ENOTEMPTY), and the tier
   recreates a directory gc removed under it before its open.
+
+Every action below a rank directory works through directory fds opened name
+by name from it (``ops/beneath.py``): never through a symlink, and at any
+depth. One that fails is recorded in the pass's ``Problems`` and skipped.
 """
 
 from __future__ import annotations
@@ -21,12 +25,14 @@ import stat
 import time
 from collections.abc import Callable
 
-from llmkv_fs.layout.blockfile import last_used
 from llmkv_fs.layout.leases import read_leases
 from llmkv_fs.layout.names import is_silly_rename_name, trash_path
-from llmkv_fs.ops import scan
+from llmkv_fs.ops.beneath import DIR_FLAGS, MAX_DEPTH, DirHandles
+from llmkv_fs.ops.gc.evict import evict
 from llmkv_fs.ops.gc.inventory import DigestFacts, Inventory, allocated
 from llmkv_fs.ops.gc.rules import Policy, digest_verdict, temp_verdict
+from llmkv_fs.ops.problems import Problems, TooDeep
+from llmkv_fs.ops.scan import FileEntry
 
 __all__ = ["delete_tree", "evict", "prune_dirs", "remove_digest", "remove_temps"]
 
@@ -39,11 +45,9 @@ def _trash_name(facts: DigestFacts, rank: int | None) -> str:
 # never by path: a directory swapped for a symlink meanwhile (the trash lies
 # in the root, which anyone with write access to the volume can change)
 # cannot send the deletion elsewhere. Our trees are 4 levels deep.
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-_MAX_DEPTH = 32
 
 
-def delete_tree(path: str, errors: list[str]) -> tuple[int, bool]:
+def delete_tree(path: str, problems: Problems) -> tuple[int, bool]:
     """Delete a tree gc has renamed out of the live namespace, bottom-up.
     Symlinks are unlinked, never followed (neither at the top nor below:
     every directory is opened ``O_NOFOLLOW`` relative to its parent).
@@ -51,23 +55,23 @@ def delete_tree(path: str, errors: list[str]) -> tuple[int, bool]:
     (e.g. NFS ``.nfsXXXX`` files of a block another client still holds
     open) wait for the next run."""
     try:
-        fd = os.open(path, _DIR_FLAGS)
+        fd = os.open(path, DIR_FLAGS)
     except FileNotFoundError:
         return 0, True
     except OSError as exc:
         if exc.errno not in (errno.ELOOP, errno.ENOTDIR):
-            errors.append(f"list {path}: {exc.strerror}")
+            problems.add(exc, path, "list")
             return 0, False
         try:  # not a directory: whatever took the trash name, itself
             os.unlink(path)
         except FileNotFoundError:
             pass
         except OSError as unlink_exc:
-            errors.append(f"unlink {path}: {unlink_exc.strerror}")
+            problems.add(unlink_exc, path, "unlink")
             return 0, False
         return 1, True
     try:
-        removed, complete = _delete_below(fd, path, errors, 0)
+        removed, complete = _delete_below(fd, path, problems, 0)
     finally:
         os.close(fd)
     try:
@@ -77,18 +81,18 @@ def delete_tree(path: str, errors: list[str]) -> tuple[int, bool]:
     except OSError as exc:
         complete = False
         if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST):
-            errors.append(f"rmdir {path}: {exc.strerror}")
+            problems.add(exc, path, "rmdir")
     return removed, complete
 
 
-def _delete_below(fd: int, where: str, errors: list[str], depth: int) -> tuple[int, bool]:
-    """Empty the directory open as ``fd`` (``where`` names it in errors)."""
+def _delete_below(fd: int, where: str, problems: Problems, depth: int) -> tuple[int, bool]:
+    """Empty the directory open as ``fd`` (``where`` names it in reports)."""
     removed, complete = 0, True
     try:
         with os.scandir(fd) as it:
             entries = list(it)
     except OSError as exc:
-        errors.append(f"list {where}: {exc.strerror}")
+        problems.add(exc, where, "list")
         return 0, False
     for entry in entries:
         name, shown = entry.name, f"{where}/{entry.name}"
@@ -107,12 +111,14 @@ def _delete_below(fd: int, where: str, errors: list[str], depth: int) -> tuple[i
                 os.unlink(name, dir_fd=fd)
                 removed += 1
                 continue
-            if depth >= _MAX_DEPTH:
-                errors.append(f"not deleted, deeper than {_MAX_DEPTH} levels: {shown}")
+            if depth >= MAX_DEPTH:
+                problems.add(
+                    TooDeep(f"deeper than {MAX_DEPTH} levels, not deleted"), shown, "rmdir"
+                )
                 complete = False
                 continue
             try:
-                child = os.open(name, _DIR_FLAGS, dir_fd=fd)
+                child = os.open(name, DIR_FLAGS, dir_fd=fd)
             except OSError as exc:
                 if exc.errno not in (errno.ELOOP, errno.ENOTDIR):
                     raise
@@ -120,7 +126,7 @@ def _delete_below(fd: int, where: str, errors: list[str], depth: int) -> tuple[i
                 removed += 1
                 continue
             try:
-                sub_removed, sub_complete = _delete_below(child, shown, errors, depth + 1)
+                sub_removed, sub_complete = _delete_below(child, shown, problems, depth + 1)
             finally:
                 os.close(child)
             removed += sub_removed
@@ -131,18 +137,21 @@ def _delete_below(fd: int, where: str, errors: list[str], depth: int) -> tuple[i
         except OSError as exc:
             complete = False
             if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST):
-                errors.append(f"remove {shown}: {exc.strerror}")
+                problems.add(exc, shown, "remove")
     return removed, complete
 
 
 def remove_digest(
-    facts: DigestFacts, policy: Policy, now: Callable[[], float], dry_run: bool, errors: list[str]
+    facts: DigestFacts,
+    policy: Policy,
+    now: Callable[[], float],
+    dry_run: bool,
+    problems: Problems,
 ) -> tuple[bool, str]:
     """Re-read the leases, re-judge, then trash and delete the digest's
     config directory and every rank directory. (removed?, why)."""
     digest = facts.digest
-    found = digest.lease_dir()
-    facts.leases, facts.bad_leases = found.leases, found.bad
+    facts.read_leases(problems)
     remove, why = digest_verdict(facts, now(), policy)
     if not remove or dry_run:
         return remove, why
@@ -155,11 +164,11 @@ def remove_digest(
         except FileNotFoundError:
             pass
         except OSError as exc:
-            errors.append(f"rename {digest.config_dir}: {exc.strerror}")
+            problems.add(exc, digest.config_dir, "rename")
             return False, f"cannot move aside: {exc.strerror}"
         # A tier that started between the check and the rename left its
         # lease in there: give the directory back and keep the digest.
-        if trash and any(x.is_live(now(), policy.lease_host) for x in read_leases(target)):
+        if trash and _live_lease_in(target, now(), policy, problems):
             with contextlib.suppress(OSError):
                 os.rename(target, digest.config_dir)
                 trash.pop()
@@ -172,106 +181,81 @@ def remove_digest(
         except FileNotFoundError:
             continue
         except OSError as exc:
-            errors.append(f"rename {path}: {exc.strerror}")
+            problems.add(exc, path, "rename")
     for target in trash:
-        delete_tree(target, errors)
+        delete_tree(target, problems)
     return True, why
 
 
+def _live_lease_in(config_dir: str, now: float, policy: Policy, problems: Problems) -> bool:
+    """Whether the config directory just moved aside holds a live lease;
+    leases that cannot be read count as live (the digest is given back)."""
+    try:
+        return any(x.is_live(now, policy.lease_host) for x in read_leases(config_dir))
+    except OSError as exc:
+        problems.add(exc, config_dir, "read leases")
+        return True
+
+
 def remove_temps(
-    inv: Inventory, policy: Policy, now: float, dry_run: bool, emptied: set[int], errors: list[str]
+    inv: Inventory,
+    policy: Policy,
+    now: float,
+    dry_run: bool,
+    emptied: set[int],
+    problems: Problems,
 ) -> tuple[int, int, int]:
     """Remove dead writers' temp files. Returns (removed, bytes, kept)."""
     removed = freed = kept = 0
-    for entry, dir_id, _digest in inv.temps:
-        remove, _why = temp_verdict(entry, now, policy)
-        if not remove:
-            kept += 1
-            continue
-        try:
-            st = os.lstat(entry.path)
-        except FileNotFoundError:
-            continue  # its writer finished (renamed it) or gave up
-        if (st.st_ino, st.st_dev) != (entry.st.st_ino, entry.st.st_dev) or not stat.S_ISREG(
-            st.st_mode
-        ):
-            kept += 1
-            continue
-        if not dry_run:
-            try:
-                os.unlink(entry.path)
-            except FileNotFoundError:
+    with DirHandles() as dirs:
+        for entry, dir_id, _digest in inv.temps:
+            remove, _why = temp_verdict(entry, now, policy)
+            if not remove:
+                kept += 1
                 continue
-            except OSError as exc:
-                errors.append(f"unlink {entry.path}: {exc.strerror}")
-                continue
-            inv.dir_entries[dir_id] -= 1
-            emptied.add(dir_id)
-        removed += 1
-        freed += allocated(st)
+            gone = _remove_temp(inv, entry, dir_id, dirs, dry_run, problems)
+            if gone is None:
+                kept += 1
+            elif gone:
+                if not dry_run:
+                    inv.dir_entries[dir_id] -= 1
+                    emptied.add(dir_id)
+                removed += 1
+                freed += allocated(entry.st)
     return removed, freed, kept
 
 
-def evict(
+def _remove_temp(
     inv: Inventory,
-    cutoff: float,
-    need: int,
-    now: float,
-    protect: float,
-    emptied: set[int],
-    errors: list[str],
-    stop: Callable[[], bool],
-) -> tuple[int, int]:
-    """Unlink blocks last used at or before ``cutoff`` (and not within
-    ``protect``), oldest first, until ``need`` bytes are freed. Each
-    directory holding a candidate is listed again and each block lstat'ed
-    again, so a block loaded since the scan is spared. (blocks, bytes)."""
-    import numpy as np
-
-    used = np.frombuffer(inv.lru_used, dtype=np.float64)
-    dirs = np.frombuffer(inv.lru_dir, dtype=np.int64)
-    mask = used <= cutoff
-    used, dirs = used[mask], dirs[mask]
-    order = np.argsort(used, kind="stable")
-    # Directories in the order of their oldest candidate.
-    _unique, first = np.unique(dirs[order], return_index=True)
-    dir_order = dirs[order][np.sort(first)]
-    removed = freed = 0
-    for dir_id in dir_order.tolist():
-        if freed >= need or stop():
-            break
-        path = inv.dir_path[dir_id]
-        try:
-            with os.scandir(path) as it:
-                entries = list(it)
-        except OSError:
-            continue
-        found = []
-        for entry in entries:
-            try:
-                st = entry.stat(follow_symlinks=False)
-            except FileNotFoundError:
-                continue
-            if scan.classify(entry.name, st, scan.RANK_AREA) != scan.BLOCK:
-                continue
-            when = last_used(st)
-            if when <= cutoff and now - when >= protect:
-                found.append((when, entry.path, st))
-        for _when, block, st in sorted(found):
-            if freed >= need:
-                break
-            try:
-                os.unlink(block)
-            except FileNotFoundError:
-                continue
-            except OSError as exc:
-                errors.append(f"unlink {block}: {exc.strerror}")
-                continue
-            removed += 1
-            freed += allocated(st)
-            inv.dir_entries[dir_id] -= 1
-            emptied.add(dir_id)
-    return removed, freed
+    entry: FileEntry,
+    dir_id: int,
+    dirs: DirHandles,
+    dry_run: bool,
+    problems: Problems,
+) -> bool | None:
+    """Unlink one temp file if it is still the file judged (same inode, a
+    regular file). True: removed (or would be); False: gone already or
+    failed (reported); None: something else holds the name now (kept)."""
+    directory = inv.dir_path[dir_id]
+    assert directory is not None
+    name = os.path.basename(entry.path)
+    op = "lstat"
+    try:
+        fd = dirs.get(inv.top_of(dir_id), directory)
+        st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+        if (st.st_ino, st.st_dev) != (entry.st.st_ino, entry.st.st_dev) or not stat.S_ISREG(
+            st.st_mode
+        ):
+            return None
+        if not dry_run:
+            op = "unlink"
+            os.unlink(name, dir_fd=fd)
+    except FileNotFoundError:
+        return False  # its writer finished (renamed it) or gave up
+    except OSError as exc:
+        problems.add(exc, entry.path, op)
+        return False
+    return True
 
 
 def prune_dirs(
@@ -281,7 +265,7 @@ def prune_dirs(
     now: float,
     grace: float,
     dry_run: bool,
-    errors: list[str],
+    problems: Problems,
 ) -> int:
     """rmdir empty directories under rank directories, deepest first (the
     rank directory itself stays). A directory that was already empty at
@@ -294,31 +278,53 @@ def prune_dirs(
         if inv.dir_digest[dir_id] in prunable_digests and inv.dir_entries[dir_id] <= 0:
             levels.setdefault(inv.dir_depth[dir_id], []).append(dir_id)
     pruned = 0
-    while levels:
-        depth = max(levels)
-        for dir_id in levels.pop(depth):
-            path = inv.dir_path[dir_id]
-            assert path is not None  # only directories with a path were queued
-            if dir_id not in emptied:
-                try:
-                    if now - os.lstat(path).st_mtime < grace:
-                        continue
-                except FileNotFoundError:
+    with DirHandles() as dirs:
+        while levels:
+            depth = max(levels)
+            for dir_id in levels.pop(depth):
+                if not _prune_one(
+                    inv, dir_id, dir_id not in emptied, now, grace, dry_run, dirs, problems
+                ):
                     continue
-            if not dry_run:
-                try:
-                    os.rmdir(path)
-                except FileNotFoundError:
-                    continue
-                except OSError as exc:
-                    if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR):
-                        errors.append(f"rmdir {path}: {exc.strerror}")
-                    continue
-            pruned += 1
-            parent = inv.dir_parent[dir_id]
-            inv.dir_removed(dir_id)
-            if parent >= 0:
-                emptied.add(parent)
-                if inv.dir_depth[parent] >= 1 and inv.dir_entries[parent] <= 0:
-                    levels.setdefault(inv.dir_depth[parent], []).append(parent)
+                pruned += 1
+                parent = inv.dir_parent[dir_id]
+                inv.dir_removed(dir_id)
+                if parent >= 0:
+                    emptied.add(parent)
+                    if inv.dir_depth[parent] >= 1 and inv.dir_entries[parent] <= 0:
+                        levels.setdefault(inv.dir_depth[parent], []).append(parent)
     return pruned
+
+
+def _prune_one(
+    inv: Inventory,
+    dir_id: int,
+    check_age: bool,
+    now: float,
+    grace: float,
+    dry_run: bool,
+    dirs: DirHandles,
+    problems: Problems,
+) -> bool:
+    """rmdir one directory through its parent's fd; whether it went (or,
+    dry, would go). Not yet empty, gone or younger than ``grace`` (when
+    ``check_age``): False, silently; any other failure: reported."""
+    path = inv.dir_path[dir_id]
+    parent = inv.dir_path[inv.dir_parent[dir_id]]
+    assert path is not None and parent is not None  # only listed directories are queued
+    name = os.path.basename(path)
+    op = "lstat"
+    try:
+        fd = dirs.get(inv.top_of(dir_id), parent)
+        if check_age and now - os.stat(name, dir_fd=fd, follow_symlinks=False).st_mtime < grace:
+            return False
+        if not dry_run:
+            op = "rmdir"
+            os.rmdir(name, dir_fd=fd)
+    except FileNotFoundError:
+        return False
+    except OSError as exc:
+        if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR):
+            problems.add(exc, path, op)
+        return False
+    return True

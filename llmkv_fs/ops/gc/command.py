@@ -19,7 +19,7 @@ from llmkv_fs.units import parse_duration, parse_percent_or_off, parse_size
 
 __all__ = ["EXIT_BUSY", "EXIT_ERRORS", "EXIT_SIGTERM", "add_arguments", "run"]
 
-EXIT_ERRORS = 1  # the pass ran, some actions failed (listed in the report)
+EXIT_ERRORS = 1  # the pass ran, some entries could not be read or acted on (in the report)
 EXIT_BUSY = 75  # EX_TEMPFAIL: another gc holds the volume's lock
 EXIT_SIGTERM = 143  # a one-shot run stopped by SIGTERM (--watch exits 0)
 
@@ -205,6 +205,8 @@ def _one_pass(
         print(f"llmkv-fs gc: cannot take the lock {lock.path}: {exc.strerror}", file=sys.stderr)
         return EXIT_ERRORS
     try:
+        # An entry that cannot be read or acted on is in the report; a root
+        # that fails ends the pass early, reported too (report.aborted).
         report = gc_pass(
             args.root,
             policy,
@@ -216,18 +218,17 @@ def _one_pass(
             progress=Progress(sys.stderr),
             stop=stop.is_set,
         )
-    except OSError as exc:  # the root itself unreadable, vanished, ...
-        print(f"llmkv-fs gc: pass failed: {exc}", file=sys.stderr, flush=True)
-        return EXIT_ERRORS
     finally:
         lock.release()
     if args.json:
         print(report.to_json(indent=None if watching else 1), flush=True)
     else:
         print(report.human(), flush=True)
+    if report.aborted:
+        print(f"llmkv-fs gc: pass stopped early: {report.aborted}", file=sys.stderr, flush=True)
     if report.interrupted:
         return 0 if watching else EXIT_SIGTERM
-    return EXIT_ERRORS if report.errors else 0
+    return EXIT_ERRORS if report.problems or report.aborted else 0
 
 
 def run(args: argparse.Namespace) -> int:

@@ -22,6 +22,7 @@ from llmkv_fs.layout.blockfile import last_used
 from llmkv_fs.layout.leases import BadLease, Lease
 from llmkv_fs.layout.names import parse_block_path, parse_quarantine_name
 from llmkv_fs.ops import scan
+from llmkv_fs.ops.problems import Problems
 from llmkv_fs.ops.scan import Digest, FileEntry
 
 __all__ = ["DigestFacts", "Inventory", "allocated", "take_inventory"]
@@ -40,6 +41,7 @@ class DigestFacts:
     pinned: bool  # named by --keep
     leases: list[Lease] = dataclasses.field(default_factory=list)
     bad_leases: list[BadLease] = dataclasses.field(default_factory=list)
+    lease_error: str = ""  # why leases/ could not be read: then nothing is removed
     # Whether config.json proves the directory a cache digest (checked
     # before the scan); if not, why not, and what the scan found: files
     # with our names, and anything else (``foreign``, first one named).
@@ -59,11 +61,26 @@ class DigestFacts:
     symlinks: int = 0
     silly_renamed: int = 0  # NFS .nfs<hex> files: counted, never removed
     silly_renamed_bytes: int = 0
-    unreadable_dirs: int = 0
+    # Directories and files the scan could not read: what they hold or how
+    # recently they were used is unknown, so the digest is never removed.
+    unreadable: int = 0
 
     def saw(self, when: float, what: str) -> None:
         if when > self.newest:
             self.newest, self.newest_what = when, what
+
+    def read_leases(self, problems: Problems) -> None:
+        """(Re-)read the digest's leases; one that cannot be read keeps the
+        digest (``lease_error``) and is reported (once a pass)."""
+        try:
+            found = self.digest.lease_dir()
+        except OSError as exc:
+            if not self.lease_error:
+                problems.add(exc, exc.filename or self.digest.config_dir, "read leases")
+            self.leases, self.bad_leases = [], []
+            self.lease_error = exc.strerror or str(exc)
+            return
+        self.leases, self.bad_leases, self.lease_error = found.leases, found.bad, ""
 
     def check_ownership(self) -> None:
         """Set ``proven`` from config.json (a FIFO or link there is never
@@ -106,7 +123,7 @@ class Inventory:
     # (entry, directory id, digest index) of every temp file.
     temps: list[tuple[FileEntry, int, int]] = dataclasses.field(default_factory=list)
     symlinks: list[str] = dataclasses.field(default_factory=list)
-    errors: list[str] = dataclasses.field(default_factory=list)
+    problems: Problems = dataclasses.field(default_factory=Problems)
     files: int = 0
     dirs: int = 0
     bytes: int = 0  # every file under a selected digest
@@ -127,6 +144,15 @@ class Inventory:
             ):
                 arr.extend([fill] * missing)
 
+    def top_of(self, dir_id: int) -> str:
+        """The rank or config directory ``dir_id`` lies in (actions open
+        directories below it name by name: ``ops/beneath.py``)."""
+        while self.dir_depth[dir_id] > 0:
+            dir_id = self.dir_parent[dir_id]
+        path = self.dir_path[dir_id]
+        assert path is not None  # a directory's top was listed before it
+        return path
+
     def dir_removed(self, dir_id: int) -> None:
         """One entry fewer in ``dir_id``'s parent (it was pruned or it vanished)."""
         parent = self.dir_parent[dir_id]
@@ -140,10 +166,12 @@ def take_inventory(
     threads: int,
     progress: Callable[[Inventory], None] | None = None,
     stop: Callable[[], bool] | None = None,
+    problems: Problems | None = None,
 ) -> Inventory:
     """Walk every digest's config and rank directories once. ``complete``
-    is False when ``stop`` cut the walk short (nothing may be judged then)."""
-    inv = Inventory(root, digests)
+    is False when ``stop`` cut the walk short (nothing may be judged then).
+    What could not be read goes to ``problems`` (and keeps its digest)."""
+    inv = Inventory(root, digests, problems=problems if problems is not None else Problems())
     tops: list[tuple[str, str]] = []
     top_digest: list[int] = []
     for index, facts in enumerate(digests):
@@ -158,24 +186,11 @@ def take_inventory(
         for listing in listings:
             digest_index = top_digest[listing.top]
             facts = digests[digest_index]
-            inv._grow(listing.id)
-            inv.dir_path[listing.id] = listing.path
-            inv.dir_parent[listing.id] = listing.parent
-            inv.dir_depth[listing.id] = listing.depth
-            inv.dir_digest[listing.id] = digest_index
-            inv.dir_rank_area[listing.id] = tops[listing.top][1] == scan.RANK_AREA
-            inv.dir_entries[listing.id] = len(listing.files) + listing.subdirs
-            inv.dirs += 1
-            if listing.gone:
-                inv.dir_removed(listing.id)
-                continue
-            if listing.error is not None:
-                facts.unreadable_dirs += 1
-                inv.errors.append(f"cannot list {listing.path}: {listing.error}")
-                continue
-            _fold(inv, facts, digest_index, listing)
-            if not facts.proven:
-                _judge_names(facts, listing, tops[listing.top][0], tops[listing.top][1])
+            top, area = tops[listing.top]
+            if _take(inv, facts, digest_index, listing, area == scan.RANK_AREA):
+                _fold(inv, facts, digest_index, listing)
+                if not facts.proven:
+                    _judge_names(facts, listing, top, area)
             if progress is not None:
                 progress(inv)
             if stop is not None and stop():
@@ -186,6 +201,35 @@ def take_inventory(
         if facts.newest == 0.0:
             _empty_digest_age(facts)
     return inv
+
+
+def _take(
+    inv: Inventory, facts: DigestFacts, digest_index: int, listing: scan.Listing, rank_area: bool
+) -> bool:
+    """Record ``listing``'s directory and what could not be read in it;
+    whether its files are there to fold in."""
+    inv._grow(listing.id)
+    inv.dir_path[listing.id] = listing.path
+    inv.dir_parent[listing.id] = listing.parent
+    inv.dir_depth[listing.id] = listing.depth
+    inv.dir_digest[listing.id] = digest_index
+    inv.dir_rank_area[listing.id] = rank_area
+    # Entries that could not be looked at still count: pruning must not
+    # take their directory for empty (nor one it could not read at all).
+    inv.dir_entries[listing.id] = len(listing.files) + listing.subdirs + len(listing.problems)
+    inv.dirs += 1
+    if listing.gone:
+        inv.dir_removed(listing.id)
+        return False
+    if listing.error is not None:
+        inv.dir_entries[listing.id] = 1
+        facts.unreadable += 1
+        inv.problems.add(listing.error, listing.path, "list")
+        return False
+    for op, path, exc in listing.problems:
+        facts.unreadable += 1
+        inv.problems.add(exc, path, op)
+    return True
 
 
 def _empty_digest_age(facts: DigestFacts) -> None:

@@ -3,6 +3,7 @@ a short human summary, and the progress line on a terminal (tqdm)."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import sys
@@ -11,6 +12,7 @@ from typing import Any, TextIO
 
 from tqdm import tqdm
 
+from llmkv_fs.ops.problems import Problems, shorten
 from llmkv_fs.units import format_bytes, format_duration
 
 __all__ = ["Progress", "Report"]
@@ -52,17 +54,27 @@ class Report:
     symlinks: list[str] = dataclasses.field(default_factory=list)
     # Files at lease names that are not usable leases ({"path", "why"}).
     bad_leases: list[dict[str, str]] = dataclasses.field(default_factory=list)
-    errors: list[str] = dataclasses.field(default_factory=list)
+    # Everything that could not be read or done, by kind (ops/problems.py).
+    problems: Problems = dataclasses.field(default_factory=Problems)
+    # Why the pass stopped before its end (its root could not be read, ...):
+    # what it did until then is reported all the same.
+    aborted: str = ""
     interrupted: bool = False
 
     def as_dict(self) -> dict[str, Any]:
-        out = dataclasses.asdict(self)
+        problems = self.problems
+        out = {
+            f.name: copy.deepcopy(getattr(self, f.name))
+            for f in dataclasses.fields(self)
+            if f.name != "problems"  # its own summary, below
+        }
         out["symlink_count"] = len(self.symlinks)
         out["symlinks"] = self.symlinks[:_LIST_LIMIT]
         out["bad_lease_count"] = len(self.bad_leases)
         out["bad_leases"] = self.bad_leases[:_LIST_LIMIT]
-        out["error_count"] = len(self.errors)
-        out["errors"] = self.errors[:_LIST_LIMIT]
+        out["problems"] = problems.as_dict()
+        out["error_count"] = problems.count
+        out["errors"] = [p.line() for p in problems.examples()]
         removed = [d for d in self.digests if d["removed"]]
         out["digests_removed"] = len(removed)
         out["bytes_freed"] = (
@@ -101,8 +113,10 @@ class Report:
         )
         lines += self._capacity_lines()
         lines += self._leftover_lines()
-        lines.append(f"errors: {len(self.errors)}")
-        lines.extend(f"  {e}" for e in self.errors[:_LIST_LIMIT])
+        lines.append(f"errors: {self.problems.count} (could not be read or done; skipped)")
+        lines += self.problems.summary_lines()
+        if self.aborted:
+            lines.append(f"pass stopped early: {self.aborted}")
         lines.append(f"took {self.seconds:.1f}s")
         return "\n".join(lines)
 
@@ -145,7 +159,7 @@ class Report:
         if self.symlinks:
             lines.append(
                 f"symlinks left alone (never followed): {len(self.symlinks)}, "
-                f"e.g. {self.symlinks[0]}"
+                f"e.g. {shorten(self.symlinks[0])}"
             )
         if self.bad_leases:
             first = self.bad_leases[0]

@@ -67,11 +67,13 @@ def digest_verdict(facts: DigestFacts, now: float, policy: Policy) -> tuple[bool
     ours, why_not = facts.provably_ours()
     if not ours:
         return False, f"not provably a cache digest ({why_not}); left alone"
+    if facts.lease_error:
+        return False, f"its leases cannot be read ({facts.lease_error})"
     live = [lease for lease in facts.leases if lease.is_live(now, policy.lease_host)]
     if live:
         return False, "live lease " + ", ".join(f"{x.host}~{x.pid}" for x in live)
-    if facts.unreadable_dirs:
-        return False, f"{facts.unreadable_dirs} directories could not be read"
+    if facts.unreadable:
+        return False, f"{facts.unreadable} directories or files in it could not be read"
     # A replica may be alive behind a lease we cannot read: its mtime is a sign of use.
     newest, newest_what = facts.newest, facts.newest_what
     for bad in facts.bad_leases:

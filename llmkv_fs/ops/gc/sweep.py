@@ -8,7 +8,10 @@
 
 Every step re-checks before it acts, so a pass is safe against live tiers
 writing and loading meanwhile. A pass stopped early (SIGTERM) stops between
-two actions; a scan stopped early acts on nothing.
+two actions; a scan stopped early acts on nothing. An entry that cannot be
+read or acted on is reported and skipped; only the root itself failing
+(it cannot be listed, or its filesystem statted) ends a pass early, and
+even then it reports what it did until then.
 """
 
 from __future__ import annotations
@@ -65,28 +68,13 @@ def gc_pass(
         },
     )
     sweep = _Sweep(root, policy, lock, report, dry_run, progress or Progress(enabled=False), stop)
-    listing = list_root(root)
-    sweep.empty_trash(listing)
-    facts = [
-        DigestFacts(d, selected=not models or matches(d, models), pinned=matches(d, keep))
-        for d in listing.digests
-    ]
-    selected = [f for f in facts if f.selected]
-    for f in selected:
-        found = f.digest.lease_dir()
-        f.leases, f.bad_leases = found.leases, found.bad
-        f.check_ownership()
-        report.bad_leases.extend({"path": b.path, "why": b.why} for b in found.bad)
-    inv = sweep.scan(selected, threads)
-    if inv.complete:
-        cap = volume_usage(root, inv.bytes)  # before this pass frees anything
-        sweep.remove_digests(selected)
-        sweep.remove_temps(inv)
-        sweep.evict(inv, cap)
-        sweep.prune_dirs(inv, len(selected))
-    else:
-        report.interrupted = True
-    sweep.progress.done()
+    try:
+        sweep.run(keep, models, threads)
+    except OSError as exc:  # the root itself: unreadable, vanished, ...
+        report.problems.add(exc, exc.filename or root, "pass")
+        report.aborted = f"{exc.filename or root}: {exc.strerror or exc}"
+    finally:
+        sweep.progress.done()
     report.seconds = round(time.monotonic() - started, 3)
     return report
 
@@ -115,13 +103,37 @@ class _Sweep:
         self.stop = stop
         self.now = lock.volume_now()
         report.clock_skew_s = round(time.time() - self.now, 3)
-        self.errors = report.errors
+        self.problems = report.problems
         self.freed = 0
         self.gone: set[int] = set()  # indexes (into the selected digests) removed
         self.emptied: set[int] = set()  # directory ids this pass emptied
         # Indexes of digests gc cannot prove are ours: reported, nothing in
         # them touched.
         self.foreign: set[int] = set()
+
+    def run(self, keep: Sequence[str], models: Sequence[str], threads: int) -> None:
+        report, root = self.report, self.root
+        listing = list_root(root)
+        self.problems.extend(listing.problems)
+        self.empty_trash(listing)
+        facts = [
+            DigestFacts(d, selected=not models or matches(d, models), pinned=matches(d, keep))
+            for d in listing.digests
+        ]
+        selected = [f for f in facts if f.selected]
+        for f in selected:
+            f.read_leases(self.problems)
+            f.check_ownership()
+            report.bad_leases.extend({"path": b.path, "why": b.why} for b in f.bad_leases)
+        inv = self.scan(selected, threads)
+        if not inv.complete:
+            report.interrupted = True
+            return
+        cap = volume_usage(root, inv.bytes)  # before this pass frees anything
+        self.remove_digests(selected)
+        self.remove_temps(inv)
+        self.evict(inv, cap)
+        self.prune_dirs(inv, len(selected))
 
     def empty_trash(self, listing: RootListing) -> None:
         report = self.report
@@ -130,7 +142,7 @@ class _Sweep:
             if self.dry_run:
                 report.trash_removed += 1
                 continue
-            _removed, complete = actions.delete_tree(trash, self.errors)
+            _removed, complete = actions.delete_tree(trash, self.problems)
             report.trash_removed += complete
 
     def scan(self, selected: list[DigestFacts], threads: int) -> Inventory:
@@ -141,9 +153,8 @@ class _Sweep:
                 f"scanning {len(selected)} digests: {inv.dirs:,} directories, {inv.files:,} files"
             )
 
-        inv = take_inventory(root, selected, threads, show, self.stop)
+        inv = take_inventory(root, selected, threads, show, self.stop, self.problems)
         report.symlinks.extend(inv.symlinks)
-        self.errors.extend(inv.errors)
         report.scan = {
             "digests": len(selected),
             "dirs": inv.dirs,
@@ -166,7 +177,7 @@ class _Sweep:
                 break
             self.progress.update(f"judging digest {index + 1}/{len(selected)}")
             removed, why = actions.remove_digest(
-                f, self.policy, self.lock.volume_now, self.dry_run, self.errors
+                f, self.policy, self.lock.volume_now, self.dry_run, self.problems
             )
             report.digests.append(
                 {
@@ -193,7 +204,7 @@ class _Sweep:
         skip = self.gone | self.foreign
         inv.temps = [t for t in inv.temps if t[2] not in skip]
         removed, temp_bytes, kept = actions.remove_temps(
-            inv, self.policy, self.now, self.dry_run, self.emptied, self.errors
+            inv, self.policy, self.now, self.dry_run, self.emptied, self.problems
         )
         self.report.temps = {"removed": removed, "bytes": temp_bytes, "kept": kept}
         self.freed += temp_bytes
@@ -218,7 +229,14 @@ class _Sweep:
                 else:
                     self.progress.update(f"evicting {blocks:,} blocks", force=True)
                     evicted, evicted_bytes = actions.evict(
-                        inv, cutoff, need, now, policy.protect, self.emptied, self.errors, self.stop
+                        inv,
+                        cutoff,
+                        need,
+                        now,
+                        policy.protect,
+                        self.emptied,
+                        self.problems,
+                        self.stop,
                     )
                 report.capacity.update(evicted_blocks=evicted, evicted_bytes=evicted_bytes)
             report.capacity["short_bytes"] = max(0, need - report.capacity["evicted_bytes"])
@@ -231,5 +249,5 @@ class _Sweep:
         self.progress.update("removing empty directories", force=True)
         prunable = set(range(n_selected)) - self.gone - self.foreign
         self.report.dirs_pruned = actions.prune_dirs(
-            inv, prunable, self.emptied, self.now, self.policy.protect, self.dry_run, self.errors
+            inv, prunable, self.emptied, self.now, self.policy.protect, self.dry_run, self.problems
         )
