@@ -12,7 +12,6 @@ TieringOffloadingSpec.
 from __future__ import annotations
 
 import logging
-import mmap
 import os
 import subprocess
 
@@ -28,44 +27,38 @@ from engine_kit import BS, IDENTITY, fill, make_key, pattern, settle, wait_jobs,
 SMALL = {"n_read_threads": 1, "n_write_threads": 1, "lookup_threads": 1}
 
 
-def _engine(root: str, **settings) -> FsEngine:
-    layout = CacheLayout.for_identity(root, IDENTITY)
-    return FsEngine(
-        TierSettings(root_dir=root, **{**SMALL, **settings}), layout, mmap.mmap(-1, 4 * BS), BS
-    )
+def _engine(engines, root: str, **settings) -> FsEngine:
+    """An engine in the test's io mode (threads or workers; shut down by the
+    ``engines`` fixture)."""
+    engine, _layout, _primary = engines(root, n_blocks=4, **{**SMALL, **settings})
+    return engine
 
 
 # -- parity 1: a missing root is created, with its parents ---------------------------------
 
 
-def test_missing_root_is_created_with_parents(tmp_path):
+def test_missing_root_is_created_with_parents(tmp_path, engines):
     root = str(tmp_path / "volume" / "team-a" / "kv")
-    engine = _engine(root)
-    try:
-        assert engine.run_config_state == "created"
-        assert os.path.isfile(engine.layout.config_path)
-        assert os.path.isdir(engine.layout.rank_dir)
-    finally:
-        engine.shutdown()
+    engine = _engine(engines, root)
+    assert engine.run_config_state == "created"
+    assert os.path.isfile(engine.layout.config_path)
+    assert os.path.isdir(engine.layout.rank_dir)
 
 
-def test_require_mounted_root_refuses_the_containers_own_disk(tmp_path):
+def test_require_mounted_root_refuses_the_containers_own_disk(tmp_path, engines):
     root = str(tmp_path / "not-mounted" / "kv")  # tmp_path lies on "/" here
     with pytest.raises(VolumeError) as info:
-        _engine(root, require_mounted_root=True)
+        _engine(engines, root, require_mounted_root=True)
     message = str(info.value)
     assert repr(root) in message and "require_mounted_root" in message, message
     assert "Mount the shared volume" in message, message
     assert not os.path.exists(tmp_path / "not-mounted")  # refused before creating anything
 
 
-def test_require_mounted_root_accepts_a_mounted_volume(mount_tmpfs):
+def test_require_mounted_root_accepts_a_mounted_volume(mount_tmpfs, engines):
     root = os.path.join(mount_tmpfs(), "sub", "kv")  # missing: created on the mount
-    engine = _engine(root, require_mounted_root=True)
-    try:
-        assert os.path.isfile(engine.layout.config_path)
-    finally:
-        engine.shutdown()
+    engine = _engine(engines, root, require_mounted_root=True)
+    assert os.path.isfile(engine.layout.config_path)
 
 
 def test_require_mounted_root_is_declared_once_and_off_by_default():
@@ -81,12 +74,12 @@ def test_require_mounted_root_is_declared_once_and_off_by_default():
 
 
 @pytest.mark.parametrize("case", ["a-file", "under-a-file"])
-def test_an_unusable_root_raises_an_oserror_with_the_fix(case, tmp_path):
+def test_an_unusable_root_raises_an_oserror_with_the_fix(case, tmp_path, engines):
     blocker = tmp_path / "kvfile"
     blocker.write_bytes(b"not a directory")
     root = str(blocker) if case == "a-file" else str(blocker / "kv")
     with pytest.raises(OSError) as info:
-        _engine(root)
+        _engine(engines, root)
     assert isinstance(info.value, VolumeError)
     assert repr(root) in str(info.value) or root in str(info.value)
     assert blocker.read_bytes() == b"not a directory"
@@ -203,79 +196,82 @@ def _failed_gauge(engine) -> float:
 
 
 @pytest.mark.parametrize("where", ["mount-point", "subdirectory"])
-def test_unmount_while_running_fails_the_volume_and_recovers(where, bind_volume, caplog):
+def test_unmount_while_running_fails_the_volume_and_recovers(where, bind_volume, engines, caplog):
     if where == "mount-point":
         root = bind_volume.mountpoint
     else:
         root = os.path.join(bind_volume.mountpoint, "team", "kv")
-    engine = _engine(root)
-    primary = engine._flat
-    try:
-        for chunk in range(2):
-            fill(primary, chunk, pattern(chunk))
-        assert engine.submit_store(1, [make_key(0), make_key(1)], [0, 1])
-        assert wait_jobs(engine, [1])[1].success
-        assert settle(engine, make_key(0), "before") is True
-        assert _failed_gauge(engine) == 0
+    engine, _layout, primary = engines(root, n_blocks=4, **SMALL)
+    for chunk in range(2):
+        fill(primary, chunk, pattern(chunk))
+    assert engine.submit_store(1, [make_key(0), make_key(1)], [0, 1])
+    assert wait_jobs(engine, [1])[1].success
+    assert settle(engine, make_key(0), "before") is True
+    assert _failed_gauge(engine) == 0
 
-        with caplog.at_level(logging.INFO, logger="vllm.llmkv_fs"):
-            bind_volume.unmount()
-            wait_until(lambda: _failed_gauge(engine) == 1, "the tier to notice the unmount")
+    with caplog.at_level(logging.INFO, logger="vllm.llmkv_fs"):
+        bind_volume.unmount()
+        wait_until(lambda: _failed_gauge(engine) == 1, "the tier to notice the unmount")
 
-            fill(primary, 2, pattern(2))
-            assert not engine.submit_store(2, [make_key(2)], [2])
-            assert not engine.submit_load(3, [make_key(0)], [3])
-            jobs = wait_jobs(engine, [2, 3])
-            assert not jobs[2].success and not jobs[3].success
-            assert engine.counters[Direction.STORE, Failure.VOLUME_FAILED] == 1
-            assert engine.counters[Direction.LOAD, Failure.VOLUME_FAILED] == 1
-            misses = engine.counters[LookupAnswer.MISS]
-            engine.end_step()
-            assert engine.lookup(make_key(0), "during") is False
-            assert engine.counters[LookupAnswer.MISS] == misses + 1
-            # Housekeeping keeps running (leases, stamps) but writes nothing.
-            engine.housekeeping._wake.set()
-            wait_until(lambda: _failed_gauge(engine) == 1, "another housekeeping round")
-            # Nothing was created on the disk underneath the mount point.
-            assert os.listdir(bind_volume.mountpoint) == []
+        fill(primary, 2, pattern(2))
+        assert not engine.submit_store(2, [make_key(2)], [2])
+        assert not engine.submit_load(3, [make_key(0)], [3])
+        jobs = wait_jobs(engine, [2, 3])
+        assert not jobs[2].success and not jobs[3].success
+        assert engine.counters[Direction.STORE, Failure.VOLUME_FAILED] == 1
+        assert engine.counters[Direction.LOAD, Failure.VOLUME_FAILED] == 1
+        misses = engine.counters[LookupAnswer.MISS]
+        engine.end_step()
+        assert engine.lookup(make_key(0), "during") is False
+        assert engine.counters[LookupAnswer.MISS] == misses + 1
+        # Housekeeping keeps running (leases, stamps) but writes nothing.
+        engine.housekeeping._wake.set()
+        wait_until(lambda: _failed_gauge(engine) == 1, "another housekeeping round")
+        # Nothing was created on the disk underneath the mount point.
+        assert os.listdir(bind_volume.mountpoint) == []
 
-            bind_volume.mount()
-            wait_until(lambda: _failed_gauge(engine) == 0, "the tier to notice the volume is back")
+        bind_volume.mount()
+        wait_until(lambda: _failed_gauge(engine) == 0, "the tier to notice the volume is back")
 
-        errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
-        assert len(errors) == 1 and root in errors[0].getMessage(), caplog.text
-        back = [r for r in caplog.records if "is back;" in r.getMessage()]
-        assert len(back) == 1, caplog.text
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(errors) == 1 and root in errors[0].getMessage(), caplog.text
+    back = [r for r in caplog.records if "is back;" in r.getMessage()]
+    assert len(back) == 1, caplog.text
 
-        assert settle(engine, make_key(1), "after") is True
-        assert engine.submit_store(4, [make_key(2)], [2])
-        assert wait_jobs(engine, [4])[4].success
-        assert os.path.exists(engine.layout.block_path(make_key(2)))
-        assert engine.submit_load(5, [make_key(0)], [3])
-        assert wait_jobs(engine, [5])[5].success
-        assert bytes(primary[3 * BS : 4 * BS]) == pattern(0)
-    finally:
-        engine.shutdown()
+    assert settle(engine, make_key(1), "after") is True
+    assert engine.submit_store(4, [make_key(2)], [2])
+    assert wait_jobs(engine, [4])[4].success
+    assert os.path.exists(engine.layout.block_path(make_key(2)))
+    assert engine.submit_load(5, [make_key(0)], [3])
+    assert wait_jobs(engine, [5])[5].success
+    assert bytes(primary[3 * BS : 4 * BS]) == pattern(0)
 
 
-def test_a_replaced_root_is_not_written_to(tmp_path, caplog):
+def test_a_replaced_root_is_not_written_to(tmp_path, engines, gate_for):
     """Same rule without a mount: the root moved away and a fresh directory
-    of that name made -- the tier does not start a new cache in it."""
+    of that name made -- the tier does not start a new cache in it, neither
+    with a store submitted after nor with one already handed to an I/O
+    thread or worker process (held at the gate while the root changes)."""
     root_path = tmp_path / "kv"
-    engine = _engine(str(root_path))
-    try:
-        os.rename(root_path, tmp_path / "old")
-        root_path.mkdir()
-        wait_until(lambda: _failed_gauge(engine) == 1, "the tier to notice the new root")
-        fill(engine._flat, 0, pattern(0))
-        assert not engine.submit_store(1, [make_key(0)], [0])
-        wait_jobs(engine, [1])
-        assert os.listdir(root_path) == []
-        os.rmdir(root_path)
-        os.rename(tmp_path / "old", root_path)
-        wait_until(lambda: _failed_gauge(engine) == 0, "the original root to be back")
-    finally:
-        engine.shutdown()
+    engine, _layout, primary = engines(str(root_path), n_blocks=4, **SMALL)
+    gate = gate_for(engine, kinds=("store",))
+    fill(primary, 1, pattern(1))
+    assert engine.submit_store(2, [make_key(1)], [1])
+    gate.wait_entered(1)
+    os.rename(root_path, tmp_path / "old")
+    root_path.mkdir()
+    wait_until(lambda: _failed_gauge(engine) == 1, "the tier to notice the new root")
+    fill(primary, 0, pattern(0))
+    assert not engine.submit_store(1, [make_key(0)], [0])
+    gate.open()  # the held store goes on: it must see the volume failed
+    jobs = wait_jobs(engine, [1, 2])
+    assert not jobs[1].success and not jobs[2].success
+    assert engine.counters[Direction.STORE, Failure.VOLUME_FAILED] == 2
+    assert os.listdir(root_path) == []
+    os.rmdir(root_path)
+    os.rename(tmp_path / "old", root_path)
+    wait_until(lambda: _failed_gauge(engine) == 0, "the original root to be back")
+    assert not os.path.exists(engine.layout.block_path(make_key(1)))
 
 
 # -- parity through vLLM's real tiering stack ------------------------------------------------
@@ -287,10 +283,16 @@ def _start(tier: dict) -> None:
     Replica(offloading_config(tiers=[tier])).close()
 
 
+def _skip_builtin_in_workers_mode(kind: str, io_mode) -> None:
+    if kind == "builtin" and io_mode.workers:
+        pytest.skip("vLLM's built-in tier has no io modes: its threads variant covers it")
+
+
 @pytest.mark.parametrize("kind", ["builtin", "ours"])
-def test_missing_root_starts_like_vllms_builtin(kind, tmp_path):
+def test_missing_root_starts_like_vllms_builtin(kind, tmp_path, io_mode):
     from harness import builtin, ours
 
+    _skip_builtin_in_workers_mode(kind, io_mode)
     root = str(tmp_path / "volume" / "sub" / "kv")
     _start({"builtin": builtin, "ours": ours}[kind](root))
     configs = [name for name in os.listdir(root) if os.path.isfile(f"{root}/{name}/config.json")]
@@ -298,9 +300,10 @@ def test_missing_root_starts_like_vllms_builtin(kind, tmp_path):
 
 
 @pytest.mark.parametrize("kind", ["builtin", "ours"])
-def test_unusable_root_raises_oserror_like_vllms_builtin(kind, tmp_path):
+def test_unusable_root_raises_oserror_like_vllms_builtin(kind, tmp_path, io_mode):
     from harness import builtin, ours
 
+    _skip_builtin_in_workers_mode(kind, io_mode)
     blocker = tmp_path / "kvfile"
     blocker.write_bytes(b"not a directory")
     with pytest.raises(OSError):
@@ -308,8 +311,9 @@ def test_unusable_root_raises_oserror_like_vllms_builtin(kind, tmp_path):
 
 
 @pytest.mark.parametrize("kind", ["builtin", "ours"])
-def test_lowercase_locality_is_refused_like_vllms_builtin(kind, tmp_path):
+def test_lowercase_locality_is_refused_like_vllms_builtin(kind, tmp_path, io_mode):
     from harness import builtin, ours
 
+    _skip_builtin_in_workers_mode(kind, io_mode)
     with pytest.raises(ValueError):
         _start({"builtin": builtin, "ours": ours}[kind](str(tmp_path), locality="local"))
