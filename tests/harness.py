@@ -2,9 +2,9 @@
 small thread counts a 2-core machine wants."""
 
 import os
-import threading
 from typing import Any
 
+from llmkv_fs.engine.block.pause import PAUSE_DIR_ENV
 from llmkv_fs.harness import driver
 from llmkv_fs.harness.driver import (  # noqa: F401  (re-exported for tests)
     DEADLINE_S,
@@ -16,7 +16,7 @@ from llmkv_fs.harness.driver import (  # noqa: F401  (re-exported for tests)
     wait_until,
 )
 
-from engine_kit import IO_WORKERS_ENV
+from engine_kit import IO_WORKERS_ENV, Gate
 
 
 def ours(root: str, **extra: Any) -> dict[str, Any]:
@@ -51,20 +51,15 @@ def resolve(replica, keys, on_hit_pending=None) -> dict:
 
 def store_burst_while_stalled(replica, keys, per_job: int = 3) -> None:
     """Submit ``keys`` as store jobs of ``per_job`` while the volume is held
-    "slow" (every block write waits), then release it and settle: the I/O
-    threads take one block each, the bounded queue takes what fits, and the
-    rest of the burst is refused."""
-    volume_stalled = threading.Event()
-    real_store = replica.tier.engine.blockio.store
-
-    def slow_store(key, row, *rest):
-        volume_stalled.wait(30)
-        return real_store(key, row, *rest)
-
-    replica.tier.engine.blockio.store = slow_store
+    "slow" (every store block waits at the engine's enter pause point, in an
+    I/O thread or a worker process: the test needs the ``io_mode`` fixture),
+    then release it and settle: the executor takes what it can hold, the
+    bounded queue takes what fits, and the rest of the burst is refused."""
+    gate = Gate(replica.tier.engine, os.environ[PAUSE_DIR_ENV], kinds=("store",))
+    assert not gate.opened.is_set(), "the test's gate is open already"
     try:
         for i in range(0, len(keys), per_job):
             replica.store(keys[i : i + per_job], settle=False)
     finally:
-        volume_stalled.set()
+        gate.open()
     replica.settle()

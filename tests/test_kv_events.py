@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 
+import pytest
 from vllm.v1.kv_offload.base import Locality, LookupResult, Medium
 
 from llmkv_fs.engine import Direction, Failure, Tally
@@ -27,6 +28,9 @@ from harness import (
 from volume_kit import flip_a_bit
 
 HIT, MISS = LookupResult.HIT, LookupResult.MISS
+
+# Our tier through vLLM's stack, in both io modes (I/O threads, worker processes).
+pytestmark = pytest.mark.usefixtures("io_mode")
 
 
 def tier_events(replica):
