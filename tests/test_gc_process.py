@@ -17,6 +17,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from llmkv_fs.layout.names import gc_lock_path
 from llmkv_fs.ops.gc import EXIT_BUSY
 
 from engine_kit import wait_until
@@ -53,7 +54,7 @@ def build_tree(root: str, blocks: int = 100):
     return orphan, live, paths, temps
 
 
-def read_line(stream, deadline_s: float = 30.0) -> str:
+def read_line(stream, deadline_s: float = 120.0) -> str:  # bounds a hang only
     ready, _, _ = select.select([stream], [], [], deadline_s)
     assert ready, f"no output within {deadline_s}s"
     return stream.readline()
@@ -135,6 +136,28 @@ def lock_held(root: str) -> Iterator[subprocess.Popen]:
         yield holder
 
 
+def wait_blocked_on_lock(proc: subprocess.Popen, root: str) -> None:
+    """Until ``proc`` (a ``gc --wait``) has the volume's lock file open: it
+    installed its SIGTERM handler before opening it (ops/gc/command.py), and
+    with the lock held elsewhere it is then in the lock's wait loop. A fixed
+    wait instead passed vacuously, or signalled a process still starting
+    (killed by SIGTERM's default action), on a loaded machine."""
+    lock = os.path.realpath(gc_lock_path(root))
+
+    def has_it_open() -> bool:
+        assert proc.poll() is None, proc.communicate()
+        fds = f"/proc/{proc.pid}/fd"
+        for fd in os.listdir(fds):
+            try:
+                if os.path.realpath(os.readlink(f"{fds}/{fd}")) == lock:
+                    return True
+            except OSError:  # closed meanwhile
+                pass
+        return False
+
+    wait_until(has_it_open, f"gc {proc.pid} waiting on {lock}", deadline_s=DEADLINE_S)
+
+
 def test_second_gc_is_refused_or_waits(disk_root):
     orphan, _live, _paths, _temps = build_tree(disk_root, blocks=5)
     with lock_held(disk_root) as holder:
@@ -145,6 +168,7 @@ def test_second_gc_is_refused_or_waits(disk_root):
         assert os.path.exists(orphan[0].base_path)  # it did nothing
 
         waiting = gc_process(disk_root, "--high", "off", "--wait", "--json")
+        wait_blocked_on_lock(waiting, disk_root)
         # It stays blocked while the lock is held...
         with pytest.raises(subprocess.TimeoutExpired):
             waiting.wait(timeout=1.0)
@@ -165,6 +189,7 @@ def test_gc_lock_holds_across_clients_and_dies_with_its_holder(shared_volume):
         assert busy.returncode == EXIT_BUSY, busy.stderr
         assert f"pid={holder.pid}" in busy.stderr
         with running(gc_process(shared_volume.b, "--high", "off", "--wait", "--json")) as waiting:
+            wait_blocked_on_lock(waiting, shared_volume.b)
             with pytest.raises(subprocess.TimeoutExpired):
                 waiting.wait(timeout=1.0)
             assert os.path.exists(orphan[0].base_path)
@@ -233,6 +258,7 @@ def test_watch_loops_until_sigterm_and_exits_zero(disk_root):
 
 def test_sigterm_while_waiting_for_the_lock_exits_zero(disk_root):
     with lock_held(disk_root), running(gc_process(disk_root, "--watch", "1h", "--wait")) as watcher:
+        wait_blocked_on_lock(watcher, disk_root)
         with pytest.raises(subprocess.TimeoutExpired):
             watcher.wait(timeout=1.0)  # blocked on the lock
         watcher.send_signal(signal.SIGTERM)

