@@ -286,3 +286,25 @@ def test_real_hostname_round_trips():
 )
 def test_parse_temp_name_rejects_other_names(name):
     assert parse_temp_name(name) is None
+
+
+def test_a_pid_started_after_its_lease_is_a_reused_pid():
+    """Liveness comes from psutil: our own pid is alive for a lease written
+    now, but not for one written before this process started (another
+    process had the pid then), nor is a zombie."""
+    import subprocess
+    import sys
+    import time
+
+    from llmkv_fs.layout.leases import pid_alive
+
+    assert pid_alive(os.getpid())
+    assert pid_alive(os.getpid(), started_by_ns=time.time_ns())
+    assert not pid_alive(os.getpid(), started_by_ns=time.time_ns() - 86_400 * 10**9)
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    deadline = time.monotonic() + 30
+    while pid_alive(child.pid) and time.monotonic() < deadline:
+        time.sleep(0.01)  # polling: the child exits by itself and stays a zombie
+    assert not pid_alive(child.pid)  # exited, not reaped yet: a zombie is dead
+    child.wait()
+    assert not pid_alive(child.pid)

@@ -24,7 +24,7 @@ def _names(requirements):
 
 def test_core_dependencies_are_small_and_never_vllm_or_torch():
     core = _names(PYPROJECT["project"]["dependencies"])
-    assert core <= {"xxhash", "psutil", "aiofiles", "numpy", "tqdm"}
+    assert core <= {"xxhash", "psutil", "numpy", "tqdm"}
     assert not core & {"vllm", "torch"}
 
 
@@ -36,8 +36,11 @@ def test_vllm_is_an_extra_pinned_to_the_tested_minors():
     assert TESTED_VLLM_SERIES == ("0.32.", "0.33.")
 
 
-def test_plots_are_an_extra():
-    assert _names(PYPROJECT["project"]["optional-dependencies"]["bench"]) == {"matplotlib"}
+def test_plots_and_the_aiofiles_comparison_are_an_extra():
+    assert _names(PYPROJECT["project"]["optional-dependencies"]["bench"]) == {
+        "matplotlib",
+        "aiofiles",
+    }
 
 
 def test_plugin_and_cli_entry_points_are_declared():

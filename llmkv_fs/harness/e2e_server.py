@@ -4,7 +4,7 @@ spec and a secondary tier, driven over HTTP on 127.0.0.1.
 Used by the end-to-end tests (tests/test_e2e_serve.py) and the TTFT
 benchmark (llmkv_fs.harness.e2e). It imports neither vLLM nor torch: the
 server runs in the e2e venv (llmkv_fs.harness.e2e_venv) and this side talks
-HTTP and reads /proc.
+HTTP and asks psutil about processes.
 
 Process rules: each server runs in its own session (``start_new_session``),
 so ``stop`` signals the whole group (API server, engine core, workers) and
@@ -28,6 +28,8 @@ import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
+
+import psutil
 
 from llmkv_fs.engine.block.pause import PAUSE_DIR_ENV
 
@@ -181,17 +183,13 @@ class Server:
         if self.proc is None:
             return []
         pids = []
-        for entry in os.listdir("/proc"):
-            if not entry.isdigit():
-                continue
+        for proc in psutil.process_iter(["status"]):
             try:
-                with open(f"/proc/{entry}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
+                in_group = os.getpgid(proc.pid) == self.proc.pid
             except OSError:
-                continue
-            state, pgid = fields[0], int(fields[2])
-            if pgid == self.proc.pid and (zombies or state != "Z"):
-                pids.append(int(entry))
+                continue  # gone meanwhile
+            if in_group and (zombies or proc.info["status"] != psutil.STATUS_ZOMBIE):
+                pids.append(proc.pid)
         return pids
 
     def regions(self) -> list[str]:

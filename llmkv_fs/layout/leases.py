@@ -20,6 +20,7 @@ import stat
 import time
 from typing import Any
 
+import psutil
 import xxhash
 
 from llmkv_fs.layout.files import (
@@ -92,7 +93,7 @@ class Lease:
         if now - self.refreshed > STALE_AFTER_INTERVALS * self.interval_s:
             return False
         if this_host is not None and self.host == this_host:
-            return pid_alive(self.pid)
+            return pid_alive(self.pid, started_by_ns=self.started_ns)
         return True
 
     def as_json(self) -> bytes:
@@ -101,29 +102,29 @@ class Lease:
         return json.dumps(fields, indent=1, sort_keys=True).encode()
 
 
-def pid_alive(pid: int) -> bool:
-    """Whether process ``pid`` of this host still runs. A zombie does not:
-    a SIGKILLed vLLM engine stays one until its parent (or a container's
-    PID 1, which may never) reaps it, and its temp files are dead already."""
+# A process's start time is known to the kernel in clock ticks (10 ms);
+# a lease is written after its process started, never before.
+_START_SLACK_S = 1.0
+
+
+def pid_alive(pid: int, started_by_ns: int | None = None) -> bool:
+    """Whether process ``pid`` of this host still runs (psutil). A zombie
+    does not: a SIGKILLed vLLM engine stays one until its parent (or a
+    container's PID 1, which may never) reaps it, and its temp files are dead
+    already. With ``started_by_ns`` (when the lease or file naming the pid
+    was written, wall clock), a process started after that is a new one that
+    reused the pid: not the writer, so the writer is dead."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        proc = psutil.Process(pid)
+        if proc.status() == psutil.STATUS_ZOMBIE:
+            return False
+        if started_by_ns is not None:
+            return bool(proc.create_time() <= started_by_ns / 1e9 + _START_SLACK_S)
+        return True
+    except psutil.NoSuchProcess:
         return False
-    except PermissionError:
-        pass  # exists, owned by someone else
-    return not _is_zombie(pid)
-
-
-def _is_zombie(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read(512)
-    except OSError:
-        return False  # no procfs here: trust kill(0)
-    # "pid (comm) S ...": comm may hold spaces and parentheses; the state
-    # follows the last ')'.
-    state = stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3]
-    return state == b"Z"
+    except psutil.Error:
+        return True  # exists, but we may not look (another user, hidepid): assume alive
 
 
 def lease_for(

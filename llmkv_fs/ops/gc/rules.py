@@ -10,6 +10,8 @@ import os
 import socket
 from collections.abc import Set as AbstractSet
 
+import psutil
+
 from llmkv_fs.layout import fsinfo
 from llmkv_fs.layout.leases import pid_alive
 from llmkv_fs.ops.gc.inventory import DigestFacts, Inventory
@@ -54,9 +56,8 @@ def pids_are_ours() -> bool:
     if "KUBERNETES_SERVICE_HOST" not in os.environ:
         return True
     try:
-        with open("/proc/1/comm", "rb") as f:
-            return f.read().strip() == b"pause"
-    except OSError:
+        return bool(psutil.Process(1).name() == "pause")
+    except psutil.Error:
         return False
 
 
@@ -92,7 +93,9 @@ def temp_verdict(entry: FileEntry, now: float, policy: Policy) -> tuple[bool, st
     alive on this host is never removed, however old."""
     writer = temp_writer(os.path.basename(entry.path))
     if writer is not None and policy.pid_check and writer[0] == policy.host:
-        if pid_alive(writer[1]):
+        # ctime (no utime can set it back) is never before the writer
+        # started: a process started after it reused the pid.
+        if pid_alive(writer[1], started_by_ns=int(entry.st.st_ctime * 1e9)):
             return False, f"writer pid {writer[1]} is alive"
         return True, f"writer pid {writer[1]} is gone"
     # Another host's, or vLLM's built-in tier's (its names carry no writer).
