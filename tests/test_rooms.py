@@ -167,3 +167,62 @@ def test_no_lazy_import_crosses_the_rule_either():
             if target not in allowed
         ]
     assert not wrong, "\n".join(sorted(wrong))
+
+
+# -- inside the engine room ------------------------------------------------------------
+# Its sub-rooms (docs/architecture.md, "The engine"): what each may import
+# of the others. ``outcomes`` is the engine's vocabulary (a top-level module of
+# the room, like engine.py, lookup.py and __init__.py, which may import every
+# sub-room). Scheduling knows nothing of how a block moves; moving one block
+# knows nothing of who runs it; the executors sit on top of both.
+ENGINE = PACKAGE / "engine"
+ENGINE_MAY_IMPORT = {
+    "scheduling": {"outcomes"},
+    "volume": {"outcomes"},
+    "block": {"outcomes", "volume"},
+    "threads": {"outcomes", "scheduling", "block", "volume"},
+    "workers": {"outcomes", "scheduling", "block", "volume"},
+}
+ENGINE_PARTS = {*ENGINE_MAY_IMPORT, *(p.stem for p in ENGINE.glob("*.py") if p.stem != "__init__")}
+
+
+def engine_arrows(path: Path) -> set[tuple[str, int]]:
+    """(engine part, line) for every ``llmkv_fs.engine.<part>`` an import
+    statement in ``path`` names (a bare ``from llmkv_fs.engine import X``
+    is the room's public face: __init__, hence every part)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+        elif isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        else:
+            continue
+        for name in names:
+            parts = name.split(".")
+            if parts[:2] != ["llmkv_fs", "engine"]:
+                continue
+            if len(parts) == 2 or (len(parts) == 3 and parts[2] not in ENGINE_PARTS):
+                found.add(("__init__", node.lineno))
+            elif parts[2] in ENGINE_PARTS:
+                found.add((parts[2], node.lineno))
+    return found
+
+
+def test_every_engine_package_is_a_sub_room():
+    packages = {p.parent.name for p in ENGINE.glob("*/__init__.py")}
+    assert packages == set(ENGINE_MAY_IMPORT)
+
+
+@pytest.mark.parametrize("sub_room", sorted(ENGINE_MAY_IMPORT))
+def test_engine_sub_room_imports_only_what_the_rule_allows(sub_room):
+    """Read from the import statements (lazy ones too) only: importing any
+    sub-room runs the room's __init__, which imports them all."""
+    wrong = []
+    for path in (ENGINE / sub_room).rglob("*.py"):
+        wrong += [
+            f"{path.relative_to(REPO)}:{line} imports engine.{target}"
+            for target, line in engine_arrows(path)
+            if target != sub_room and target not in ENGINE_MAY_IMPORT[sub_room]
+        ]
+    assert not wrong, "\n".join(sorted(wrong))

@@ -36,7 +36,7 @@ from llmkv_fs.engine.scheduling.jobs import IoJob, QueueFull
 from llmkv_fs.engine.scheduling.scheduler import BlockScheduler
 from llmkv_fs.engine.threads.executor import ThreadExecutor
 from llmkv_fs.engine.volume.housekeeping import Housekeeping
-from llmkv_fs.engine.volume.io_setup import choose_o_direct, io_options, rows_view
+from llmkv_fs.engine.block.io_setup import choose_o_direct, io_options, rows_view
 from llmkv_fs.engine.volume.numa import PinningPlan, plan_pinning, read_topology
 from llmkv_fs.engine.volume.prepare import EngineError, prepare_volume
 from llmkv_fs.engine.volume.signals import VolumeSignals
