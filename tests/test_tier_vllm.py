@@ -9,6 +9,7 @@ independent FUSE client, as a replica on another node would see it.
 import glob
 import os
 
+import pytest
 from nfs_kit import in_guest
 from vllm.v1.kv_offload.base import LookupResult
 
@@ -35,6 +36,9 @@ HIT, MISS, RETRY, HIT_PENDING = (
     LookupResult.RETRY,
     LookupResult.HIT_PENDING,
 )
+
+# Our tier through vLLM's stack, in both io modes (I/O threads, worker processes).
+pytestmark = pytest.mark.usefixtures("io_mode")
 
 
 def assert_all_promoted_byte_exact(replica, keys):
@@ -202,12 +206,13 @@ def test_write_queue_bound_fails_stores_instead_of_growing(disk_root, replicas):
         ours(disk_root, n_read_threads=1, n_write_threads=1, max_pending_store_blocks=4),
         cpu_bytes=128 << 20,
     )
-    # Hold the volume "slow" until the burst is submitted: the two I/O
-    # threads take one block each and the queue holds at most 4 more.
+    # Hold the volume "slow" until the burst is submitted: the executor takes
+    # what it can hold (two I/O threads one block each, or two workers two
+    # each) and the queue holds at most 4 more.
     keys = make_keys(30, seed="burst")
     store_burst_while_stalled(a, keys)
     dropped = a.tier.engine.counters[Direction.STORE, Failure.QUEUE_FULL]
-    assert dropped >= 30 - 2 - 4
+    assert dropped >= 30 - a.tier.engine.executor.capacity() - 4
     assert len(block_files(disk_root)) == 30 - dropped
     # Dropped blocks are still in the CPU tier: nothing is lost for serving.
     final, _ = a.find(keys)
@@ -243,18 +248,21 @@ def test_trailerless_files_are_refused_when_configured(shared_volume, replicas):
 STORE_IN_ANOTHER_PROCESS = r"""
 import sys
 from llmkv_fs.harness.driver import Replica, make_keys, offloading_config, ours
-replica = Replica(offloading_config(tiers=[ours(sys.argv[1], n_read_threads=1, n_write_threads=2)]))
+tier = ours(sys.argv[1], n_read_threads=1, n_write_threads=2, io_workers=int(sys.argv[2]))
+replica = Replica(offloading_config(tiers=[tier]))
+assert replica.tier.engine.io_workers == int(sys.argv[2])
 replica.store(make_keys(5, seed="cross-process"))
 replica.close()
 """
 
 
-def test_blocks_stored_by_another_process_are_found_byte_exact(shared_volume, replicas):
+def test_blocks_stored_by_another_process_are_found_byte_exact(shared_volume, replicas, io_mode):
     import subprocess
     import sys
 
+    io_workers = "3" if io_mode.workers else "0"  # the child's tier, in the test's io mode
     done = subprocess.run(
-        [sys.executable, "-c", STORE_IN_ANOTHER_PROCESS, shared_volume.a],
+        [sys.executable, "-c", STORE_IN_ANOTHER_PROCESS, shared_volume.a, io_workers],
         capture_output=True,
         text=True,
         # The child imports vLLM: ~10 s here, 354 s in the emulated NFS guest.
