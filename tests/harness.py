@@ -37,6 +37,9 @@ def start(replicas: list[Replica], *tiers: dict[str, Any], **config: Any) -> Rep
     keywords), put on the ``replicas`` fixture's list so teardown closes it."""
     replica = Replica(offloading_config(tiers=list(tiers), **config))
     replicas.append(replica)
+    wanted = tiers[0].get("io_workers") if tiers else None
+    if wanted and replica.tier is not None:  # worker mode must not fall back to threads
+        assert replica.tier.engine.io_workers == wanted, "the tier fell back to I/O threads"
     return replica
 
 

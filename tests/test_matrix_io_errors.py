@@ -41,6 +41,9 @@ from matrix_kit import (
 )
 from volume_kit import block_files, temp_files
 
+# Our tier in both io modes (I/O threads, worker processes).
+pytestmark = pytest.mark.usefixtures("io_mode")
+
 # One lookup round trip on the lookup thread; the test polls every ~2 ms, so
 # this is a time bound of a second or two on a busy machine, not a tight one.
 MAX_STEPS_TO_MISS = 500
@@ -77,7 +80,7 @@ def assert_fresh_requests_miss(reader, clock, keys, requests: int = 1) -> None:
 
 
 @pytest.mark.parametrize("when", ["before-lookup", "after-hit"])
-def test_damaged_files_are_never_served(shared_volume, replicas, when, monkeypatch):
+def test_damaged_files_are_never_served(shared_volume, replicas, when, io_mode):
     """Five damages in one request next to four good blocks. Damaged blocks:
     MISS, never loaded (a failed load is reported, not served), quarantined
     once read, counted by reason; good blocks: HIT, byte exact (vLLM's
@@ -94,8 +97,7 @@ def test_damaged_files_are_never_served(shared_volume, replicas, when, monkeypat
         for name, key in bad.items():
             DAMAGES[name][0](writer.tier.layout.block_path(key), donor)
 
-    # I/O threads: the gate below holds loads in this process.
-    reader, clock = start_clocked(replicas, shared_volume.b, io_workers=0)
+    reader, clock = start_clocked(replicas, shared_volume.b)
     # A request per damaged block: a load job stops at its first bad block
     # (vLLM's prefix rule), so each damage needs a job of its own to be read.
     requests = [(reader.new_request(), good)] + [(reader.new_request(), [k]) for k in bad.values()]
@@ -107,7 +109,7 @@ def test_damaged_files_are_never_served(shared_volume, replicas, when, monkeypat
         # (NFS in the emulated guest), vLLM promotes the first requests'
         # blocks before the last ones answer, and a load that ran before the
         # damage rightly serves the undamaged block.
-        gate = Gate(reader.tier.engine, monkeypatch)
+        gate = Gate(reader.tier.engine, io_mode.pause_dir, kinds=("load",))
 
         def all_promoting() -> bool:
             with reader.manager.lock:
@@ -122,7 +124,7 @@ def test_damaged_files_are_never_served(shared_volume, replicas, when, monkeypat
             wait_until(all_promoting, "every request to promote")
             damage()
         finally:
-            gate.opened.set()
+            gate.open()
     final: dict = {}
     hits = wrong = 0
     for ctx, ks in requests:
@@ -390,9 +392,11 @@ def test_read_only_remount_mid_run_fails_stores_loads_continue(
             key = next(k for k in before + racing if writer.tier.layout.block_path(k) == path)
             assert block_problem(path, key) is None
         # A store caught between its write and its rename cannot remove its
-        # temp file on a read-only volume; it is ours (gc removes it later).
+        # temp file on a read-only volume; it is ours -- this process's or
+        # one of its I/O workers' (gc removes it later).
         leftovers = temp_files(root)
-        assert {temp_owner(p) for p in leftovers} <= {os.getpid()}
+        writers = {os.getpid(), *writer.tier.engine.executor.worker_pids()}
+        assert {temp_owner(p) for p in leftovers} <= writers
 
         remount(root, "rw")  # and it recovers
         again = make_keys(2, seed="ro-again")
