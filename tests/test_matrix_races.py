@@ -14,6 +14,8 @@ import select
 import shutil
 import time
 
+import pytest
+
 from llmkv_fs.engine import Direction, EngineError, Failure, Outcome, prepare_volume
 from llmkv_fs.engine.block.blockio import BlockIO, IoOptions
 from llmkv_fs.layout.paths import CacheLayout
@@ -54,7 +56,12 @@ def _store_at_signal(root: str, keys_hex: list[str], ready_fd: int, go_fd: int) 
         }
     finally:
         replica.close()
-    return {"counters": counters, "scheduler_exceptions": len(clock.errors), "log": tap.lines}
+    return {
+        "counters": counters,
+        "scheduler_exceptions": len(clock.errors),
+        "log": tap.lines,
+        "io_workers": replica.tier.engine.io_workers,
+    }
 
 
 def _race(fn, roots: list[str], arg_lists: list, deadline_s: float = 120.0) -> list:
@@ -91,11 +98,15 @@ def _race(fn, roots: list[str], arg_lists: list, deadline_s: float = 120.0) -> l
 
 
 def _store_race(shared_volume, key_lists: list[list[bytes]]) -> list[dict]:
-    return _race(
+    results = _race(
         _store_at_signal,
         [shared_volume.a, shared_volume.b],
         [[k.hex() for k in keys] for keys in key_lists],
     )
+    # Every writer ran in the test's io mode (worker processes or I/O threads).
+    wanted = ours("").get("io_workers", 0)
+    assert [r["io_workers"] for r in results] == [wanted] * len(results)
+    return results
 
 
 # A store that loses the race to create a fresh directory on GlusterFS fails
@@ -158,6 +169,7 @@ def _reader(shared_volume, replicas, n_keys: int):
     return reader
 
 
+@pytest.mark.usefixtures("io_mode")  # the writers' and the reader's tiers
 def test_two_processes_store_the_same_keys_at_once(shared_volume, replicas):
     keys = make_keys(12, seed=f"race2-{shared_volume.fs}")
     reader = _reader(shared_volume, replicas, len(keys))
@@ -180,6 +192,7 @@ def test_two_processes_store_the_same_keys_at_once(shared_volume, replicas):
     )
 
 
+@pytest.mark.usefixtures("io_mode")  # the writers' and the reader's tiers
 def test_eight_processes_with_random_overlap(shared_volume, replicas):
     rng = random.Random(f"{SEED}-{shared_volume.fs}")
     pool = make_keys(24, seed=f"race8-{shared_volume.fs}")
