@@ -37,10 +37,16 @@ def start(replicas: list[Replica], *tiers: dict[str, Any], **config: Any) -> Rep
     keywords), put on the ``replicas`` fixture's list so teardown closes it."""
     replica = Replica(offloading_config(tiers=list(tiers), **config))
     replicas.append(replica)
-    wanted = tiers[0].get("io_workers") if tiers else None
-    if wanted and replica.tier is not None:  # worker mode must not fall back to threads
-        assert replica.tier.engine.io_workers == wanted, "the tier fell back to I/O threads"
+    if tiers and tiers[0].get("io_workers") and replica.tier is not None:
+        assert_io_mode(replica)
     return replica
+
+
+def assert_io_mode(replica) -> None:
+    """The replica's tier runs in the test's io_mode: worker mode must not
+    have fallen back to I/O threads (nor threads mode started workers)."""
+    workers = os.environ.get(IO_WORKERS_ENV, "0") != "0"
+    assert bool(replica.tier.engine.io_workers) == workers, replica.tier.engine.io_workers
 
 
 def resolve(replica, keys, on_hit_pending=None) -> dict:

@@ -14,7 +14,7 @@ import pytest
 from llmkv_fs.engine import Direction, Failure, Outcome
 
 from gluster_kit import _gluster
-from harness import MiB, Replica, make_keys, offloading_config, ours, payload_for
+from harness import MiB, Replica, assert_io_mode, make_keys, offloading_config, ours, payload_for
 from matrix_kit import (
     HIT,
     HIT_PENDING,
@@ -28,6 +28,9 @@ from matrix_kit import (
     stopped,
 )
 from volume_kit import block_files, temp_files
+
+# Our tier in both io modes (I/O threads, worker processes).
+pytestmark = pytest.mark.usefixtures("io_mode")
 
 JOB_TIMEOUT_S = 2.0
 CALL_BOUND_S = 0.2  # the slowest single tier call allowed while the volume is stalled
@@ -51,6 +54,7 @@ def test_stalled_brick_never_blocks_the_scheduler(gluster, replicas):
     writer.store(loads)
     reader = Replica(offloading_config(tiers=[ours(root_b, job_timeout_s=JOB_TIMEOUT_S)]))
     replicas.append(reader)
+    assert_io_mode(reader)
     clock = TierClock(reader.tier)
     engine, counters = reader.tier.engine, reader.tier.engine.counters
 
@@ -187,6 +191,7 @@ def test_write_burst_drops_stores_and_loads_stay_fast(volume, replicas, request)
         )
     )
     replicas.append(replica)
+    assert_io_mode(replica)
     clock = TierClock(replica.tier)
     engine, counters = replica.tier.engine, replica.tier.engine.counters
 
