@@ -26,6 +26,7 @@ from collections.abc import Sequence
 
 from llmkv_fs.config import TierSettings
 from llmkv_fs.engine.block.blockio import BlockIO
+from llmkv_fs.engine.block.io_setup import choose_o_direct, io_options, rows_view
 from llmkv_fs.engine.block.pause import PausePoints
 from llmkv_fs.engine.block.step import BlockStep
 from llmkv_fs.engine.lookup import AsyncExistence
@@ -36,7 +37,6 @@ from llmkv_fs.engine.scheduling.jobs import IoJob, QueueFull
 from llmkv_fs.engine.scheduling.scheduler import BlockScheduler
 from llmkv_fs.engine.threads.executor import ThreadExecutor
 from llmkv_fs.engine.volume.housekeeping import Housekeeping
-from llmkv_fs.engine.block.io_setup import choose_o_direct, io_options, rows_view
 from llmkv_fs.engine.volume.numa import PinningPlan, plan_pinning, read_topology
 from llmkv_fs.engine.volume.prepare import EngineError, prepare_volume
 from llmkv_fs.engine.volume.signals import VolumeSignals
