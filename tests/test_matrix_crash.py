@@ -2,12 +2,12 @@
 it stores 2 MiB blocks (tmpfs, ext4, GlusterFS), and what each durability
 mode asks of the kernel, seen with strace.
 
-The writer is the real store path (FsEngine: IoPool -> BlockIO.store) in a
-forked process; the reader is a real vLLM TieringOffloadingManager.
+The writer is the real store path (FsEngine -> BlockIO.store, in its I/O
+threads or its worker processes: the test's io_mode) in a forked process;
+the reader is a real vLLM TieringOffloadingManager.
 """
 
 import dataclasses
-import mmap
 import os
 import random
 import re
@@ -20,8 +20,18 @@ import pytest
 
 from llmkv_fs.config import TierSettings
 from llmkv_fs.engine import FsEngine, Outcome
+from llmkv_fs.layout.leases import pid_alive
 
-from harness import Replica, make_keys, offloading_config, ours, payload_for
+from engine_kit import IO_WORKERS_ENV, memfd_primary
+from harness import (
+    Replica,
+    assert_io_mode,
+    make_keys,
+    offloading_config,
+    ours,
+    payload_for,
+    wait_until,
+)
 from matrix_kit import (
     BLOCK,
     HIT,
@@ -37,19 +47,29 @@ from volume_kit import block_files, files_under
 TRIALS = int(os.environ.get("LLMKV_FS_MATRIX_TRIALS", "10"))  # per filesystem
 SEED = int(os.environ.get("LLMKV_FS_MATRIX_SEED", "5"))
 KEYS_PER_TRIAL = 8
+# Our tiers in both io modes (I/O threads, worker processes).
+pytestmark = pytest.mark.usefixtures("io_mode")
 
 
-def _write(layout, keys_hex: list[str], ready_fd: int) -> dict:
-    """Child: store every key through a real engine, as fast as it can."""
+def _write(layout, keys_hex: list[str], ready_fd: int, io_workers: int) -> dict:
+    """Child: store every key through a real engine, as fast as it can. It
+    says when it is ready (b"!"), with its worker pids (the writers of its
+    temp files), then when every block is written (b".")."""
     keys = [bytes.fromhex(k) for k in keys_hex]
-    primary = mmap.mmap(-1, len(keys) * BLOCK)
+    primary = memfd_primary(len(keys) * BLOCK)  # worker processes can map it
     for i, key in enumerate(keys):
         primary[i * BLOCK : (i + 1) * BLOCK] = payload_for(key, BLOCK)
     settings = TierSettings(
-        root_dir=layout.root_dir, n_read_threads=1, n_write_threads=2, lookup_threads=1
+        root_dir=layout.root_dir,
+        n_read_threads=1,
+        n_write_threads=2,
+        lookup_threads=1,
+        io_workers=io_workers,
     )
     engine = FsEngine(settings, layout, primary, BLOCK)
-    os.write(ready_fd, b"!")
+    assert engine.io_workers == io_workers
+    pids = ",".join(str(pid) for pid in engine.executor.worker_pids())
+    os.write(ready_fd, f"!{pids}\n".encode())
     for start in range(0, len(keys), 2):
         engine.submit_store(
             start, keys[start : start + 2], list(range(start, min(start + 2, len(keys))))
@@ -62,14 +82,40 @@ def _write(layout, keys_hex: list[str], ready_fd: int) -> dict:
     return {"written": engine.counters[Outcome.WRITTEN]}
 
 
-def _start_writer(layout, keys) -> tuple[Forked, float, int]:
-    """Fork a writer; returns it, when it started storing, and the pipe it
-    reports on (closed by the caller once the child is gone)."""
+@dataclasses.dataclass
+class Writer:
+    child: Forked
+    started: float  # when it started storing
+    pipe: int  # what it reports on (closed by the caller once the child is gone)
+    workers: list[int]  # its I/O worker processes' pids (none with threads)
+
+    @property
+    def pids(self) -> set[int]:
+        """Every process that may have written a temp file of it."""
+        return {self.child.pid, *self.workers}
+
+
+def _start_writer(layout, keys) -> Writer:
+    """Fork a writer in the test's io mode (as many workers as its threads)."""
+    io_workers = 3 if os.environ.get(IO_WORKERS_ENV, "0") != "0" else 0
     ready_r, ready_w = os.pipe()
-    child = Forked(_write, layout, [k.hex() for k in keys], ready_w)
+    child = Forked(_write, layout, [k.hex() for k in keys], ready_w, io_workers)
     os.close(ready_w)
-    assert os.read(ready_r, 1) == b"!", "writer died before it was ready"
-    return child, time.monotonic(), ready_r
+    hello = b""
+    while not hello.endswith(b"\n"):
+        got = os.read(ready_r, 256)
+        assert got, f"writer died before it was ready: {child.result()}"
+        hello += got
+    assert hello.startswith(b"!"), hello
+    workers = [int(pid) for pid in hello[1:-1].decode().split(",") if pid]
+    assert len(workers) == io_workers, hello
+    return Writer(child, time.monotonic(), ready_r, workers)
+
+
+def _wait_gone(pids: set[int]) -> None:
+    """Until none of ``pids`` runs: a SIGKILLed writer's worker processes die
+    with it (PR_SET_PDEATHSIG), but a moment later."""
+    wait_until(lambda: not any(pid_alive(pid) for pid in pids), f"{sorted(pids)} to be gone")
 
 
 def test_sigkill_mid_write_never_publishes_a_torn_file(shared_volume, replicas):
@@ -80,6 +126,7 @@ def test_sigkill_mid_write_never_publishes_a_torn_file(shared_volume, replicas):
     byte exact."""
     reader = Replica(offloading_config(tiers=[ours(shared_volume.b)]))
     replicas.append(reader)
+    assert_io_mode(reader)
     clock = TierClock(reader.tier)
     writer_layout = dataclasses.replace(reader.tier.layout, root_dir=shared_volume.a)
     rank_dir = reader.tier.layout.rank_dir
@@ -91,11 +138,11 @@ def test_sigkill_mid_write_never_publishes_a_torn_file(shared_volume, replicas):
     spans = []
     for run in range(2):
         keys = make_keys(KEYS_PER_TRIAL, seed=f"kill-{shared_volume.fs}-calibrate-{run}")
-        child, started, pipe = _start_writer(writer_layout, keys)
-        assert os.read(pipe, 1) == b"."
-        spans.append(time.monotonic() - started)
-        counters = child.result()
-        os.close(pipe)
+        writer = _start_writer(writer_layout, keys)
+        assert os.read(writer.pipe, 1) == b"."
+        spans.append(time.monotonic() - writer.started)
+        counters = writer.child.result()
+        os.close(writer.pipe)
         assert counters["written"] == KEYS_PER_TRIAL, counters
         for path in files_under(rank_dir):
             os.unlink(path)
@@ -114,10 +161,11 @@ def test_sigkill_mid_write_never_publishes_a_torn_file(shared_volume, replicas):
     for trial in range(TRIALS):
         keys = make_keys(KEYS_PER_TRIAL, seed=f"kill-{shared_volume.fs}-{trial}")
         paths = {reader.tier.layout.block_path(k): k for k in keys}
-        child, started, pipe = _start_writer(writer_layout, keys)
-        time.sleep(max(0.0, started + rng.uniform(0, span) - time.monotonic()))
-        figures["killed_alive"] += child.kill()
-        os.close(pipe)
+        writer = _start_writer(writer_layout, keys)
+        time.sleep(max(0.0, writer.started + rng.uniform(0, span) - time.monotonic()))
+        figures["killed_alive"] += writer.child.kill()
+        os.close(writer.pipe)
+        _wait_gone(writer.pids)
 
         published = block_files(rank_dir)
         for path in published:
@@ -133,7 +181,7 @@ def test_sigkill_mid_write_never_publishes_a_torn_file(shared_volume, replicas):
         for path in leftovers:
             name = os.path.basename(path)
             assert name.startswith(".") and name.endswith(".tmp"), f"stray file {path}"
-            assert temp_owner(path) == child.pid, f"{path} is not the dead writer's ({child.pid})"
+            assert temp_owner(path) in writer.pids, f"{path} is not the dead writer's {writer.pids}"
         figures["temp_left"] += len(leftovers)
 
         ctx = reader.new_request()
@@ -163,20 +211,25 @@ def test_sigkill_mid_write_never_publishes_a_torn_file(shared_volume, replicas):
 # -- durability: the syscalls each mode makes -------------------------------------------
 
 STORE_N_BLOCKS = r"""
-import hashlib, mmap, sys, time
+import hashlib, mmap, os, sys, time
 from llmkv_fs.config import TierSettings
 from llmkv_fs.engine import FsEngine, Outcome
 from llmkv_fs.layout.paths import CacheLayout, RunIdentity
 
-root, n, durability = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+root, n, durability, io_workers = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
 bs = 1 << 20
 layout = CacheLayout.for_identity(root, RunIdentity(
     model_name="m/strace", dtype="bfloat16", tokens_per_hash=16, blocks_per_file=1,
     kv_cache_groups=((16, ("l0",)),)))
-primary = mmap.mmap(-1, n * bs)
+fd = os.memfd_create("strace_primary")  # a primary worker processes can map
+os.ftruncate(fd, n * bs)
+primary = mmap.mmap(fd, n * bs)
+os.close(fd)
 keys = [hashlib.sha256(b"%d" % i).digest() + bytes(4) for i in range(n)]
 engine = FsEngine(TierSettings(root_dir=root, durability=durability, n_read_threads=1,
-                               n_write_threads=2, lookup_threads=1), layout, primary, bs)
+                               n_write_threads=2, lookup_threads=1, io_workers=io_workers),
+                  layout, primary, bs)
+assert engine.io_workers == io_workers, engine.io_workers
 engine.submit_store(1, keys, list(range(n)))
 while engine.has_pending_work():
     engine.take_finished()
@@ -193,10 +246,12 @@ _RENAME = re.compile(
 )
 
 
-def _strace_store(root: str, durability: str, out: str) -> list[tuple[str, str, str, str]]:
-    """Store N_STRACED blocks in a child under strace; returns its
-    (tid, 'fsync'|'rename', path, rename target) events about block files,
-    in order."""
+def _strace_store(
+    root: str, durability: str, out: str, io_workers: int
+) -> list[tuple[str, str, str, str]]:
+    """Store N_STRACED blocks in a child under strace (``-f``: its worker
+    processes too); returns its (tid, 'fsync'|'rename', path, rename target)
+    events about block files, in order."""
     if shutil.which("strace") is None:
         pytest.skip("strace is not installed")
     done = subprocess.run(
@@ -215,6 +270,7 @@ def _strace_store(root: str, durability: str, out: str) -> list[tuple[str, str, 
             root,
             str(N_STRACED),
             durability,
+            str(io_workers),
         ],
         capture_output=True,
         text=True,
@@ -233,8 +289,9 @@ def _strace_store(root: str, durability: str, out: str) -> list[tuple[str, str, 
 
 
 @pytest.mark.parametrize("durability", ["none", "file", "full"])
-def test_durability_mode_makes_exactly_its_fsyncs(durability, disk_root, tmp_path):
-    events = _strace_store(disk_root, durability, str(tmp_path / "strace.out"))
+def test_durability_mode_makes_exactly_its_fsyncs(durability, disk_root, tmp_path, io_mode):
+    io_workers = 3 if io_mode.workers else 0
+    events = _strace_store(disk_root, durability, str(tmp_path / "strace.out"), io_workers)
     renames = [e for e in events if e[1] == "rename"]
     file_syncs = [e for e in events if e[1] == "fsync" and e[2].endswith(".tmp")]
     dir_syncs = [e for e in events if e[1] == "fsync" and not e[2].endswith((".tmp", ".bin"))]
