@@ -24,7 +24,8 @@ from llmkv_fs.engine import Outcome
 from llmkv_fs.engine.volume.space import SpaceGuard
 from llmkv_fs.layout.leases import STALE_AFTER_INTERVALS, Lease, lease_dir, read_leases
 
-from harness import Replica, offloading_config, ours, payload_for, wait_until
+from engine_kit import IO_WORKERS_ENV
+from harness import Replica, assert_io_mode, offloading_config, ours, payload_for, wait_until
 
 WARNING = "will not share cache"
 TOKENS = list(range(1000, 1016))  # one full 16-token block
@@ -59,6 +60,7 @@ def wait_for_refresh(path: str, after_ns: int) -> int:
 # -- one replica, in this process -----------------------------------------------------------
 
 
+@pytest.mark.usefixtures("io_mode")  # the tier's I/O threads or worker processes
 def test_lease_lifecycle(disk_root):
     from vllm import __version__ as vllm_version
 
@@ -68,6 +70,7 @@ def test_lease_lifecycle(disk_root):
     replica = Replica(offloading_config(tiers=[ours(disk_root, lease_interval_s=0.5)]))
     closed = False
     try:
+        assert_io_mode(replica)
         engine = replica.tier.engine
         # Before the first step the hash seed is not known yet: no lease, even
         # after the housekeeping thread has been round once.
@@ -116,6 +119,7 @@ def test_lease_lifecycle(disk_root):
             replica.close()
 
 
+@pytest.mark.usefixtures("io_mode")
 def test_short_lease_interval_is_refreshed_before_it_looks_dead(disk_root):
     interval = 0.2
     replica = Replica(offloading_config(tiers=[ours(disk_root, lease_interval_s=interval)]))
@@ -136,8 +140,15 @@ def test_short_lease_interval_is_refreshed_before_it_looks_dead(disk_root):
 # -- replicas in separate processes ---------------------------------------------------------
 
 
-def _spawn(role: str, seed: str, root: str, control: str, log_path: str) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONHASHSEED": seed, "LLMKV_FS_HASH_ALGO": "xxhash"}
+def _spawn(
+    role: str, seed: str, root: str, control: str, log_path: str, io_workers: str
+) -> subprocess.Popen:
+    env = {
+        **os.environ,
+        "PYTHONHASHSEED": seed,
+        "LLMKV_FS_HASH_ALGO": "xxhash",
+        IO_WORKERS_ENV: io_workers,  # harness.ours: the replica's io mode
+    }
     with open(log_path, "wb") as log:
         return subprocess.Popen(
             [sys.executable, os.path.abspath(__file__), role, root, control],
@@ -164,21 +175,23 @@ def _result(log_path: str, proc: subprocess.Popen, deadline_s: float = 900.0) ->
         time.sleep(0.05)
 
 
-@pytest.fixture(scope="module")
-def seed_run(tmp_path_factory):
+@pytest.fixture(scope="module", params=["0", "1"], ids=["threads", "workers"])
+def seed_run(tmp_path_factory, request):
     """Three replica processes sharing one root: A (seed 1234) stores a block
     and stays up; then B (seed 4321) and, after B exited, C (seed 1234) look
     the same tokens up. All three import vLLM at once; they only start their
-    replicas when told to, in that order."""
+    replicas when told to, in that order. Once with I/O threads, once with
+    worker processes (module scope: the io_mode fixture is per test)."""
+    io_workers = request.param
     base = tmp_path_factory.mktemp("seeds")
     root, control = base / "kv", base / "control"
     root.mkdir()
     control.mkdir()
     logs = {r: str(base / f"{r}.log") for r in "ABC"}
     procs = {
-        "A": _spawn("writer", "1234", str(root), str(control / "A"), logs["A"]),
-        "B": _spawn("reader", "4321", str(root), str(control / "B"), logs["B"]),
-        "C": _spawn("reader", "1234", str(root), str(control / "C"), logs["C"]),
+        "A": _spawn("writer", "1234", str(root), str(control / "A"), logs["A"], io_workers),
+        "B": _spawn("reader", "4321", str(root), str(control / "B"), logs["B"], io_workers),
+        "C": _spawn("reader", "1234", str(root), str(control / "C"), logs["C"], io_workers),
     }
     try:
         results = {}
@@ -197,6 +210,8 @@ def seed_run(tmp_path_factory):
             with open(logs[role], "rb") as f:
                 results[f"log_{role}"] = f.read().decode(errors="replace")
         results["root"] = str(root)
+        for role in "ABC":
+            assert bool(results[role]["io_workers"]) == (io_workers != "0"), results[role]
         yield results
     finally:
         for proc in procs.values():
@@ -270,6 +285,7 @@ def _replica_process(role: str, root: str, control: str) -> None:
         "key": key.hex(),
         "path": replica.tier.layout.block_path(key),
         "base": replica.tier.layout.base_path,
+        "io_workers": replica.tier.engine.io_workers,
         "other_fingerprints": sorted(housekeeping.other_fingerprints),
         "peers_seen": sum(
             x.is_live(this_host=socket.gethostname())
