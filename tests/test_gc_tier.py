@@ -6,6 +6,7 @@ exception -- and a fresh store of it works."""
 import json
 import os
 
+import pytest
 from vllm.v1.kv_offload.base import LookupResult
 
 from gc_kit import age, cache_entries, gc_process, gc_run, running, stop_watch
@@ -18,6 +19,9 @@ HIT, MISS, RETRY, HIT_PENDING = (
     LookupResult.HIT_PENDING,
 )
 EVICT_ALL = ("--max-bytes", "0", "--protect", "0", "--high", "off")
+
+# Our tier through vLLM's stack, in both io modes (I/O threads, worker processes).
+pytestmark = pytest.mark.usefixtures("io_mode")
 
 
 def lookup_all(replica, keys, ctx):
