@@ -55,6 +55,7 @@ from llmkv_fs.engine import (
 from llmkv_fs.layout.blockfile import Corruption
 from llmkv_fs.tier.metrics import METRICS, PREFIX, counter_series
 
+from engine_kit import IO_WORKERS_ENV
 from harness import Replica, make_keys, offloading_config, ours, resolve, wait_until
 from volume_kit import flip_a_bit
 
@@ -130,18 +131,27 @@ def prom_metrics(extra_config: dict, registry: CollectorRegistry, engines: int):
     )
 
 
-@pytest.fixture(scope="module")
-def scenario(tmp_path_factory):
+@pytest.fixture(scope="module", params=["0", "1"], ids=["threads", "workers"])
+def scenario(tmp_path_factory, request):
+    """Once with I/O threads, once with worker processes (module scope: the
+    io_mode fixture is per test, so the mode is set here for harness.ours)."""
     root = str(tmp_path_factory.mktemp("metrics_kv"))
+    workers = request.param != "0"
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv(IO_WORKERS_ENV, request.param)
+        tier = ours(root)
+        # C's space guard refuses every store (it wants 1 EiB free).
+        refusing = ours(root, min_free_bytes=1 << 60)
     made: list[Replica] = []
     try:
-        a = Replica(offloading_config(tiers=[ours(root)]))
+        a = Replica(offloading_config(tiers=[tier]))
         made.append(a)
-        b = Replica(offloading_config(tiers=[ours(root)]))
+        b = Replica(offloading_config(tiers=[tier]))
         made.append(b)
-        # C's space guard refuses every store (it wants 1 EiB free).
-        c = Replica(offloading_config(tiers=[ours(root, min_free_bytes=1 << 60)]))
+        c = Replica(offloading_config(tiers=[refusing]))
         made.append(c)
+        for replica in made:
+            assert bool(replica.tier.engine.io_workers) == workers
         spy_a, spy_b, spy_c = _JobSpy(a.tier), _JobSpy(b.tier), _JobSpy(c.tier)
         chunk = a.tier.block_size_bytes
         assert chunk == b.tier.block_size_bytes == a.spec.kv_bytes_per_chunk

@@ -96,7 +96,7 @@ METRICS = {
             "store_failures",
             "counter",
             "Store blocks not published, by reason: queue_full, space (space guard or "
-            "ENOSPC), stalled, volume_failed, deadline, error, cancelled.",
+            "ENOSPC), stalled, volume_failed, deadline, error, worker_died, cancelled.",
             "reason",
         ),
         _m(
@@ -104,7 +104,7 @@ METRICS = {
             "counter",
             "Load blocks not delivered, by reason: missing, corrupt, no_checksum, "
             "skipped (an earlier block of the job failed), deadline, stalled, "
-            "volume_failed, error, cancelled.",
+            "volume_failed, error, worker_died, cancelled.",
             "reason",
         ),
         _m(
