@@ -183,3 +183,35 @@ def pytest_collection_modifyitems(config, items):
     if drop:
         config.hook.pytest_deselected(items=drop)
         items[:] = keep
+
+
+_MODE_SECONDS: dict[str, list[float]] = {}
+
+
+def pytest_runtest_logreport(report):
+    """Time per engine mode (setup, call and teardown of each test), for the
+    summary below: what running every engine test in both modes costs CI."""
+    params = getattr(report, "_llmkv_mode", None)
+    if params is None:
+        return
+    _MODE_SECONDS.setdefault(params, []).append(report.duration)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    callspec = getattr(item, "callspec", None)
+    mode = callspec.params.get("io_mode") if callspec is not None else None
+    if mode is not None:
+        outcome.get_result()._llmkv_mode = "workers" if mode else "threads"
+
+
+def pytest_terminal_summary(terminalreporter):
+    if not _MODE_SECONDS:
+        return
+    parts = []
+    for mode in ("threads", "workers"):
+        seconds = _MODE_SECONDS.get(mode, [])
+        # Three reports per test (setup, call, teardown).
+        parts.append(f"{mode} {len(seconds) // 3} tests {sum(seconds):.0f}s")
+    terminalreporter.write_line("io_mode time: " + ", ".join(parts))
