@@ -302,7 +302,7 @@ def test_housekeeping_survives_a_failed_first_lease_write(tmp_path, monkeypatch)
     """The first write of the lease fails (EIO): the thread stays up, keeps
     sampling space and writes the lease on a later round -- it must not
     "refresh" a lease file that was never written."""
-    from llmkv_fs.engine import housekeeping as housekeeping_module
+    from llmkv_fs.engine.volume import housekeeping as housekeeping_module
 
     real_write = housekeeping_module.write_lease
     calls = []

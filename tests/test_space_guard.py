@@ -17,7 +17,8 @@ import time
 import pytest
 
 from llmkv_fs.config import TierSettings
-from llmkv_fs.engine import Direction, Failure, Outcome, space
+from llmkv_fs.engine import Direction, Failure, Outcome
+from llmkv_fs.engine.volume import space
 from llmkv_fs.engine.volume.space import SpaceGuard
 from llmkv_fs.layout.blockfile import TRAILER_SIZE
 from llmkv_fs.layout.fsinfo import VolumeUsage, volume_usage
