@@ -20,7 +20,7 @@ import pytest
 
 from llmkv_fs.config import TierConfigError, TierSettings
 from llmkv_fs.engine import Outcome
-from llmkv_fs.engine.block import blockio
+from llmkv_fs.engine.block import stamps
 from llmkv_fs.layout.blockfile import ACCESS_STAMP_INTERVAL_S, TRAILER_SIZE
 
 from engine_kit import BS, make_key, pattern, row, store_blocks, wait_jobs, wait_until
@@ -110,7 +110,7 @@ def test_load_stamps_access_once_per_interval(noatime_tmpfs, engines):
     "(test_load_stamps_access_once_per_interval) runs in both modes"
 )
 def test_stamp_is_renewed_after_the_interval(noatime_tmpfs, engines, monkeypatch):
-    monkeypatch.setattr(blockio, "ACCESS_STAMP_INTERVAL_S", 1.0)
+    monkeypatch.setattr(stamps, "ACCESS_STAMP_INTERVAL_S", 1.0)
     engine, layout, primary = engines(noatime_tmpfs, n_blocks=4)
     store_blocks(engine, primary, 1, ["r"], [0])
     path = layout.block_path(make_key("r"))

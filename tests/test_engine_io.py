@@ -441,10 +441,10 @@ def test_rename_refused_because_another_writer_won_counts_as_present(
     engine, layout, primary = engines(disk_root, n_blocks=2)
     real_rename = os.rename
 
-    def rename_like_a_shared_fs(src, dst):
-        if os.path.exists(dst):
+    def rename_like_a_shared_fs(src, dst, *, src_dir_fd=None, dst_dir_fd=None):
+        if real_access(dst, os.F_OK, dir_fd=dst_dir_fd, follow_symlinks=False):
             raise FileExistsError(17, "File exists", dst)
-        return real_rename(src, dst)
+        return real_rename(src, dst, src_dir_fd=src_dir_fd, dst_dir_fd=dst_dir_fd)
 
     fill(primary, 0, pattern(0))
     assert engine.submit_store(1, [make_key(0)], [0])
@@ -453,10 +453,13 @@ def test_rename_refused_because_another_writer_won_counts_as_present(
     # Another writer publishes between our existence check and our rename.
     real_access = os.access
 
+    # The store checks and renames relative to the block's directory.
+    block_name = os.path.basename(layout.block_path(make_key(0)))
+
     def access_then_race(path, mode, **kw):
         answer = real_access(path, mode, **kw)
-        if path == layout.block_path(make_key(0)) and not answer:
-            with open(path, "wb") as f:
+        if path == block_name and not answer:
+            with open(layout.block_path(make_key(0)), "wb") as f:
                 f.write(b"\0" * (BS + TRAILER_SIZE))
         return answer
 

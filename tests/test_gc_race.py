@@ -57,21 +57,23 @@ def hold_until_gone(path, what):
         time.sleep(0.002)
 
 if hook == "open":
-    # Stop right before the temp file's open, once the directory exists.
+    # Stop right before the temp file's open -- made relative to the
+    # descriptor of the block's directory, resolved (and made) by then.
     real_open, armed = os.open, [True]
     def hooked_open(path, *args, **kwargs):
-        if armed[0] and isinstance(path, str) and path.startswith(race_dir + "/"):
+        if armed[0] and isinstance(path, str) and path.endswith(".tmp"):
             armed[0] = False
             hold_until_gone(race_dir, "at-open")
         return real_open(path, *args, **kwargs)
     os.open = hooked_open
 elif hook == "parent":
-    # Stop right before the first mkdir of the block's directory (the temp
-    # file's open failed: it is missing) until gc has removed its parent.
-    # Whatever the directory creation checked before, the parent is gone now.
+    # Stop right before the first mkdir of the block's directory (a name
+    # relative to the descriptor of its parent, which the walk holds) until
+    # gc has removed that parent. Whatever the walk checked before, the
+    # parent is gone now.
     real_mkdir, armed = os.mkdir, [True]
     def hooked_mkdir(path, *args, **kwargs):
-        if armed[0] and path == spec["trigger"]:
+        if armed[0] and path == posixpath.basename(spec["trigger"]):
             armed[0] = False
             hold_until_gone(race_dir, "at-mkdir")
         return real_mkdir(path, *args, **kwargs)
@@ -163,7 +165,9 @@ GC_EVICT = ("--max-bytes", "0", "--protect", "10m", "--high", "off")
 
 def test_gc_removes_the_directory_right_before_the_writers_open(shared_volume):
     """Leaf and parent both go between the writer's check and its open: the
-    open fails with ENOENT, the store recreates the directories and goes on."""
+    open relative to the removed directory's descriptor fails with ENOENT
+    (nothing lands in a removed directory), the store resolves and
+    recreates the directories and goes on."""
     (layout,) = make_digest(shared_volume.a, "acme/race")
     x = hkey("", 0, "x")
     y = hkey(x.hex()[:5], 1, "y")  # an old block in x's directory: gc empties it

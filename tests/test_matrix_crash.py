@@ -241,9 +241,21 @@ print(engine.counters[Outcome.WRITTEN])
 N_STRACED = 6
 _TID = r"^(?P<tid>\d+)\s+"
 _FSYNC = re.compile(_TID + r"(?:fsync|fdatasync)\(\d+<(?P<path>[^>]*)>")
+# renameat: the names are relative to directory descriptors (strace -y shows
+# their paths: "5</root/kv/...>"), joined below into full paths.
+_DIR_FD = r"(?:\d+<(?P<{}>[^>]*)>|[A-Z_]+), "
 _RENAME = re.compile(
-    _TID + r"rename(?:at2?)?\((?:[^,]*, )?\"(?P<src>[^\"]+)\", (?:[^,]*, )?\"(?P<dst>[^\"]+)\""
+    _TID
+    + r"rename(?:at2?)?\((?:"
+    + _DIR_FD.format("srcdir")
+    + r")?\"(?P<src>[^\"]+)\", (?:"
+    + _DIR_FD.format("dstdir")
+    + r")?\"(?P<dst>[^\"]+)\""
 )
+
+
+def _full(directory: str | None, name: str) -> str:
+    return os.path.join(directory, name) if directory else name
 
 
 def _strace_store(
@@ -284,7 +296,8 @@ def _strace_store(
             if (m := _FSYNC.match(line)) and "_r0/" in m["path"]:
                 events.append((m["tid"], "fsync", m["path"], ""))
             elif (m := _RENAME.match(line)) and m["dst"].endswith(".bin"):
-                events.append((m["tid"], "rename", m["src"], m["dst"]))
+                src, dst = _full(m["srcdir"], m["src"]), _full(m["dstdir"], m["dst"])
+                events.append((m["tid"], "rename", src, dst))
     return events
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import stat
 import subprocess
 
 import pytest
@@ -151,6 +152,41 @@ def test_make_dirs_creates_below_the_root_only(tmp_path):
     with pytest.raises(RootGone):
         make_dirs(f"{root.path}/a/x", 0o770, root)
     assert os.listdir(root_path) == []
+
+
+# -- resolving beneath the root (layout.beneath, issue 21) --------------------------------
+
+
+def test_beneath_refuses_links_and_dotdot_and_a_replaced_root(tmp_path):
+    from llmkv_fs.layout.beneath import Beneath, LinkInTree
+
+    root = tmp_path / "kv"
+    (root / "a" / "b").mkdir(parents=True)
+    (tmp_path / "outside").mkdir()
+    os.symlink(tmp_path / "outside", root / "a" / "link")
+    below = Beneath(str(root), PinnedRoot.pin(str(root)))
+    os.close(below.open_dir("a/b"))
+    with pytest.raises(LinkInTree):
+        below.open_dir("a/link")
+    with pytest.raises(LinkInTree):
+        below.open_dir("a/link/c", create=True, dir_mode=0o750)
+    with pytest.raises(LinkInTree):
+        make_dirs(f"{root}/a/link/x", 0o770, below.pin)  # the path API too
+    assert os.listdir(tmp_path / "outside") == []
+    with pytest.raises(ValueError):
+        below.open_dir("a/../..")
+    with pytest.raises(ValueError):
+        below.relative(f"{root}/../outside")
+    fd = below.open_dir("a/new/deeper", create=True, dir_mode=0o750)
+    os.close(fd)
+    assert stat.S_IMODE(os.stat(root / "a" / "new" / "deeper").st_mode) == 0o750
+
+    os.rename(root, tmp_path / "moved")
+    root.mkdir()
+    fresh = Beneath(str(root), below.pin)  # another thread or process: opens the path
+    with pytest.raises(RootGone):
+        fresh.open_dir("a", create=True)
+    assert os.listdir(root) == []
 
 
 class _Bind:

@@ -94,20 +94,21 @@ def test_ensure_run_config_writes_through_a_temp_name_and_rename(disk_root, monk
     renames = []
     real_rename = os.rename
 
-    def checking_rename(src, dst):
-        src, dst = os.fspath(src), os.fspath(dst)
-        if dst == layout.config_path:
-            # At the moment of publication the final name does not exist yet
-            # and the temp file already holds every byte.
-            assert not os.path.exists(dst)
-            with open(src, "rb") as f:
+    def checking_rename(src, dst, *, src_dir_fd=None, dst_dir_fd=None):
+        if dst == "config.json":
+            # Both names relative to the digest directory's descriptor (it is
+            # resolved beneath the root); at the moment of publication the
+            # final name does not exist yet and the temp file holds every byte.
+            assert src_dir_fd is not None and src_dir_fd == dst_dir_fd
+            assert os.readlink(f"/proc/self/fd/{dst_dir_fd}") == layout.base_path
+            assert not os.path.exists(layout.config_path)
+            with open(os.path.join(layout.base_path, src), "rb") as f:
                 assert f.read() == wanted
-            assert os.path.dirname(src) == os.path.dirname(dst)
-            parsed = parse_temp_name(os.path.basename(src))
+            parsed = parse_temp_name(src)
             assert parsed is not None
             assert parsed.pid == os.getpid()
-            renames.append(src)
-        return real_rename(src, dst)
+            renames.append(os.path.join(layout.base_path, src))
+        return real_rename(src, dst, src_dir_fd=src_dir_fd, dst_dir_fd=dst_dir_fd)
 
     monkeypatch.setattr(files_module.os, "rename", checking_rename)
     assert ensure_run_config(layout) == "created"
@@ -121,14 +122,14 @@ def test_two_writers_in_one_process_both_succeed(disk_root, monkeypatch):
     real_rename = os.rename
     results = []
 
-    def interleaving_rename(src, dst):
+    def interleaving_rename(src, dst, **dir_fds):
         # Deterministic interleaving: a second writer (another thread of the
         # same process) runs its whole ensure_run_config between our write
         # and our rename.
         if not results:
             results.append("inner-started")
             results.append(ensure_run_config(layout))
-        return real_rename(src, dst)
+        return real_rename(src, dst, **dir_fds)
 
     monkeypatch.setattr(files_module.os, "rename", interleaving_rename)
     outer = ensure_run_config(layout)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import errno
 import itertools
 from collections.abc import Iterator
 from typing import ClassVar, TypeAlias
@@ -94,6 +95,9 @@ class Failure(_CounterKeyEnum):
     # blocks before the first failure (its built-in stops there), so the rest
     # is not read, or, if already in flight on another thread, not delivered
     SKIPPED = "skipped"
+    # a directory on the block's path below root_dir is a symlink: never
+    # followed (layout.beneath), so nothing is stored or read through it
+    LINK_IN_TREE = "link_in_tree"
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -159,6 +163,12 @@ def failed(exc: Exception) -> Failed:
         return Failed(exc.failure, exc)
     if isinstance(exc, BlockFileError):
         return Failed(Failure.CORRUPT, exc)
+    if isinstance(exc, OSError) and exc.errno == errno.ELOOP:
+        # Only a walk beneath the root that met a symlink raises ELOOP
+        # (layout.beneath.LinkInTree; a link at the block's own name is a
+        # BlockFileError or is replaced by the store's rename). Matched by
+        # errno: from a worker process it arrives as a bare OSError.
+        return Failed(Failure.LINK_IN_TREE, exc)
     return Failed(Failure.ERROR, exc)
 
 

@@ -12,12 +12,13 @@ file we create is created new (``O_CREAT|O_EXCL|O_NOFOLLOW``, never
 ``O_TRUNC``: ``create_exclusive``, ``create_in_dir``), and every small file
 we read by name is opened without following a link and without blocking,
 then checked to be a regular file of a sane size (``read_small_regular_file``).
+O_NOFOLLOW guards only a path's last component: a running tier resolves every
+directory below its root through ``layout.beneath`` and uses the ``dir_fd``
+forms here; the plain paths serve the root itself, the ops tools and tests.
 """
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import errno
 import os
 import socket
@@ -27,6 +28,7 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from llmkv_fs.layout.names import temp_path
+from llmkv_fs.layout.root import PinnedRoot, RootGone
 
 __all__ = [
     "DEFAULT_DIR_MODE",
@@ -43,6 +45,7 @@ __all__ = [
     "make_dirs",
     "needs_chmod",
     "read_small_regular_file",
+    "read_small_regular_file_at",
     "retry_transient",
     "write_file_atomically",
 ]
@@ -121,60 +124,6 @@ def _dir_race(exc: OSError) -> bool:
     return isinstance(exc, NotADirectoryError) or is_transient(exc)
 
 
-class RootGone(OSError):
-    """The cache root is missing, or is no longer the directory the tier
-    started on (the volume was unmounted, or the directory replaced).
-    Deliberately not a FileNotFoundError: callers retry those by creating
-    the parent, and the root is the one directory never created while
-    running."""
-
-
-@dataclasses.dataclass(frozen=True)
-class PinnedRoot:
-    """The root directory as found when the tier started: its path and
-    ``(st_dev, st_ino)``. Directory creation while running stops below it
-    (``make_dirs``), so an unmounted volume never becomes a fresh cache on
-    the disk underneath the mount point. Immutable; any thread may use it."""
-
-    path: str
-    ident: tuple[int, int]
-
-    @classmethod
-    def pin(cls, path: str) -> PinnedRoot:
-        st = os.stat(path)
-        return cls(path, (st.st_dev, st.st_ino))
-
-    def is_current(self) -> bool:
-        """Whether ``path`` still names the pinned directory (one stat: may
-        block on a network filesystem; call it off the scheduler thread)."""
-        try:
-            st = os.stat(self.path)
-        except OSError:
-            return False
-        return (st.st_dev, st.st_ino) == self.ident
-
-    def check(self) -> None:
-        """Raise RootGone unless ``path`` still names the pinned directory."""
-        if not self.is_current():
-            raise RootGone(
-                errno.ENOENT,
-                "root_dir is missing or is no longer the directory the tier started "
-                "on (volume unmounted?); not recreated",
-                self.path,
-            )
-
-    def levels(self, path: str) -> list[str]:
-        """The directories from the root's child down to ``path`` (which must
-        lie strictly below the root), shallowest first."""
-        top = self.path.rstrip("/")
-        if not path.startswith(top + "/"):
-            raise ValueError(f"{path!r} is not below the root {self.path!r}")
-        parts = [p for p in path[len(top) :].split("/") if p not in ("", ".")]
-        if not parts or ".." in parts:
-            raise ValueError(f"{path!r} is not strictly below the root {self.path!r}")
-        return [f"{top}/{'/'.join(parts[: i + 1])}" for i in range(len(parts))]
-
-
 def _ancestry(path: str) -> list[str]:
     # ``path`` and every ancestor, shallowest first (no root: may reach "/").
     chain = [path]
@@ -191,28 +140,31 @@ def make_dirs(path: str, dir_mode: int = DEFAULT_DIR_MODE, root: PinnedRoot | No
     any level: a level that appears meanwhile is fine, one removed meanwhile
     (gc pruning empty directories) is created again.
 
-    With ``root`` (a running tier) only directories below the root are
-    created: the walk stops there, and raises RootGone when the root is
-    missing or is not the pinned directory any more (checked before a child
-    of the root is created, which a running tier almost never needs)."""
-    levels = _ancestry(path) if root is None else root.levels(path)
+    With ``root`` (a running tier) the path is resolved beneath the root
+    without following a link (``layout.beneath``: LinkInTree for a symlink
+    below the root), only directories below it are created, and RootGone is
+    raised when the root is missing or is not the pinned directory any more."""
+    if root is not None:
+        # Imported here: beneath builds on this module's helpers.
+        from llmkv_fs.layout.beneath import Beneath
+
+        below = Beneath(root.path, root)
+        os.close(below.open_dir(below.relative(path), create=True, dir_mode=dir_mode))
+        return
+    levels = _ancestry(path)
     try:
         # Nothing to repair between attempts: the next one walks up again.
-        retry_transient(
-            lambda: _make_dir_chain(levels, dir_mode, root), lambda _exc: None, _dir_race
-        )
+        retry_transient(lambda: _make_dir_chain(levels, dir_mode), lambda _exc: None, _dir_race)
     except OSError as exc:
-        if root is not None or not _dir_race(exc):
+        if not _dir_race(exc):
             raise
         os.makedirs(path, dir_mode, exist_ok=True)  # raise the real error
 
 
-def _make_dir_chain(levels: list[str], dir_mode: int, root: PinnedRoot | None) -> None:
+def _make_dir_chain(levels: list[str], dir_mode: int) -> None:
     index = len(levels) - 1
     while True:
         probe = levels[index]
-        if index == 0 and root is not None:
-            root.check()
         try:
             os.mkdir(probe, dir_mode)
         except FileExistsError:
@@ -221,8 +173,6 @@ def _make_dir_chain(levels: list[str], dir_mode: int, root: PinnedRoot | None) -
             break
         except FileNotFoundError:
             if index == 0:
-                if root is not None:
-                    root.check()  # gone since the check above: say so
                 raise
             index -= 1
             continue
@@ -248,22 +198,28 @@ def _safe_create_flags(flags: int) -> int:
     return (flags & ~os.O_TRUNC) | _CREATE_FLAGS
 
 
-def create_exclusive(path: str, flags: int, file_mode: int, replace_leftover: bool = False) -> int:
-    """Create ``path`` as a new file: ``os.open`` with ``flags`` plus
-    ``O_CREAT|O_EXCL|O_NOFOLLOW|O_CLOEXEC`` (``O_TRUNC`` dropped). Whatever
-    already has the name -- a file, or a symlink planted there -- is never
-    opened, so nothing is truncated and no link is followed
-    (FileExistsError). With ``replace_leftover`` the name is this writer's
-    own (host and pid in it): the entry there is unlinked -- a symlink
-    itself, never its target -- and the create tried once more."""
+def create_exclusive(
+    path: str,
+    flags: int,
+    file_mode: int,
+    replace_leftover: bool = False,
+    dir_fd: int | None = None,
+) -> int:
+    """Create ``path`` (relative to ``dir_fd`` when given) as a new file:
+    ``os.open`` with ``flags`` plus ``O_CREAT|O_EXCL|O_NOFOLLOW|O_CLOEXEC``
+    (``O_TRUNC`` dropped). Whatever already has the name -- a file, or a
+    symlink planted there -- is never opened, so nothing is truncated and no
+    link is followed (FileExistsError). With ``replace_leftover`` the name
+    is this writer's own (host and pid in it): the entry there is unlinked
+    -- a symlink itself, never its target -- and the create tried once more."""
     flags = _safe_create_flags(flags)
     try:
-        return os.open(path, flags, file_mode)
+        return os.open(path, flags, file_mode, dir_fd=dir_fd)
     except FileExistsError:
         if not replace_leftover:
             raise
-    os.unlink(path)
-    return os.open(path, flags, file_mode)
+    os.unlink(path, dir_fd=dir_fd)
+    return os.open(path, flags, file_mode, dir_fd=dir_fd)
 
 
 def create_in_dir(
@@ -272,14 +228,14 @@ def create_in_dir(
     file_mode: int,
     dir_mode: int,
     replace_leftover: bool = False,
-    root: PinnedRoot | None = None,
 ) -> int:
     """``create_exclusive(path, flags, file_mode)`` (always a new file,
     never through a link), creating the parent directories (``make_dirs``)
     first if needed. Retries when the parent is missing or stale right after
     it was made (see SHARED_FS_ATTEMPTS). With ``replace_leftover`` the name
     is this writer's own, so an entry already there is a dead predecessor's
-    (or a planted link) and is unlinked first. ``root``: see make_dirs."""
+    (or a planted link) and is unlinked first. By path: for tools and
+    tests; a running tier creates beneath its root (``layout.beneath``)."""
     directory = os.path.dirname(path)
     flags = _safe_create_flags(flags)
 
@@ -287,7 +243,7 @@ def create_in_dir(
         if isinstance(exc, FileExistsError):
             os.unlink(path)
         else:
-            make_dirs(directory, dir_mode, root)
+            make_dirs(directory, dir_mode)
 
     def transient(exc: OSError) -> bool:
         return is_transient(exc) or (replace_leftover and isinstance(exc, FileExistsError))
@@ -311,36 +267,54 @@ def _kind(mode: int) -> str:
 def read_small_regular_file(
     path: str, limit: int = SMALL_FILE_LIMIT
 ) -> tuple[bytes, os.stat_result]:
-    """The content and fstat of the regular file at ``path``, read without
-    following a symlink, without blocking on a FIFO, and only if it holds
-    at most ``limit`` bytes. Raises UnsafeFileError for anything else at
-    the name, FileNotFoundError when nothing is there, OSError otherwise.
+    """``read_small_regular_file_at`` of ``path``'s name in its parent
+    directory, which is opened by path (a symlinked ancestor is the
+    caller's choice; the file itself is never reached through a link).
 
-    Read so that a name another client replaced is not answered from this
-    client's cache: opening the parent directory first makes an NFS client
-    fetch its attributes (close-to-open), which drops cached lookups under
-    it, so the open below resolves the name again. Without it, a config.json
-    renamed over on client A while the old one was still open there read as
-    the old bytes on client B for ~30 s (acdirmin; measured,
-    docs/reliability.md). One extra open, on local filesystems a few
-    microseconds; for files read rarely (config, leases). The fstat is the
-    open file's, so fresh too (a lease's heartbeat)."""
-    with contextlib.suppress(OSError):
-        os.close(os.open(os.path.dirname(path) or ".", _DIR_REVALIDATE_FLAGS))
+    The parent is opened for reading, not just resolved, so that a name
+    another client replaced is not answered from this client's cache: that
+    open makes an NFS client fetch the directory's attributes
+    (close-to-open), which drops cached lookups under it, so the open of the
+    name resolves it again. Without it, a config.json renamed over on client
+    A while the old one was still open there read as the old bytes on client
+    B for ~30 s (acdirmin; measured, docs/reliability.md). One extra open,
+    on local filesystems a few microseconds; for files read rarely (config,
+    leases)."""
+    directory, name = os.path.split(path)
     try:
-        fd = os.open(path, _READ_FLAGS)
+        dir_fd = os.open(directory or ".", _DIR_REVALIDATE_FLAGS)
+    except PermissionError:  # searchable, not listable: resolve it only
+        dir_fd = os.open(directory or ".", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        return read_small_regular_file_at(dir_fd, name, limit, path)
+    finally:
+        os.close(dir_fd)
+
+
+def read_small_regular_file_at(
+    dir_fd: int, name: str, limit: int = SMALL_FILE_LIMIT, shown: str | None = None
+) -> tuple[bytes, os.stat_result]:
+    """The content and fstat of the regular file ``name`` in the directory
+    open as ``dir_fd``, read without following a symlink, without blocking
+    on a FIFO, and only if it holds at most ``limit`` bytes. Raises
+    UnsafeFileError for anything else at the name, FileNotFoundError when
+    nothing is there, OSError otherwise (``shown`` names it in errors). The
+    fstat is the open file's, so fresh on NFS too (a lease's heartbeat)."""
+    shown = name if shown is None else shown
+    try:
+        fd = os.open(name, _READ_FLAGS, dir_fd=dir_fd)
     except OSError as exc:
         if exc.errno == errno.ELOOP:
-            raise UnsafeFileError(errno.ELOOP, "a symlink, not followed", path) from None
+            raise UnsafeFileError(errno.ELOOP, "a symlink, not followed", shown) from None
         if exc.errno == errno.ENXIO:  # a socket (or a FIFO on some systems)
-            raise UnsafeFileError(errno.ENXIO, "not a regular file", path) from None
+            raise UnsafeFileError(errno.ENXIO, "not a regular file", shown) from None
         raise
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
-            raise UnsafeFileError(errno.EINVAL, _kind(st.st_mode), path)
+            raise UnsafeFileError(errno.EINVAL, _kind(st.st_mode), shown)
         if st.st_size > limit:
-            raise UnsafeFileError(errno.EFBIG, f"{st.st_size} bytes, over {limit}", path)
+            raise UnsafeFileError(errno.EFBIG, f"{st.st_size} bytes, over {limit}", shown)
         chunks, size = [], 0
         while size <= limit:
             chunk = os.read(fd, limit + 1 - size)
@@ -349,7 +323,7 @@ def read_small_regular_file(
             chunks.append(chunk)
             size += len(chunk)
         if size > limit:  # grew after the fstat
-            raise UnsafeFileError(errno.EFBIG, f"over {limit} bytes", path)
+            raise UnsafeFileError(errno.EFBIG, f"over {limit} bytes", shown)
     finally:
         os.close(fd)
     return b"".join(chunks), st
@@ -361,15 +335,15 @@ def write_file_atomically(
     file_mode: int = DEFAULT_FILE_MODE,
     dir_mode: int = DEFAULT_DIR_MODE,
     durable: bool = True,
-    root: PinnedRoot | None = None,
 ) -> None:
     """Publish ``data`` at ``path`` by temp file + rename: readers see the old
     file or the whole new one. The temp name carries host and pid so gc can
-    tell a crashed writer's leftover from a live one's. ``root``: see
-    make_dirs."""
+    tell a crashed writer's leftover from a live one's. By path: for tools
+    and tests; a running tier writes beneath its root
+    (``layout.beneath.write_file_atomically_at``)."""
     nonce = uuid.uuid4().hex[:12]  # unique even for two writers in one process
     tmp = temp_path(path, socket.gethostname(), os.getpid(), nonce)
-    fd = create_in_dir(tmp, os.O_WRONLY, file_mode, dir_mode, root=root)
+    fd = create_in_dir(tmp, os.O_WRONLY, file_mode, dir_mode)
     try:
         if needs_chmod(file_mode):
             os.fchmod(fd, file_mode)

@@ -7,6 +7,12 @@ itself). Its mtime is its heartbeat: the tier refreshes it every
 ``interval_s`` and removes it on a clean shutdown. gc keeps a digest with a
 live lease; the tier warns when live replicas hash differently (they would
 never share a block). vLLM's built-in tier writes no leases.
+
+The tier writes, refreshes and removes its lease beneath the root
+(``layout.beneath``): a digest or ``leases`` directory that is a symlink is
+refused (LinkInTree), never written through. The root is the pinned one when
+given, else the digest directory's parent (a digest directory is a child of
+the root by construction).
 """
 
 from __future__ import annotations
@@ -23,12 +29,12 @@ from typing import Any
 import psutil
 import xxhash
 
+from llmkv_fs.layout.beneath import Beneath, LinkInTree, write_file_atomically_at
 from llmkv_fs.layout.files import (
     DEFAULT_DIR_MODE,
     DEFAULT_FILE_MODE,
     PinnedRoot,
-    read_small_regular_file,
-    write_file_atomically,
+    read_small_regular_file_at,
 )
 from llmkv_fs.layout.names import lease_dir, lease_file_name, parse_lease_file_name
 
@@ -147,6 +153,21 @@ def lease_for(
     )
 
 
+def _beneath(digest_dir: str, root: PinnedRoot | None) -> Beneath:
+    """The root a lease under ``digest_dir`` is resolved beneath."""
+    if root is not None:
+        return Beneath(root.path, root)
+    return Beneath(os.path.dirname(digest_dir.rstrip("/")) or "/")
+
+
+def _open_lease_dir(path: str, root: PinnedRoot | None, create: bool = False) -> int:
+    """A descriptor of the ``leases`` directory holding the lease ``path``
+    (``<root>/<digest>/leases/<name>``), resolved beneath the root."""
+    leases = os.path.dirname(path)
+    below = _beneath(os.path.dirname(leases), root)
+    return below.open_dir(below.relative(leases), create=create)
+
+
 def write_lease(
     digest_dir: str,
     lease: Lease,
@@ -154,38 +175,62 @@ def write_lease(
     dir_mode: int = DEFAULT_DIR_MODE,
     root: PinnedRoot | None = None,
 ) -> str:
-    """Publish ``lease`` under ``digest_dir``; returns its path. ``root``:
-    directories are created only below it (see make_dirs)."""
+    """Publish ``lease`` under ``digest_dir``; returns its path. The
+    directories are resolved (and made) beneath the root: ``root`` when
+    pinned (nothing is created unless its path still names it), else
+    ``digest_dir``'s parent."""
     path = f"{lease_dir(digest_dir)}/{lease.file_name}"
-    # Not fsynced: a lease lost in a power cut only makes gc see the digest
-    # as unleased, and gc still requires its blocks to be old.
-    write_file_atomically(path, lease.as_json(), file_mode, dir_mode, durable=False, root=root)
+    below = _beneath(digest_dir, root)
+    dir_fd = below.open_dir(below.relative(lease_dir(digest_dir)), create=True, dir_mode=dir_mode)
+    try:
+        # Not fsynced: a lease lost in a power cut only makes gc see the
+        # digest as unleased, and gc still requires its blocks to be old.
+        write_file_atomically_at(dir_fd, lease.file_name, lease.as_json(), file_mode, False)
+    finally:
+        os.close(dir_fd)
     return path
 
 
-def refresh_lease(path: str) -> bool:
+def refresh_lease(path: str, root: PinnedRoot | None = None) -> bool:
     """Bump the heartbeat. False when no lease file of ours is there: gc
     removed a lease it judged dead (e.g. after a long stall), or something
-    else took the name (a planted symlink is never stamped through); the
-    caller rewrites it, and the rename replaces whatever is there."""
+    else took the name or a directory above it (a planted symlink is never
+    stamped through); the caller rewrites it, and the rename replaces
+    whatever is at the name. ``root``: see write_lease."""
+    name = os.path.basename(path)
     try:
-        if not stat.S_ISREG(os.lstat(path).st_mode):
+        dir_fd = _open_lease_dir(path, root)
+    except (FileNotFoundError, NotADirectoryError, LinkInTree):
+        return False
+    try:
+        if not stat.S_ISREG(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode):
             return False
-        os.utime(path, follow_symlinks=False)
+        os.utime(name, dir_fd=dir_fd, follow_symlinks=False)
     except FileNotFoundError:
         return False
+    finally:
+        os.close(dir_fd)
     return True
 
 
-def remove_lease(path: str) -> bool:
-    """Remove a lease; False if the volume refused (read-only, EIO): the
-    lease then simply goes stale, which is all gc needs."""
+def remove_lease(path: str, root: PinnedRoot | None = None) -> bool:
+    """Remove a lease; False if the volume refused (read-only, EIO) or a
+    directory above it is a symlink now: the lease then simply goes stale,
+    which is all gc needs. ``root``: see write_lease."""
     try:
-        os.unlink(path)
+        dir_fd = _open_lease_dir(path, root)
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False
+    try:
+        os.unlink(os.path.basename(path), dir_fd=dir_fd)
     except FileNotFoundError:
         pass
     except OSError:
         return False
+    finally:
+        os.close(dir_fd)
     return True
 
 
@@ -260,13 +305,13 @@ def parse_lease(name: str, data: bytes, refreshed: float, path: str) -> Lease | 
     return Lease(**values, refreshed=refreshed, path=path)
 
 
-def _read_one(path: str, name: str) -> Lease | str | None:
-    """A lease, why the file at ``path`` is not one, or None when it is gone."""
+def _read_one(dir_fd: int, name: str, path: str) -> Lease | str | None:
+    """A lease, why the file ``name`` is not one, or None when it is gone."""
     try:
         # The heartbeat from the open file's fstat: the open fetched fresh
         # attributes (NFS close-to-open); a separate stat may answer from an
         # attribute cache up to acregmax (60 s) old.
-        data, st = read_small_regular_file(path, LEASE_FILE_LIMIT)
+        data, st = read_small_regular_file_at(dir_fd, name, LEASE_FILE_LIMIT, path)
     except FileNotFoundError:
         return None  # removed meanwhile (a clean shutdown, gc)
     except OSError as exc:
@@ -274,35 +319,51 @@ def _read_one(path: str, name: str) -> Lease | str | None:
     return parse_lease(name, data, st.st_mtime, path)
 
 
-def read_lease_dir(digest_dir: str) -> LeaseDir:
+def _open_for_reading(digest_dir: str, root: PinnedRoot | None) -> int:
+    # Really opened (listing; on NFS the open refetches the directory, so
+    # the leases in it are read fresh).
+    directory = lease_dir(digest_dir)
+    if root is None:  # the ops tools: by path, as they found the digest
+        return os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    below = _beneath(digest_dir, root)
+    return below.open_dir(below.relative(directory), revalidate=True)
+
+
+def read_lease_dir(digest_dir: str, root: PinnedRoot | None = None) -> LeaseDir:
     """Every lease of a digest, live or not, and every bad file at a lease
     name (a visible ``*.json``: a symlink, a FIFO, a file of the wrong
     shape). Hidden names (our temp files) are skipped. Never blocks on a
-    FIFO, never follows a link, never raises for what the files hold."""
+    FIFO, never follows a link at a lease name, never raises for what the
+    files hold. ``root`` (the tier): the directories are resolved beneath
+    it, and a symlinked digest or leases directory holds no leases."""
     directory = lease_dir(digest_dir)
     try:
-        names = os.listdir(directory)
-    except (FileNotFoundError, NotADirectoryError):
+        dir_fd = _open_for_reading(digest_dir, root)
+    except (FileNotFoundError, NotADirectoryError, LinkInTree):
         return LeaseDir([], [])
     leases, bad = [], []
-    for name in sorted(names):
-        if name.startswith(".") or not name.endswith(".json"):
-            continue
-        path = f"{directory}/{name}"
-        found = _read_one(path, name)
-        if isinstance(found, Lease):
-            leases.append(found)
-        elif found is not None:
-            try:
-                mtime = os.lstat(path).st_mtime
-            except OSError:
-                mtime = 0.0
-            bad.append(BadLease(path, found, mtime))
+    try:
+        names = os.listdir(dir_fd)
+        for name in sorted(names):
+            if name.startswith(".") or not name.endswith(".json"):
+                continue
+            path = f"{directory}/{name}"
+            found = _read_one(dir_fd, name, path)
+            if isinstance(found, Lease):
+                leases.append(found)
+            elif found is not None:
+                try:
+                    mtime = os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mtime
+                except OSError:
+                    mtime = 0.0
+                bad.append(BadLease(path, found, mtime))
+    finally:
+        os.close(dir_fd)
     return LeaseDir(leases, bad)
 
 
-def read_leases(digest_dir: str) -> list[Lease]:
+def read_leases(digest_dir: str, root: PinnedRoot | None = None) -> list[Lease]:
     """Every valid lease of a digest, live or not; [] when there are none
     (or the digest was written by vLLM's built-in tier). Bad files are
-    skipped (``read_lease_dir`` reports them)."""
-    return read_lease_dir(digest_dir).leases
+    skipped (``read_lease_dir`` reports them). ``root``: see read_lease_dir."""
+    return read_lease_dir(digest_dir, root).leases

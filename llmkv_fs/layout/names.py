@@ -17,6 +17,7 @@ every kind and feeds the parsers look-alikes).
     <root>/.llmkv-gc.lock                            gc_lock_path       (== GC_LOCK_NAME)
     <any dir>/.nfs<hex>              (NFS clients')  is_silly_rename_name
 
+(``temp_name``, ``probe_name``, ``block_rel_parts``: the last components alone.)
 vLLM's built-in tier writes ``<hash>.bin_<random>.tmp`` next to a block and
 probes O_DIRECT with ``.o_direct_probe_<random>.tmp``; we never build those,
 only recognise them (``is_vllm_temp_name``).
@@ -45,6 +46,7 @@ __all__ = [
     "RankDirName",
     "TempName",
     "WriterTag",
+    "block_rel_parts",
     "block_rel_path",
     "config_path",
     "digest_dir_name",
@@ -66,12 +68,14 @@ __all__ = [
     "parse_quarantine_name",
     "parse_rank_dir_name",
     "parse_temp_name",
+    "probe_name",
     "probe_path",
     "quarantine_dir",
     "quarantine_path",
     "rank_dir_name",
     "safe_model_component",
     "split_key",
+    "temp_name",
     "temp_path",
     "temp_writer",
     "trash_path",
@@ -171,9 +175,14 @@ def split_key(key: bytes) -> tuple[bytes, int]:
 def block_rel_path(key: bytes) -> str:
     """``<hhh>/<hh>_g<group>/<hash>.bin``: where a key's block lives below its
     rank directory (vLLM's FileMapper fan-out, byte for byte)."""
-    block_hash, group = split_key(key)
-    h = block_hash.hex()
-    return f"{h[:3]}/{h[3:5]}_g{group}/{h}{BLOCK_SUFFIX}"
+    return "/".join(block_rel_parts(key))
+
+
+def block_rel_parts(key: bytes) -> tuple[str, str, str]:
+    """``block_rel_path``'s components (inline: runs for every block moved)."""
+    h = key[:-_GROUP_BYTES].hex()
+    group = int.from_bytes(key[-_GROUP_BYTES:], "big")
+    return h[:3], f"{h[3:5]}_g{group}", f"{h}{BLOCK_SUFFIX}"
 
 
 # The group is a decimal u32 without leading zeros (as block_rel_path writes it).
@@ -271,9 +280,13 @@ _TEMP_RE = re.compile(
 )
 
 
+def temp_name(final_name: str, host: str, pid: int, nonce: str) -> str:
+    return f".{final_name}.{host}~{pid}~{nonce}.tmp"
+
+
 def temp_path(final_path: str, host: str, pid: int, nonce: str) -> str:
     directory, name = os.path.split(final_path)
-    return f"{directory}/.{name}.{host}~{pid}~{nonce}.tmp"
+    return f"{directory}/{temp_name(name, host, pid, nonce)}"
 
 
 def parse_temp_name(name: str) -> TempName | None:
@@ -286,9 +299,13 @@ def parse_temp_name(name: str) -> TempName | None:
 _PROBE_RE = re.compile(rf"{re.escape(_PROBE_PREFIX)}(?P<host>[^~/]+)~(?P<pid>[0-9]+)")
 
 
+def probe_name(host: str, pid: int) -> str:
+    return f"{_PROBE_PREFIX}{host}~{pid}"
+
+
 def probe_path(directory: str, host: str, pid: int) -> str:
     """Where the engine tries one aligned O_DIRECT write at start."""
-    return f"{directory}/{_PROBE_PREFIX}{host}~{pid}"
+    return f"{directory}/{probe_name(host, pid)}"
 
 
 def parse_probe_name(name: str) -> WriterTag | None:

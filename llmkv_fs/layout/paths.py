@@ -125,6 +125,12 @@ class CacheLayout:
         return names.rank_dir_name(self.base_path, self.rank)
 
     @functools.cached_property
+    def rank_dir_rel(self) -> str:
+        """The rank directory relative to the root: one component, a
+        sibling of the digest directory (``layout.beneath`` resolves it)."""
+        return names.rank_dir_name(self.digest_dir_name, self.rank)
+
+    @functools.cached_property
     def quarantine_dir(self) -> str:
         return names.quarantine_dir(self.rank_dir)
 

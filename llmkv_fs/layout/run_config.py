@@ -8,15 +8,19 @@ write, so either tier can own a digest first.
 The file is untrusted input: it is read without following a symlink or
 blocking on a FIFO, and only if it is a regular file of at most
 ``CONFIG_FILE_LIMIT`` bytes (``read_run_config`` says why not otherwise).
+The tier reads and writes it beneath the root (``layout.beneath``): a digest
+directory that is a symlink is refused (LinkInTree), never written through.
 """
 
 from __future__ import annotations
 
 import errno
 import json
+import os
 import time
 from typing import Any
 
+from llmkv_fs.layout.beneath import Beneath, write_file_atomically_at
 from llmkv_fs.layout.files import (
     DEFAULT_DIR_MODE,
     DEFAULT_FILE_MODE,
@@ -24,8 +28,9 @@ from llmkv_fs.layout.files import (
     PinnedRoot,
     UnsafeFileError,
     read_small_regular_file,
-    write_file_atomically,
+    read_small_regular_file_at,
 )
+from llmkv_fs.layout.names import CONFIG_FILENAME
 from llmkv_fs.layout.paths import CacheLayout, run_config_digest
 
 __all__ = [
@@ -96,23 +101,36 @@ def ensure_run_config(
     Returns "created", "matched" or "repaired" (an unparsable file was
     replaced). Raises RunConfigMismatch when the file parses but describes
     something else -- another tool's data under our digest must never be
-    silently overwritten. ``root``: directories are created only below it
-    (see make_dirs).
+    silently overwritten. The digest directory is resolved (and made)
+    beneath the root, ``root`` when pinned (see layout.beneath): LinkInTree
+    when it is a symlink.
     """
+    below = Beneath(layout.root_dir, root)
+    # Really opened (revalidate): on NFS that refetches the directory, so a
+    # config.json another client replaced is read fresh (read_small_regular_file).
+    dir_fd = below.open_dir(layout.digest_dir_name, create=True, dir_mode=dir_mode, revalidate=True)
+    try:
+        return _ensure_in(dir_fd, layout, file_mode)
+    finally:
+        os.close(dir_fd)
+
+
+def _ensure_in(dir_fd: int, layout: CacheLayout, file_mode: int) -> str:
     path = layout.config_path
     wanted = layout.run_config
     deadline = time.monotonic() + _PARTIAL_WRITE_GRACE_S
     while True:
         try:
-            existing = _read_json(path)
+            data, _st = read_small_regular_file_at(dir_fd, CONFIG_FILENAME, CONFIG_FILE_LIMIT, path)
+            existing = json.loads(data.decode("utf-8"))
         except FileNotFoundError:
-            write_file_atomically(path, render_run_config(wanted), file_mode, dir_mode, root=root)
+            write_file_atomically_at(dir_fd, CONFIG_FILENAME, render_run_config(wanted), file_mode)
             return "created"
         except UnsafeFileError:
             # A symlink, FIFO, device or huge file at the name: nobody is
             # mid-write there. The rename replaces the entry itself (a link
             # is never followed, its target never touched).
-            write_file_atomically(path, render_run_config(wanted), file_mode, dir_mode)
+            write_file_atomically_at(dir_fd, CONFIG_FILENAME, render_run_config(wanted), file_mode)
             return "repaired"
         except OSError as exc:
             # Another client of a network filesystem replaced it just now.
@@ -123,7 +141,7 @@ def ensure_run_config(
             if time.monotonic() < deadline:
                 time.sleep(0.05)  # another writer may still be mid-write
                 continue
-            write_file_atomically(path, render_run_config(wanted), file_mode, dir_mode, root=root)
+            write_file_atomically_at(dir_fd, CONFIG_FILENAME, render_run_config(wanted), file_mode)
             return "repaired"
         if existing == wanted:
             return "matched"

@@ -96,15 +96,16 @@ METRICS = {
             "store_failures",
             "counter",
             "Store blocks not published, by reason: queue_full, space (space guard or "
-            "ENOSPC), stalled, volume_failed, deadline, error, worker_died, cancelled.",
+            "ENOSPC), stalled, volume_failed, link_in_tree (a symlinked directory on "
+            "the block's path, never followed), deadline, error, worker_died, cancelled.",
             "reason",
         ),
         _m(
             "load_failures",
             "counter",
             "Load blocks not delivered, by reason: missing, corrupt, no_checksum, "
-            "skipped (an earlier block of the job failed), deadline, stalled, "
-            "volume_failed, error, worker_died, cancelled.",
+            "skipped (an earlier block of the job failed), link_in_tree, deadline, "
+            "stalled, volume_failed, error, worker_died, cancelled.",
             "reason",
         ),
         _m(

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ctypes
 import mmap
+import os
 
 from llmkv_fs.config import TierSettings
 from llmkv_fs.engine.block.blockio import IoOptions, probe_o_direct
@@ -69,14 +70,17 @@ def _buffer_address(buf: memoryview) -> int | None:
 def choose_o_direct(mode: str, flat: memoryview, block_size: int, rank_dir: str) -> bool:
     """Whether blocks move with O_DIRECT: io_mode ``auto`` uses it where the
     buffer and block size are page aligned and the volume takes it (probed
-    in ``rank_dir``); ``direct`` insists (EngineError naming why not)."""
+    in ``rank_dir``, resolved beneath its root: a rank directory swapped for a
+    symlink is not written to); ``direct`` insists (EngineError naming why
+    not)."""
     if mode == "buffered":
         return False
     address = _buffer_address(flat)
     aligned = (
         address is not None and address % mmap.PAGESIZE == 0 and block_size % mmap.PAGESIZE == 0
     )
-    works = aligned and probe_o_direct(rank_dir)
+    # The rank directory is a child of the root (CacheLayout).
+    works = aligned and probe_o_direct(rank_dir, root=os.path.dirname(rank_dir))
     if mode == "direct" and not works:
         why = (
             "the volume refuses it"

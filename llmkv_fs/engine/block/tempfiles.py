@@ -1,25 +1,28 @@
-"""Where a store's temp file comes from: the block's fan-out directories
-``<hhh>/<hh>_g<g>`` made without a failing call, then one exclusive open.
+"""A store's temp file: one exclusive open relative to the block's directory
+(resolved and made beneath the root by the caller, ``layout.beneath``).
 
 Threading: one TempFiles per BlockIO, shared by its I/O threads (or one
-worker process); the set of known directories is only added to, discarded
-from and cleared -- single operations, atomic under the GIL.
+worker process); it holds only settings.
 """
 
 from __future__ import annotations
 
-import contextlib
+import errno
 import os
 from typing import TYPE_CHECKING
 
-from llmkv_fs.layout.files import create_in_dir, needs_chmod
+from llmkv_fs.layout.files import create_exclusive, needs_chmod
 
 if TYPE_CHECKING:
-    from llmkv_fs.engine.block.blockio import IoOptions
+    from llmkv_fs.engine.block.options import IoOptions
 
-__all__ = ["TempFiles"]
+__all__ = ["DirectoryGone", "TempFiles"]
 
-_KNOWN_DIRS_MAX = 1 << 16  # fan-out directories remembered (a few MiB at most)
+
+class DirectoryGone(OSError):
+    """The block's directory was removed (gc pruned it, another client
+    removed it: ENOENT/ESTALE) between resolving it and creating the temp
+    file in it. Nothing was written: the store resolves it again."""
 
 
 class TempFiles:
@@ -27,41 +30,22 @@ class TempFiles:
         self.options = options
         self._flags = flags
         self._chmod_files = needs_chmod(options.file_mode)
-        self._chmod_dirs = needs_chmod(options.dir_mode)
-        # Fan-out directories this process created or wrote into: a store
-        # there opens its temp file at once. A stale entry (gc pruned the
-        # directory) costs one failed open, then the careful path.
-        self._known_dirs: set[str] = set()
 
-    def create(self, tmp: str) -> int:
-        """A new temp file at ``tmp`` (O_EXCL: never an existing name, never
-        through a link), its fan-out directories made as needed."""
-        flags = self._flags
-        directory = tmp[: tmp.rindex("/")]
-        fd = -1
-        if directory in self._known_dirs:
-            # The common case once a fan-out directory exists: one open.
-            with contextlib.suppress(FileNotFoundError, FileExistsError):
-                fd = os.open(tmp, flags, self.options.file_mode)
-        elif self._make_leaf(directory):
-            with contextlib.suppress(FileNotFoundError, FileExistsError):
-                fd = os.open(tmp, flags, self.options.file_mode)
-        if fd < 0:
-            # A directory gc pruned meanwhile, a missing parent, a leftover
-            # under our own temp name (a dead predecessor with our pid):
-            # the careful path. replace_leftover: nobody else owns the name.
-            self._known_dirs.discard(directory)
-            fd = create_in_dir(
-                tmp,
-                flags,
-                self.options.file_mode,
-                self.options.dir_mode,
-                replace_leftover=True,
-                root=self.options.root,
-            )
-        if len(self._known_dirs) >= _KNOWN_DIRS_MAX:
-            self._known_dirs.clear()
-        self._known_dirs.add(directory)
+    def create(self, dir_fd: int, tmp: str) -> int:
+        """A new temp file ``tmp`` in the directory open as ``dir_fd``
+        (O_EXCL: never an existing name, never through a link), with exactly
+        ``file_mode``. A leftover under our own temp name (a dead
+        predecessor with our pid, or a link planted there) is unlinked
+        itself and the create tried once more. DirectoryGone when the
+        directory no longer exists: a descriptor of a removed directory
+        creates nothing (the kernel answers ENOENT), so a store never lands
+        in a directory gc took away."""
+        try:
+            fd = create_exclusive(tmp, self._flags, self.options.file_mode, True, dir_fd)
+        except OSError as exc:
+            if isinstance(exc, FileNotFoundError) or exc.errno == errno.ESTALE:
+                raise DirectoryGone(exc.errno, exc.strerror, tmp) from exc
+            raise
         if self._chmod_files:
             try:
                 os.fchmod(fd, self.options.file_mode)
@@ -69,27 +53,3 @@ class TempFiles:
                 os.close(fd)
                 raise
         return fd
-
-    def _make_leaf(self, directory: str) -> bool:
-        """Make a block's fan-out directory ``<hhh>/<hh>_g<g>`` without a
-        failing call: its parent first unless known, then the leaf (in a
-        young cache most stores open a new leaf; trying the open first cost
-        a failing open and a failing mkdir). False if the rank directory
-        itself is gone (the caller takes the careful path)."""
-        parent = directory[: directory.rindex("/")]
-        if parent not in self._known_dirs:
-            if not self._mkdir(parent):
-                return False
-            self._known_dirs.add(parent)
-        return self._mkdir(directory)
-
-    def _mkdir(self, directory: str) -> bool:
-        try:
-            os.mkdir(directory, self.options.dir_mode)
-        except FileExistsError:
-            return True
-        except OSError:
-            return False
-        if self._chmod_dirs:
-            os.chmod(directory, self.options.dir_mode)
-        return True

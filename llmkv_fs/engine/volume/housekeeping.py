@@ -87,7 +87,7 @@ class Housekeeping:
         self._thread.join()
         self._guarded(self._apply_stamps)  # a failed stamp is skipped
         if self.lease_path is not None:
-            if not remove_lease(self.lease_path):
+            if not remove_lease(self.lease_path, self.root):
                 logger.warning(
                     "llmkv_fs: could not remove lease %s; it will go stale", self.lease_path
                 )
@@ -173,7 +173,7 @@ class Housekeeping:
                     self.digest_dir, self.lease, *self._modes, root=self.root
                 )
             elif self.lease is not None and (
-                self.lease_path is None or not refresh_lease(self.lease_path)
+                self.lease_path is None or not refresh_lease(self.lease_path, self.root)
             ):
                 # Never written (the first write failed), or gc judged us dead
                 # (a long stall?): say we are alive again.
@@ -192,7 +192,7 @@ class Housekeeping:
         host = socket.gethostname()
         peers = [
             lease
-            for lease in read_leases(self.digest_dir)
+            for lease in read_leases(self.digest_dir, self.root)
             if lease.is_live(this_host=host) and lease.path != self.lease_path
         ]
         differing = frozenset(

@@ -14,6 +14,7 @@ import dataclasses
 import errno
 import os
 
+from llmkv_fs.layout.beneath import Beneath, LinkInTree
 from llmkv_fs.layout.files import DEFAULT_DIR_MODE, DEFAULT_FILE_MODE, PinnedRoot, make_dirs
 from llmkv_fs.layout.fsinfo import mount_of
 from llmkv_fs.layout.paths import CacheLayout
@@ -108,8 +109,10 @@ def prepare_volume(
     require_mounted_root: bool = False,
 ) -> PreparedVolume:
     """Check (and if missing create) the root, pin it, then create or verify
-    ``config.json`` and the rank directory. Raises VolumeError with the path
-    and the fix; RunConfigMismatch passes through.
+    ``config.json`` and the rank directory, both resolved beneath the pinned
+    root (``layout.beneath``: a digest or rank directory that is a symlink is
+    refused, nothing is written through it). Raises VolumeError with the
+    path and the fix; RunConfigMismatch passes through.
 
     A missing root is created like vLLM's built-in does; the protection
     against an unmounted volume silently becoming a cache on the container's
@@ -122,7 +125,15 @@ def prepare_volume(
     pinned = _ensure_root(root, dir_mode)
     try:
         verdict = ensure_run_config(layout, file_mode, dir_mode, pinned)
-        make_dirs(layout.rank_dir, dir_mode, pinned)
+        below = Beneath(root, pinned)
+        os.close(below.open_dir(layout.rank_dir_rel, create=True, dir_mode=dir_mode))
+    except LinkInTree as exc:
+        raise VolumeError.because(
+            exc.errno,
+            f"{exc.filename} is a symlink inside root_dir {root!r}. The tier never "
+            f"follows a link below the root (it could move the cache, or writes, off "
+            f"the volume): replace it with the real directory, or remove it.",
+        ) from exc
     except OSError as exc:
         raise VolumeError.because(
             exc.errno,

@@ -1,0 +1,41 @@
+"""What BlockIO is told once: the block size, how to move and check bytes,
+the modes of what it creates, the root it resolves every name beneath.
+Immutable; JSON-able but for ``root`` (worker processes get it as (path,
+dev, ino), workers/crew.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from llmkv_fs.layout.files import DEFAULT_DIR_MODE, DEFAULT_FILE_MODE
+from llmkv_fs.layout.root import PinnedRoot
+
+__all__ = ["IoOptions"]
+
+
+@dataclasses.dataclass(frozen=True)
+class IoOptions:
+    block_size: int
+    use_o_direct: bool
+    fsync_file: bool
+    fsync_dir: bool
+    checksum: bool
+    accept_trailerless: bool = False
+    file_mode: int = DEFAULT_FILE_MODE
+    dir_mode: int = DEFAULT_DIR_MODE
+    stamp_access: bool = True
+    # Loads read and hash the payload in pieces of this many bytes (0: one
+    # read, then one hash). On memory-backed volumes the read is a memcpy and
+    # hashing each piece while it is still in cache saves most of the hash's
+    # memory traffic; on disks one large read matters more.
+    hash_chunk: int = 0
+    # The root the tier started on: everything is resolved beneath it, and
+    # only a descriptor of that very directory is used (None: the layout's
+    # root_dir as it is, for tools and tests without a running tier).
+    root: PinnedRoot | None = None
+    # NFS clients keep a name they found missing "missing" for acdirmin..
+    # acdirmax (30-60 s measured) after another client creates it; a miss is
+    # then re-checked after opening the deepest directory on its path that
+    # exists, which forces a GETATTR of that directory (close-to-open) and so
+    # drops stale negative entries under it (docs/reliability.md, NFS).
+    revalidate_misses: bool = False

@@ -1,0 +1,69 @@
+"""Access stamps: what a load leaves for LRU eviction (gc evicts by
+``layout.blockfile.last_used``). A stamp is a metadata write (a SETATTR
+round trip on NFS), so loads only note the block and the stamps are applied
+off the load path: by the housekeeping thread, or by a worker process when
+its job pipe is idle.
+
+Threading: shared by the I/O threads of one BlockIO (``note``) and the one
+thread that applies them (``apply``). Single dict and deque operations are
+atomic under the GIL; a lost update only costs one extra stamp.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import os
+import time
+
+from llmkv_fs.layout.beneath import Beneath
+from llmkv_fs.layout.blockfile import ACCESS_STAMP_INTERVAL_S
+
+__all__ = ["AccessStamps"]
+
+_STAMP_MEMORY = 1 << 16  # blocks remembered for stamp rate limiting
+
+
+class AccessStamps:
+    def __init__(self, below: Beneath):
+        self._below = below
+        # block name -> monotonic time of our last stamp of it.
+        self._stamped: dict[str, float] = {}
+        # (directory below the root, block name) loaded since the last
+        # apply; bounded so a stalled housekeeping thread cannot grow it
+        # without limit.
+        self._queue: collections.deque[tuple[str, str]] = collections.deque(maxlen=_STAMP_MEMORY)
+
+    def note(self, rel_dir: str, name: str) -> None:
+        """A load of ``name`` in ``rel_dir`` succeeded: stamp it, at most once
+        per ACCESS_STAMP_INTERVAL_S per file and process."""
+        now = time.monotonic()
+        if now - self._stamped.get(name, -ACCESS_STAMP_INTERVAL_S) < ACCESS_STAMP_INTERVAL_S:
+            return
+        if len(self._stamped) >= _STAMP_MEMORY:
+            self._stamped.clear()
+        self._stamped[name] = now
+        self._queue.append((rel_dir, name))
+
+    def pending(self) -> bool:
+        return bool(self._queue)
+
+    def apply(self) -> int:
+        """Set atime and mtime of every noted block to now, through its
+        directory resolved beneath the root (``layout.beneath``) and without
+        following a link at the name. atime under relatime/noatime says
+        nothing, hence explicit. "Now" for both needs only write permission
+        or ownership; a replica of another uid without it simply can't
+        stamp. Returns the count."""
+        done = 0
+        while self._queue:
+            rel_dir, name = self._queue.popleft()
+            # Gone meanwhile, a link on the way now, or not ours to stamp.
+            with contextlib.suppress(OSError):
+                dir_fd = self._below.open_dir(rel_dir)
+                try:
+                    os.utime(name, dir_fd=dir_fd, follow_symlinks=False)
+                finally:
+                    os.close(dir_fd)
+                done += 1
+        return done
