@@ -93,9 +93,12 @@ def run_child(spec: dict) -> dict:
         text=True,
     )
     tail: collections.deque[str] = collections.deque(maxlen=30)
+    last_progress = ""
     assert proc.stderr is not None and proc.stdout is not None
     for line in proc.stderr:
         tail.append(line.rstrip("\n"))
+        if line.startswith(f"[{spec['label']}]"):
+            last_progress = tail[-1]
         if line.startswith(f"[{spec['label']}]") or "Fatal Python error" in line:
             print(line, end="", file=sys.stderr, flush=True)
     out = proc.stdout.read()
@@ -110,6 +113,7 @@ def run_child(spec: dict) -> dict:
         "exit_status": status,
         "seconds": round(time.monotonic() - started, 1),
         "report": results[0] if results else None,
+        "last_progress": last_progress,
         "stderr_tail": list(tail),
     }
 
@@ -124,8 +128,7 @@ def describe(run: dict) -> list[str]:
     report = run["report"]
     if report is None:
         fatal = [line for line in run["stderr_tail"] if "Fatal Python error" in line]
-        progress = [line for line in run["stderr_tail"] if line.startswith(f"[{run['label']}]")]
-        lines += [f"  last progress: {progress[-1]}" if progress else "  no progress line"]
+        lines.append(f"  last progress: {run['last_progress'] or 'none'}")
         lines += [f"  {line}" for line in fatal or run["stderr_tail"][-5:]]
         return lines
     tally = report["tally"]

@@ -263,7 +263,8 @@ class Soak:
             self._start_load()
         if len(self._probes) < plan.probe_requests_open:
             self._probed += 1
-            keys = [soak_key("absent", self._probed * 8 + i) for i in range(self._size())]
+            first = self._probed * plan.max_keys_per_job
+            keys = [soak_key("absent", first + i) for i in range(self._size())]
             self._probes.append(self._open_request(keys))
 
     def _size(self) -> int:
@@ -286,7 +287,8 @@ class Soak:
             rows = self.replica.rows
             for key, chunk in zip(out.keys_to_store, out.store_spec.chunk_ids):
                 # Stand-in for the GPU->CPU copy, as Replica.store does.
-                rows[chunk, :] = np.frombuffer(payload_for(key, rows.shape[1]), dtype=rows.dtype)
+                payload = payload_for(key, self.replica.row_bytes)
+                rows[chunk, :] = np.frombuffer(payload, dtype=rows.dtype)
             self.manager.complete_store(list(out.keys_to_store), request.ctx)
         self.manager.on_request_finished(request.ctx)
 
