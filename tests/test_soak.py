@@ -18,8 +18,9 @@ from llmkv_fs.harness.soak_probe import growth_problems
 
 from harness import ours
 
-# Per mode: 50 s with threads, 54 s with 2 worker processes on the shared
-# 2-core machine (load average 3.3-5.5), after vLLM's ~15 s import.
+# Per mode: 42-50 s with threads, 46-54 s with 2 worker processes on the
+# shared 2-core machine (load average 3.0-5.5, three runs), after vLLM's
+# ~15 s import.
 CI_JOBS = 100_000
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import importlib.util
 import json
 import os
@@ -35,6 +36,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
 
 if importlib.util.find_spec("llmkv_fs") is None:  # a checkout, not installed
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
@@ -74,7 +76,8 @@ def child(spec: dict) -> int:
         print(f"[{spec['label']}] {line}", file=sys.stderr, flush=True)
 
     try:
-        report = run_soak(tier, SoakPlan(jobs=spec["jobs"], progress=progress))
+        plan = SoakPlan(jobs=spec["jobs"], progress=progress)
+        report = run_soak(tier, plan, engine_id=spec["engine_id"])
     except SoakStuck as stuck:
         progress(f"STUCK: {stuck}")
         return 2
@@ -93,12 +96,14 @@ def run_child(spec: dict) -> dict:
         text=True,
     )
     tail: collections.deque[str] = collections.deque(maxlen=30)
-    last_progress = ""
+    last_progress = fatal = ""
     assert proc.stderr is not None and proc.stdout is not None
     for line in proc.stderr:
         tail.append(line.rstrip("\n"))
         if line.startswith(f"[{spec['label']}]"):
             last_progress = tail[-1]
+        if "Fatal Python error" in line:
+            fatal = tail[-1]
         if line.startswith(f"[{spec['label']}]") or "Fatal Python error" in line:
             print(line, end="", file=sys.stderr, flush=True)
     out = proc.stdout.read()
@@ -114,6 +119,7 @@ def run_child(spec: dict) -> dict:
         "seconds": round(time.monotonic() - started, 1),
         "report": results[0] if results else None,
         "last_progress": last_progress,
+        "fatal_error": fatal,
         "stderr_tail": list(tail),
     }
 
@@ -127,9 +133,9 @@ def describe(run: dict) -> list[str]:
     lines = [f"{run['label']}: {how} after {run['seconds']} s"]
     report = run["report"]
     if report is None:
-        fatal = [line for line in run["stderr_tail"] if "Fatal Python error" in line]
         lines.append(f"  last progress: {run['last_progress'] or 'none'}")
-        lines += [f"  {line}" for line in fatal or run["stderr_tail"][-5:]]
+        fatal = [run["fatal_error"]] if run["fatal_error"] else run["stderr_tail"][-5:]
+        lines += [f"  {line}" for line in fatal]
         return lines
     tally = report["tally"]
     lines.append(
@@ -170,12 +176,16 @@ def main(argv: list[str] | None = None) -> int:
     for tier, io_workers in modes:
         label = "builtin" if tier == "builtin" else f"io_workers={io_workers}"
         root = tempfile.mkdtemp(prefix="llmkv_soak_", dir=args.root)
+        engine_id = f"llmkvsoak_{uuid.uuid4().hex[:12]}"
         spec = {"tier": tier, "io_workers": io_workers, "jobs": args.jobs}
-        spec |= {"threads": args.threads, "root": root, "label": label}
+        spec |= {"threads": args.threads, "root": root, "label": label, "engine_id": engine_id}
         try:
             runs.append(run_child(spec))
         finally:
             shutil.rmtree(root, ignore_errors=True)
+            # A child that aborted (the built-in) never unmapped its CPU tier.
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(f"/dev/shm/vllm_offload_{engine_id}.mmap")
         runs[-1]["load_average_after"] = round(os.getloadavg()[0], 2)
         print(
             "\n".join(describe(runs[-1])),

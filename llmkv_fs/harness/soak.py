@@ -351,10 +351,14 @@ class Soak:
             self._head = 0
 
 
-def run_soak(tier: dict[str, Any], plan: SoakPlan) -> SoakReport:
-    """Soak one tier config (``driver.ours(...)`` / ``driver.builtin(...)``)."""
+def run_soak(tier: dict[str, Any], plan: SoakPlan, engine_id: str | None = None) -> SoakReport:
+    """Soak one tier config (``driver.ours(...)`` / ``driver.builtin(...)``).
+    ``engine_id`` names the CPU tier's ``/dev/shm`` region (random if None)."""
     config = offloading_config(
-        tiers=[tier], block_bytes=plan.row_bytes, cpu_bytes=plan.row_bytes * plan.cpu_rows
+        tiers=[tier],
+        block_bytes=plan.row_bytes,
+        cpu_bytes=plan.row_bytes * plan.cpu_rows,
+        engine_id=engine_id,
     )
     replica = Replica(config)
     try:
