@@ -53,9 +53,13 @@ def _shown(value: Any) -> str:
     return text
 
 
-def fail(key: str, value: Any, expected: str) -> TierConfigError:
+def fail(key: str, value: Any, expected: str, *, not_a: str = "") -> TierConfigError:
+    """``not_a`` names the type vLLM's built-in converts the value to, so the
+    message also carries Python's own wording for it (``'local' is not a
+    valid Locality``), which scripts written against the built-in match."""
+    refused = f"{_shown(value)} is not a valid {not_a}" if not_a else _shown(value)
     return TierConfigError(
-        f"llmkv_fs: bad value for secondary tier key {key!r}: {_shown(value)} (expected {expected})"
+        f"llmkv_fs: bad value for secondary tier key {key!r}: {refused} (expected {expected})"
     )
 
 

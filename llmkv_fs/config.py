@@ -72,7 +72,7 @@ def _locality(key: str, value: Any) -> str | None:
     # Exactly what vLLM's Locality(value) takes: case-sensitive, unstripped.
     if value is None or value in ("LOCAL", "REMOTE"):
         return None if value is None else str(value)
-    raise fail(key, value, "LOCAL, REMOTE (upper case, as vLLM requires) or null")
+    raise fail(key, value, "LOCAL, REMOTE (upper case, as vLLM requires) or null", not_a="Locality")
 
 
 _MAX_NUMA_NODE = 1023  # Linux: MAX_NUMNODES is at most 1 << 10

@@ -9,6 +9,7 @@ import os
 import uuid
 
 import pytest
+from vllm.v1.kv_offload.base import Locality
 from vllm.v1.kv_offload.tiering.fs.manager import FileSystemTierManager
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
@@ -161,6 +162,20 @@ def test_locality_takes_exactly_what_vllm_takes(given):
     assert TierSettings.from_mapping({"root_dir": "/r", "locality": given}).locality == given
     with pytest.raises(TierConfigError, match="locality"):
         TierSettings.from_mapping({"root_dir": "/r", "locality": "local"})
+
+
+@pytest.mark.parametrize("given", ["local", "", "Remote", 1])
+def test_bad_locality_error_carries_vllms_own_wording(given):
+    """vLLM's built-in does Locality(value) and its tests (and operators'
+    scripts) match ``Locality`` in the error; ours keeps naming the key and
+    the valid values, and also carries Python's exact sentence."""
+    with pytest.raises(ValueError) as builtin_error:
+        Locality(given)
+    with pytest.raises(TierConfigError) as ours_error:
+        TierSettings.from_mapping({"root_dir": "/r", "locality": given})
+    message = str(ours_error.value)
+    assert str(builtin_error.value) in message  # e.g. "'local' is not a valid Locality"
+    assert "'locality'" in message and "LOCAL, REMOTE" in message
 
 
 @pytest.mark.parametrize(
