@@ -13,7 +13,8 @@ import time
 
 from llmkv_fs import cli
 from llmkv_fs.engine import Direction, Failure
-from llmkv_fs.layout.files import read_small_regular_file, write_file_atomically
+from llmkv_fs.layout.beneath import write_file_atomically_at
+from llmkv_fs.layout.files import read_small_regular_file
 from llmkv_fs.layout.leases import Lease, read_leases, refresh_lease, write_lease
 from llmkv_fs.layout.names import is_silly_rename_name, trash_path
 from llmkv_fs.ops.gc.actions import delete_tree
@@ -154,7 +155,7 @@ def test_a_digest_removed_under_a_reader_gives_it_clean_misses(shared_volume, en
     assert [settle(engine_a, k, "again") for k in keys] == [False] * 3
 
 
-def test_a_replaced_config_is_read_fresh_by_the_other_client(shared_volume):
+def test_a_replaced_config_is_read_fresh_by_the_other_client(shared_volume, request):
     """Rename over a config.json whose old file client A still holds open:
     NFS client B used to read the old bytes for ~30 s (cached lookup). A
     GlusterFS FUSE client keeps the old name for its entry-timeout (1 s by
@@ -162,10 +163,12 @@ def test_a_replaced_config_is_read_fresh_by_the_other_client(shared_volume):
     must come within a few seconds, elsewhere at once."""
     path_a = os.path.join(shared_volume.a, "config.json")
     path_b = os.path.join(shared_volume.b, "config.json")
-    write_file_atomically(path_a, b'{"v": 1}')
+    dir_a = os.open(shared_volume.a, os.O_RDONLY | os.O_DIRECTORY)
+    request.addfinalizer(lambda: os.close(dir_a))
+    write_file_atomically_at(dir_a, "config.json", b'{"v": 1}')
     assert read_small_regular_file(path_b)[0] == b'{"v": 1}'  # B caches the name
     with open(path_a, "rb"):  # the old file stays open on A: silly rename
-        write_file_atomically(path_a, b'{"v": 2}')
+        write_file_atomically_at(dir_a, "config.json", b'{"v": 2}')
         if shared_volume.fs == "gluster":
             wait_until(
                 lambda: read_small_regular_file(path_b)[0] == b'{"v": 2}',

@@ -21,13 +21,10 @@ from __future__ import annotations
 
 import errno
 import os
-import socket
 import stat
-import uuid
 from collections.abc import Callable
 from typing import TypeVar
 
-from llmkv_fs.layout.names import temp_path
 from llmkv_fs.layout.root import PinnedRoot, RootGone
 
 __all__ = [
@@ -47,7 +44,6 @@ __all__ = [
     "read_small_regular_file",
     "read_small_regular_file_at",
     "retry_transient",
-    "write_file_atomically",
 ]
 
 DEFAULT_FILE_MODE = 0o640
@@ -327,38 +323,3 @@ def read_small_regular_file_at(
     finally:
         os.close(fd)
     return b"".join(chunks), st
-
-
-def write_file_atomically(
-    path: str,
-    data: bytes,
-    file_mode: int = DEFAULT_FILE_MODE,
-    dir_mode: int = DEFAULT_DIR_MODE,
-    durable: bool = True,
-) -> None:
-    """Publish ``data`` at ``path`` by temp file + rename: readers see the old
-    file or the whole new one. The temp name carries host and pid so gc can
-    tell a crashed writer's leftover from a live one's. By path: for tools
-    and tests; a running tier writes beneath its root
-    (``layout.beneath.write_file_atomically_at``)."""
-    nonce = uuid.uuid4().hex[:12]  # unique even for two writers in one process
-    tmp = temp_path(path, socket.gethostname(), os.getpid(), nonce)
-    fd = create_in_dir(tmp, os.O_WRONLY, file_mode, dir_mode)
-    try:
-        if needs_chmod(file_mode):
-            os.fchmod(fd, file_mode)
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view) :]
-        if durable:
-            os.fsync(fd)
-    except BaseException:
-        os.close(fd)
-        os.unlink(tmp)
-        raise
-    os.close(fd)
-    try:
-        os.rename(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
