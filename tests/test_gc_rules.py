@@ -367,10 +367,10 @@ def test_a_tier_starting_during_removal_keeps_its_digest(volume, capsys, monkeyp
     put_block(layouts[0], key(0), OLD, OLD)
     real_rename = os.rename
 
-    def tier_starts_first(src, dst):
+    def tier_starts_first(src, dst, **at):  # os.rename is patched for everyone: *_dir_fd too
         if src == layouts[0].base_path:
             put_lease(layouts[0], os.getpid())
-        return real_rename(src, dst)
+        return real_rename(src, dst, **at)
 
     monkeypatch.setattr(actions.os, "rename", tier_starts_first)
     status, report = gc(volume, *QUIET, capsys=capsys)
