@@ -42,7 +42,11 @@ io = BlockIO(layout, IoOptions(block_size=spec["payload"], use_o_direct=False,
 race_dir = spec.get("race_dir")
 
 def gone(path):
+    # Open the parent first: on NFS that revalidates it (close-to-open), so a
+    # name removed through the other client is not kept alive by this
+    # client's cache (NFS v3 held it past the 60 s limit).
     try:
+        os.close(os.open(posixpath.dirname(path), os.O_RDONLY | os.O_DIRECTORY))
         os.lstat(path)
     except FileNotFoundError:
         return True

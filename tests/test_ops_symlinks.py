@@ -143,6 +143,7 @@ class Planted:
         # directory: provably ours by its files' names, old, so removed --
         # the link's target never.
         elsewhere = CacheLayout.for_identity(f"{self.outside}/digest", identity("acme/linked"))
+        os.makedirs(elsewhere.root_dir)  # a root exists before its config.json (prepare_volume)
         ensure_run_config(elsewhere)
         put_lease(elsewhere, os.getpid())
         self.link(elsewhere.base_path, f"{self.root}/{elsewhere.digest_dir_name}")
