@@ -1,4 +1,6 @@
-"""Engine room: thread pools, block I/O, lookups and NUMA placement.
+"""Engine room: the block scheduler and its executors (I/O threads, worker
+processes), moving one block, lookups, the volume's environment and NUMA
+placement (docs/architecture.md, "The engine").
 Imports without vLLM (stdlib, numpy-free, xxhash), so it can be driven and
 benchmarked on its own.
 

@@ -1,5 +1,6 @@
-"""FsEngine: the tier's machinery without vLLM -- block I/O on a two-priority
-thread pool, batched off-thread lookups, NUMA pinning, counters.
+"""FsEngine: the tier's machinery without vLLM -- one block scheduler driving
+I/O threads or I/O worker processes (io_workers), batched off-thread lookups,
+NUMA pinning, counters.
 
 It speaks in plain terms (keys are bytes, chunks are row indices into one
 flat buffer of ``num_chunks * block_size`` bytes), so it can be driven by the
@@ -12,9 +13,10 @@ under the tiering manager's lock, from the scheduler or tier-poll thread).
 ``submit_*``, ``take_finished``, ``lookup``, ``end_step`` and
 ``forget_request`` never wait on the filesystem; ``drain`` and ``shutdown``
 block by design (``drain`` can outlast the job deadline only for a load
-whose read is stuck inside the kernel; see pool.py). I/O threads touch only
-the rows of the jobs they run and the job objects; counters are updated by
-the owner in ``take_finished``.
+whose read is stuck inside the kernel; see scheduling/scheduler.py). The
+executors touch only the rows of the blocks they run and give each block
+back to the scheduler; counters are updated by the owner in
+``take_finished``.
 """
 
 from __future__ import annotations
