@@ -24,6 +24,7 @@ __all__ = [
     "Problems",
     "TooDeep",
     "kind_of",
+    "problem_lines",
     "shorten",
 ]
 
@@ -122,16 +123,20 @@ class Problems:
             }
 
     def summary_lines(self, indent: str = "  ") -> list[str]:
-        """For people: one line per kind with its count, then its examples
-        (a path too long to read is cut in the middle; --json has it whole)."""
-        lines = []
-        for kind, found in self.as_dict().items():
-            lines.append(f"{indent}{kind}: {found['count']}")
-            lines.extend(
-                f"{indent}  {e['op']} {shorten(e['path'])}: {e['detail']}"
-                for e in found["examples"]
-            )
-        return lines
+        return problem_lines(self.as_dict(), indent)
+
+
+def problem_lines(problems: dict[str, Any], indent: str = "  ") -> list[str]:
+    """For people, from ``Problems.as_dict()`` (or a report holding it): one
+    line per kind with its count, then its examples (a path too long to read
+    is cut in the middle; --json has it whole)."""
+    lines = []
+    for kind, found in problems.items():
+        lines.append(f"{indent}{kind}: {found['count']}")
+        lines.extend(
+            f"{indent}  {e['op']} {shorten(e['path'])}: {e['detail']}" for e in found["examples"]
+        )
+    return lines
 
 
 def shorten(path: str, keep: int = 160) -> str:

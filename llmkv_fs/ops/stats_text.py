@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any, TextIO
 
-from llmkv_fs.ops.problems import shorten
+from llmkv_fs.ops.problems import problem_lines, shorten
 from llmkv_fs.units import format_bytes, format_duration
 
 __all__ = ["print_report"]
@@ -177,7 +177,5 @@ def _print_volume(report: dict[str, Any], out: TextIO) -> None:
         print(f"!!! {w}", file=out)
     if report["problems"]:
         print(f"could not be read (skipped): {t['problems']}", file=out)
-        for kind, found in report["problems"].items():
-            print(f"  {kind}: {found['count']}", file=out)
-            for e in found["examples"]:
-                print(f"    {e['op']} {shorten(e['path'])}: {e['detail']}", file=out)
+        for line in problem_lines(report["problems"]):
+            print(line, file=out)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import collections
 from typing import Any, TextIO
 
-from llmkv_fs.ops.problems import shorten
+from llmkv_fs.ops.problems import problem_lines, shorten
 from llmkv_fs.units import format_bytes
 
 __all__ = ["print_report"]
@@ -47,10 +47,8 @@ def print_report(report: dict[str, Any], out: TextIO) -> None:
         print(f"unreadable ({len(report['errors'])}), not moved", file=out)
     if report["problems"]:
         print("could not be read or done, by kind (skipped):", file=out)
-        for kind, found in report["problems"].items():
-            print(f"  {kind}: {found['count']}", file=out)
-            for e in found["examples"]:
-                print(f"    {e['op']} {shorten(e['path'])}: {e['detail']}", file=out)
+        for line in problem_lines(report["problems"]):
+            print(line, file=out)
     links = report["symlinks"]
     if links["count"]:
         print(
