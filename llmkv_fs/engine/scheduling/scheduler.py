@@ -171,9 +171,10 @@ class BlockScheduler:
             job.expired = True
             out = job.running
             self._stuck += out
-            # A store is reported now: its blocks still out won't publish.
-            unfinished = [i for i, o in enumerate(job.outcomes) if o is None]
-            self._fail(job, queued if job.is_load else unfinished, DEADLINE)
+            if job.is_load:  # reported when its blocks out are back
+                self._fail(job, queued, DEADLINE)
+            else:  # reported now: its blocks still out won't publish
+                self._fail(job, [i for i, o in enumerate(job.outcomes) if o is None], DEADLINE)
         if out:
             self.executor.job_expired(job)
         return len(queued) + (0 if job.is_load else out)
