@@ -172,7 +172,7 @@ class ProcessExecutor:
             self._idle = True
             # Taken after _idle is set: work submitted since the last take
             # either is seen here or its submit saw _idle and wakes us.
-            writes = [] if self._stop_requested else self._dispatch()
+            writes = self._dispatch()
             if writes:
                 self._idle = False
                 self._send(writes)
