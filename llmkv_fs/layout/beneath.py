@@ -210,6 +210,7 @@ class Beneath:
         create: bool = False,
         dir_mode: int = DEFAULT_DIR_MODE,
         revalidate: bool = False,
+        after_race: bool = False,
     ) -> int:
         """A descriptor of the directory ``rel`` (relative to the root, "/"
         separated; the caller closes it), every component opened relative to
@@ -219,19 +220,44 @@ class Beneath:
 
         ``create``: missing levels are made with exactly ``dir_mode``; a
         level removed or not yet visible meanwhile is retried (see
-        SHARED_FS_ATTEMPTS). Raises LinkInTree, NotADirectoryError,
+        SHARED_FS_ATTEMPTS); ``after_race``: the caller met such a race
+        itself (a directory gone under its descriptor): every level opened
+        for real from the first attempt. Raises LinkInTree, NotADirectoryError,
         FileNotFoundError (without ``create``), RootGone, OSError."""
         parts = rel.split("/")
         if not _NOT_NAMES.isdisjoint(parts):
             raise ValueError(f"{rel!r} is not a plain relative path")
         last = OPEN_DIR_FLAGS if revalidate else DIR_FLAGS
         if create:
-            return retry_transient(
-                lambda: self._walk_creating(parts, dir_mode, last),
-                self._drop_removed_root,
-                _creation_race,
-            )
+            return self._walk_creating_retried(parts, dir_mode, last, after_race)
         return self._walk(parts, last)
+
+    def _walk_creating_retried(
+        self, parts: list[str], dir_mode: int, last: int, careful: bool
+    ) -> int:
+        """The creating walk, again after a creation race (SHARED_FS_ATTEMPTS
+        in all). Every retry opens each level for real: an ``O_PATH`` open
+        trusts a dentry the network client still caches for a directory
+        another client removed or re-made (no FUSE_OPENDIR, no NFS
+        close-to-open GETATTR), so a walk that only resolves keeps handing
+        out the same stale handle and the level below answers ESTALE every
+        time (seen on GlusterFS, 16 processes on two clients creating fresh
+        directories; and on NFS v3 after gc removed a writer's directory). A
+        real open that meets a stale handle fails with ESTALE inside the
+        kernel, which repeats that lookup revalidating (LOOKUP_REVAL), as it
+        does for a whole path. ``careful``: so from the first attempt."""
+
+        def walk() -> int:
+            if careful:
+                return self._walk_creating(parts, dir_mode, OPEN_DIR_FLAGS, OPEN_DIR_FLAGS)
+            return self._walk_creating(parts, dir_mode, last, DIR_FLAGS)
+
+        def recover(exc: OSError) -> None:
+            nonlocal careful
+            careful = True
+            self._drop_removed_root(exc)
+
+        return retry_transient(walk, recover, _creation_race)
 
     def _walk(self, parts: list[str], last: int, again: bool = True) -> int:
         top = fd = self.root_fd()
@@ -257,7 +283,9 @@ class Beneath:
             raise
         return fd
 
-    def _walk_creating(self, parts: list[str], dir_mode: int, last: int) -> int:
+    def _walk_creating(
+        self, parts: list[str], dir_mode: int, last: int, middle: int = DIR_FLAGS
+    ) -> int:
         top = fd = self.root_fd()
         final = len(parts) - 1
         known = self._known
@@ -266,7 +294,7 @@ class Beneath:
         try:
             for i, name in enumerate(parts):
                 prefix = f"{prefix}/{name}" if i else name
-                flags = last if i == final else DIR_FLAGS
+                flags = last if i == final else middle
                 child = -1
                 # Never made first at the top: a child of the root is made
                 # only after checking that the root path is still ours.

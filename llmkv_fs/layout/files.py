@@ -22,6 +22,7 @@ from __future__ import annotations
 import errno
 import os
 import stat
+import time
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -55,6 +56,7 @@ DEFAULT_DIR_MODE = 0o770
 # (docs/reliability.md, bug 2: 16 processes x 8 fresh directories through two
 # clients) without looping forever on a real error.
 SHARED_FS_ATTEMPTS = 8
+_FIRST_PAUSE_S = 0.001
 # Leases and config.json are a few KiB; a bigger file at such a name is not ours.
 SMALL_FILE_LIMIT = 1 << 20
 # Flags every file we create is opened with: a new inode or an error, never
@@ -101,15 +103,19 @@ def retry_transient(
 ) -> _T:
     """``operation()``, tried up to SHARED_FS_ATTEMPTS times while it fails
     with an error ``transient`` accepts; ``recover(error)`` runs between
-    attempts (re-create the parent, say). Any other error, and the last
-    attempt's, propagates."""
-    for _attempt in range(SHARED_FS_ATTEMPTS - 1):
+    attempts (re-create the parent, say), and from the third attempt on a
+    pause that doubles from 1 ms (63 ms in all): a network filesystem's
+    "moment" is a round trip, not a loop iteration. Any other error, and the
+    last attempt's, propagates."""
+    for attempt in range(SHARED_FS_ATTEMPTS - 1):
         try:
             return operation()
         except OSError as exc:
             if not transient(exc):
                 raise
             recover(exc)
+            if attempt:
+                time.sleep(_FIRST_PAUSE_S * 2 ** (attempt - 1))
     return operation()
 
 

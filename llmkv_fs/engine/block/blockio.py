@@ -167,15 +167,19 @@ class BlockIO:
         """
         rel_dir, name = self._place(key)
         attempts = SHARED_FS_ATTEMPTS
+        after_race = False
         while True:
             try:
-                return self._store_in(rel_dir, name, key, row, still_wanted)
+                return self._store_in(rel_dir, name, key, row, still_wanted, after_race)
             except DirectoryGone:
                 # gc removed the directory between our walk and the create
-                # (nothing written yet): walk, and make it, again.
+                # (nothing written yet): walk, and make it, again, opening
+                # every level for real (a network client may still cache the
+                # removed one: Beneath.open_dir).
                 attempts -= 1
                 if not attempts:
                     raise
+                after_race = True
 
     def _store_in(
         self,
@@ -184,9 +188,12 @@ class BlockIO:
         key: bytes,
         row: memoryview,
         still_wanted: Callable[[], bool] | None,
+        after_race: bool,
     ) -> Outcome:
         opts = self.options
-        dir_fd = self._below.open_dir(rel_dir, create=True, dir_mode=opts.dir_mode)
+        dir_fd = self._below.open_dir(
+            rel_dir, create=True, dir_mode=opts.dir_mode, after_race=after_race
+        )
         try:
             # access() answers "absent" without raising FileNotFoundError, the
             # common case here and measurably cheaper than lstat under the GIL.

@@ -1,0 +1,119 @@
+"""A network client's stale directory handle during a store (issue 21's
+regression, found by CI on GlusterFS and NFS v3): a client that still caches
+a directory another client removed or re-made hands out its old handle to
+an ``O_PATH`` open, and every lookup in that handle answers ESTALE. Only a
+real open revalidates it (FUSE_OPENDIR, NFS close-to-open). The store's
+walk must then retry with real opens and land; it gave up after eight
+identical ``O_PATH`` walks.
+
+A local filesystem cannot stage a stale handle, so this is the one thing
+imitated: ``os.open``/``os.mkdir`` as ``layout.beneath`` sees them answer
+ESTALE for a lookup relative to an ``O_PATH`` descriptor of the chosen
+directory, as the network clients did. Everything else is real: BlockIO,
+tmpfs-or-disk files, the bytes read back. The real races run in
+test_matrix_races.py (GlusterFS) and test_gc_race.py (NFS).
+"""
+
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+
+import pytest
+
+from llmkv_fs.engine.block.blockio import BlockIO
+from llmkv_fs.engine.block.options import IoOptions
+from llmkv_fs.engine.outcomes import Outcome
+from llmkv_fs.layout import beneath
+from llmkv_fs.layout.files import SHARED_FS_ATTEMPTS
+from llmkv_fs.layout.paths import CacheLayout
+
+from engine_kit import BS, IDENTITY, make_key, pattern
+
+
+class StaleClient:
+    """``os`` as beneath.py uses it, with ``stale_dir`` (an absolute path)
+    cached stale: an ``O_PATH`` descriptor of it resolves, but any name
+    looked up through it fails with ESTALE; a real open revalidates it,
+    unless ``repairable`` is False (the server keeps answering ESTALE).
+    Counts the ESTALEs given."""
+
+    def __init__(self, stale_dir: str, repairable: bool = True):
+        self.stale_dir = stale_dir
+        self.repairable = repairable
+        self.stale_fds: set[int] = set()
+        self.estales = 0
+
+    def _check(self, dir_fd: int | None) -> None:
+        if dir_fd in self.stale_fds and os.readlink(f"/proc/self/fd/{dir_fd}") == self.stale_dir:
+            self.estales += 1
+            raise OSError(errno.ESTALE, "Stale file handle")
+
+    def open(self, path, flags, mode=0o777, *, dir_fd=None):
+        self._check(dir_fd)
+        fd = os.open(path, flags, mode, dir_fd=dir_fd)
+        if (flags & os.O_PATH or not self.repairable) and os.readlink(
+            f"/proc/self/fd/{fd}"
+        ) == self.stale_dir:
+            self.stale_fds.add(fd)
+        else:
+            self.stale_fds.discard(fd)
+        return fd
+
+    def mkdir(self, path, mode=0o777, *, dir_fd=None):
+        self._check(dir_fd)
+        return os.mkdir(path, mode, dir_fd=dir_fd)
+
+    def stat(self, path, *, dir_fd=None, follow_symlinks=True):
+        self._check(dir_fd)
+        return os.stat(path, dir_fd=dir_fd, follow_symlinks=follow_symlinks)
+
+    def __getattr__(self, name):
+        return getattr(os, name)
+
+
+@pytest.fixture
+def blockio(tmp_path) -> BlockIO:
+    layout = CacheLayout.for_identity(str(tmp_path / "kv"), IDENTITY)
+    os.makedirs(layout.rank_dir)
+    options = IoOptions(
+        block_size=BS, use_o_direct=False, fsync_file=False, fsync_dir=False, checksum=True
+    )
+    return BlockIO(layout, options)
+
+
+@pytest.mark.parametrize("level", ["hhh", "rank"])
+def test_a_store_through_a_stale_directory_handle_retries_with_real_opens(
+    blockio, monkeypatch, level
+):
+    key = make_key(7)
+    block_dir = os.path.dirname(blockio.layout.block_path(key))
+    os.makedirs(block_dir)  # the directories exist; this client's handle is stale
+    stale = os.path.dirname(block_dir) if level == "hhh" else blockio.layout.rank_dir
+    client = StaleClient(os.path.realpath(stale))
+    monkeypatch.setattr(beneath, "os", client)
+    row = mmap.mmap(-1, BS)
+    row[:] = pattern(7)
+
+    assert blockio.store(key, memoryview(row)) is Outcome.WRITTEN
+    assert client.estales == 1  # one stale walk, then a revalidating one
+    with open(blockio.layout.block_path(key), "rb") as f:
+        assert f.read(BS) == pattern(7)
+
+
+def test_a_directory_that_stays_stale_fails_the_store_after_bounded_attempts(blockio, monkeypatch):
+    """A handle no real open can repair (the server keeps answering ESTALE)
+    costs the store, after SHARED_FS_ATTEMPTS walks: never a loop."""
+    key = make_key(8)
+    block_dir = os.path.dirname(blockio.layout.block_path(key))
+    os.makedirs(block_dir)
+    client = StaleClient(os.path.realpath(os.path.dirname(block_dir)), repairable=False)
+    monkeypatch.setattr(beneath, "os", client)
+    row = mmap.mmap(-1, BS)
+
+    with pytest.raises(OSError) as failed:
+        blockio.store(key, memoryview(row))
+    assert failed.value.errno == errno.ESTALE
+    assert client.estales == SHARED_FS_ATTEMPTS
+    assert not os.listdir(block_dir)  # nothing left behind
