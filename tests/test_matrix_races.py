@@ -13,6 +13,7 @@ import random
 import select
 import shutil
 import time
+import traceback
 
 import pytest
 
@@ -254,7 +255,10 @@ def _first_use_at_signal(root: str, keys_hex: list[str], ready_fd: int, go_fd: i
         try:
             blockio.store(key, row)
         except OSError as exc:
-            failed.append(f"store: {exc!r}")
+            # Where it failed: the innermost frame (a syscall on a
+            # descriptor names no file).
+            frame = traceback.extract_tb(exc.__traceback__)[-1]
+            failed.append(f"store: {exc!r} {exc.filename!r} in {frame.name}:{frame.lineno}")
     return failed
 
 

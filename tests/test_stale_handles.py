@@ -22,6 +22,7 @@ import os
 
 import pytest
 
+from llmkv_fs.engine.block import blockio as blockio_module
 from llmkv_fs.engine.block.blockio import BlockIO
 from llmkv_fs.engine.block.options import IoOptions
 from llmkv_fs.engine.outcomes import Outcome
@@ -117,3 +118,36 @@ def test_a_directory_that_stays_stale_fails_the_store_after_bounded_attempts(blo
     assert failed.value.errno == errno.ESTALE
     assert client.estales == SHARED_FS_ATTEMPTS
     assert not os.listdir(block_dir)  # nothing left behind
+
+
+class ReplacedBlockClient:
+    """``os`` as blockio.py uses it, where the block file another writer had
+    just published was replaced through another client meanwhile: access()
+    still finds the name, the stat of the old file answers ESTALE (once)."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.estales = 0
+
+    def stat(self, path, *, dir_fd=None, follow_symlinks=True):
+        if path == self.name and not self.estales:
+            self.estales += 1
+            raise OSError(errno.ESTALE, "Stale file handle")
+        return os.stat(path, dir_fd=dir_fd, follow_symlinks=follow_symlinks)
+
+    def __getattr__(self, name):
+        return getattr(os, name)
+
+
+def test_a_block_replaced_by_another_client_meanwhile_is_written_again(blockio, monkeypatch):
+    key = make_key(9)
+    row = mmap.mmap(-1, BS)
+    row[:] = pattern(9)
+    assert blockio.store(key, memoryview(row)) is Outcome.WRITTEN  # the other writer's
+    client = ReplacedBlockClient(os.path.basename(blockio.layout.block_path(key)))
+    monkeypatch.setattr(blockio_module, "os", client)
+
+    assert blockio.store(key, memoryview(row)) is Outcome.WRITTEN
+    assert client.estales == 1
+    with open(blockio.layout.block_path(key), "rb") as f:
+        assert f.read(BS) == pattern(9)

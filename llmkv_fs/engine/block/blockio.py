@@ -45,7 +45,7 @@ from llmkv_fs.layout.blockfile import (
     payload_checksum,
     verify_block,
 )
-from llmkv_fs.layout.files import SHARED_FS_ATTEMPTS
+from llmkv_fs.layout.files import SHARED_FS_ATTEMPTS, is_transient
 from llmkv_fs.layout.names import block_rel_parts, temp_name
 from llmkv_fs.layout.paths import CacheLayout
 from llmkv_fs.layout.quarantine import file_ident, quarantine_at
@@ -135,6 +135,18 @@ class BlockIO:
         st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
         return stat.S_ISREG(st.st_mode) and st.st_size in self._valid_sizes
 
+    def _published_at(self, dir_fd: int, name: str) -> bool:
+        """``_is_block_at`` for a store about to write: a file another writer
+        just published may be gone, or replaced by a third writer's rename
+        (the old one then answers ESTALE through a network client), between
+        access() and the stat. Then it is written again, never failed."""
+        try:
+            return self._is_block_at(dir_fd, name)
+        except OSError as exc:
+            if is_transient(exc):
+                return False
+            raise
+
     def _revalidate_dirs(self, rel_dir: str) -> None:
         """Really open the deepest existing directory between the block's
         directory and the rank directory (measured on NFS v4.2/v3 in an
@@ -198,7 +210,7 @@ class BlockIO:
             # access() answers "absent" without raising FileNotFoundError, the
             # common case here and measurably cheaper than lstat under the GIL.
             if os.access(name, os.F_OK, dir_fd=dir_fd, follow_symlinks=False) and (
-                self._is_block_at(dir_fd, name)
+                self._published_at(dir_fd, name)
             ):
                 return Outcome.PRESENT
             trailer = self._scratch()[:TRAILER_SIZE]
