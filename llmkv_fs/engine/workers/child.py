@@ -24,6 +24,8 @@ It imports only the engine room and the layout. Its life:
   block's cancel byte in the shared cancel board is its ``still_wanted``: the
   owner sets it when the job's deadline passed, so an abandoned store is
   never published;
+* the region's page tables are filled ahead of the I/O (prefault.py): a
+  row before its first block here, the rest while the job pipe is idle;
 * access stamps for LRU eviction are applied here, when the job pipe is idle
   or at most once a second -- the same BlockIO method the housekeeping
   thread runs in thread mode.
@@ -49,6 +51,7 @@ from llmkv_fs.engine.block.pause import PausePoints
 from llmkv_fs.engine.block.step import BlockStep
 from llmkv_fs.engine.volume.signals import VolumeSignals
 from llmkv_fs.engine.volume.space import SpaceGuard
+from llmkv_fs.engine.workers.prefault import RowPrefault
 from llmkv_fs.engine.workers.records import JOB, OP_LOAD, OP_STOP, encode_result, hello_record
 from llmkv_fs.engine.workers.region import map_region
 from llmkv_fs.layout.files import PinnedRoot
@@ -65,9 +68,10 @@ def _die_with_parent(parent: int) -> None:
         os._exit(1)
 
 
-def _block_step(spec: dict[str, Any]) -> BlockStep:
+def _block_step(spec: dict[str, Any]) -> tuple[BlockStep, RowPrefault]:
     """The worker's BlockStep: the region and shared pages mapped from the
-    inherited fds (closed once mapped), its own BlockIO."""
+    inherited fds (closed once mapped), its own BlockIO; and the region's
+    page-table filler."""
     rows = map_region(spec["size"], spec["segments"], spec["region_fds"])
     for fd in spec["region_fds"]:
         os.close(fd)
@@ -78,7 +82,8 @@ def _block_step(spec: dict[str, Any]) -> BlockStep:
     # Only the guard's shared verdict and its ENOSPC trip are used here; the
     # watermarks are sampled by the engine's housekeeping thread.
     guard = SpaceGuard(layout.root_dir, 100.0, 0, 0, VolumeSignals.attach(spec["signals_fd"]))
-    return BlockStep(blockio, rows, guard, PausePoints.from_environment())
+    step = BlockStep(blockio, rows, guard, PausePoints.from_environment())
+    return step, RowPrefault(rows, blockio.options.block_size)
 
 
 def _cancel_byte_clear(board: mmap.mmap, slot: int) -> Callable[[], bool]:
@@ -90,7 +95,7 @@ def serve(spec: dict[str, Any]) -> None:
     if spec["cpus"]:
         os.sched_setaffinity(0, spec["cpus"])
     jobs_fd, results_fd = spec["jobs_fd"], spec["results_fd"]
-    step = _block_step(spec)
+    step, prefault = _block_step(spec)
     blockio = step.blockio
     board = mmap.mmap(spec["board_fd"], spec["board_size"])
     os.close(spec["board_fd"])
@@ -99,12 +104,19 @@ def serve(spec: dict[str, Any]) -> None:
     last_stamp = time.monotonic()
     while True:
         if len(buf) < JOB.size:
+            idle: bool | None = None
             if blockio.has_queued_stamps():
                 now = time.monotonic()
                 idle = not select.select([jobs_fd], [], [], 0)[0]
                 if idle or now - last_stamp >= _STAMP_EVERY_S:
                     blockio.apply_access_stamps()
                     last_stamp = now
+            if prefault.idle_work:
+                if idle is None:
+                    idle = not select.select([jobs_fd], [], [], 0)[0]
+                if idle:
+                    prefault.while_idle()
+                    continue  # a few rows at a time: look for a job in between
             data = os.read(jobs_fd, 1 << 16)
             if not data:
                 break  # the owner is gone or closed the pipe
@@ -124,6 +136,7 @@ def serve(spec: dict[str, Any]) -> None:
             break
         # The cancel byte is the block's still_wanted: set when its job
         # passed the deadline, read before it starts and before a rename.
+        prefault.before_block(chunk)
         result = step.run(op == OP_LOAD, key, chunk, _cancel_byte_clear(board, slot))
         os.write(results_fd, encode_result(slot, result))
     blockio.apply_access_stamps()
