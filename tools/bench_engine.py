@@ -65,6 +65,7 @@ from bench_support import (
     standin_idle_rate,
     worker_page_tables_kib,
 )
+from bench_variants import applied, parse_variant
 
 from llmkv_fs.config import TierSettings
 from llmkv_fs.engine import FsEngine
@@ -122,8 +123,11 @@ def open_tier(args, root: str, primary: Primary, config: dict, per_side: int) ->
         return BuiltinTier(args.payload, root, primary.mm, block, config["threads"])
     layout = CacheLayout.for_identity(root, IDENTITY)
     workers: str | int = 0
+    variant = config["variant"]
     if config["mode"] == "workers":
         workers = args.io_workers if args.io_workers is not None else 2 * per_side
+        if "io_workers" in variant:
+            workers = io_workers_setting(variant["io_workers"])
     settings = TierSettings.from_mapping(
         {
             "root_dir": root,
@@ -137,7 +141,8 @@ def open_tier(args, root: str, primary: Primary, config: dict, per_side: int) ->
         }
     )
     t = time.perf_counter()
-    engine = FsEngine(settings, layout, primary.mm, block)
+    with applied(variant):
+        engine = FsEngine(settings, layout, primary.mm, block)
     engine.startup_s = time.perf_counter() - t
     if engine.io_workers != resolve_io_workers(workers):
         engine.shutdown()
@@ -222,8 +227,11 @@ def configurations(args) -> list[dict]:
             common = {"standin": standin, "steady": steady}
             for mode in args.mode:
                 for numa in args.numa:
-                    label = f"{mode}/numa={numa}{tail}"
-                    out.append({"mode": mode, "numa": numa, "label": label, **common})
+                    for variant in args.ours:
+                        named = f"[{variant.name}]" if len(args.ours) > 1 else ""
+                        label = f"{mode}{named}/numa={numa}{tail}"
+                        config = {"mode": mode, "numa": numa, "variant": variant}
+                        out.append({**config, "label": label, **common})
             for k in args.builtin_threads:
                 label = f"builtin/{k}+{k}{tail}"
                 out.append({"mode": "builtin", "threads": k, "label": label, **common})
@@ -251,6 +259,13 @@ def parse_args() -> argparse.Namespace:
         "--io-workers",
         type=io_workers_setting,
         help="workers mode: this io_workers setting (auto or N) instead of 2 x per side",
+    )
+    p.add_argument(
+        "--ours",
+        action="append",
+        type=parse_variant,
+        metavar="NAME:KEY=VALUE,...",
+        help="our engine with a knob turned (repeat; tools/bench_variants.py)",
     )
     p.add_argument(
         "--standin",
@@ -303,6 +318,7 @@ def parse_args() -> argparse.Namespace:
     args.numa = args.numa or ["off", "auto"]
     args.mode = args.mode or ["threads"]
     args.case = args.case or ["many"]
+    args.ours = args.ours or [parse_variant("shipped:")]
     if not args.builtin:
         args.builtin_threads = []
     return args
