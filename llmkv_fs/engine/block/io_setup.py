@@ -19,11 +19,13 @@ __all__ = ["choose_o_direct", "io_options", "rows_view"]
 
 # Memory-backed volumes, where a load is a memcpy: hash each piece while it
 # is still in cache (measured on tmpfs, 2 cores: the checksum's cost fell
-# from ~15 % to ~5 % with 256 KiB pieces). 1 MiB pieces (half an L2 of the
-# 2-core VM and of an H100 host's cores) keep that and make a 2 MiB load
-# 4 syscalls instead of 11 (issue 12; docs/benchmarks.md).
+# from ~15 % to ~5 % with 256 KiB pieces). Issue 12 chose 1 MiB (fewer
+# syscalls); on the 16-core machine with 14 workers busy a 1 MiB piece is
+# no longer in cache when hashed, and 256 KiB moved 2 MiB loads 19.2 ->
+# 22.3 GB/s and stores 15.9 -> 16.3 (issue 20, same run, medians of 4;
+# docs/bench/device/issue20_after_many_steady.txt).
 _MEMORY_FS = frozenset(("tmpfs", "ramfs"))
-_HASH_CHUNK = 1 << 20
+_HASH_CHUNK = 256 << 10
 
 
 def io_options(
