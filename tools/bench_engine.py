@@ -39,7 +39,6 @@ stand-in and state, from the same rounds.
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import json
 import os
@@ -53,6 +52,7 @@ from typing import Any
 if importlib.util.find_spec("llmkv_fs") is None:  # a checkout, not installed
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from bench_engine_cli import io_workers_setting, parse_args
 from bench_engine_report import print_report, ratios
 from bench_support import (
     IDENTITY,
@@ -65,7 +65,7 @@ from bench_support import (
     standin_idle_rate,
     worker_page_tables_kib,
 )
-from bench_variants import applied, parse_variant
+from bench_variants import applied
 
 from llmkv_fs.config import TierSettings
 from llmkv_fs.engine import FsEngine
@@ -84,24 +84,6 @@ METRICS = (
     "startup_s",
     "worker_pte_kib",
 )
-
-
-def numa_setting(text: str) -> str | int:
-    if text in ("auto", "off"):
-        return text
-    if text.isdigit():
-        return int(text)
-    raise argparse.ArgumentTypeError(f"numa setting must be auto, off or a node id, not {text!r}")
-
-
-def io_workers_setting(text: str) -> str | int:
-    if text == "auto" or text.isdigit():
-        return text if text == "auto" else int(text)
-    raise argparse.ArgumentTypeError(f"io_workers must be auto or a count, not {text!r}")
-
-
-def int_list(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x]
 
 
 def cases(args) -> list[dict]:
@@ -238,94 +220,8 @@ def configurations(args) -> list[dict]:
     return out
 
 
-def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--dir", action="append", required=True, help="medium (repeat)")
-    p.add_argument(
-        "--per-side",
-        "--threads",
-        dest="per_side",
-        action="append",
-        type=int,
-        help="sweep: threads per side, or io_workers / 2 (default 1 2 4 8 16)",
-    )
-    p.add_argument(
-        "--mode",
-        action="append",
-        choices=("threads", "workers"),
-        help="threads (io_workers=0) and/or workers (repeat; default threads)",
-    )
-    p.add_argument(
-        "--io-workers",
-        type=io_workers_setting,
-        help="workers mode: this io_workers setting (auto or N) instead of 2 x per side",
-    )
-    p.add_argument(
-        "--ours",
-        action="append",
-        type=parse_variant,
-        metavar="NAME:KEY=VALUE,...",
-        help="our engine with a knob turned (repeat; tools/bench_variants.py)",
-    )
-    p.add_argument(
-        "--standin",
-        choices=("off", "on", "both"),
-        default="off",
-        help="run the scheduler stand-in thread during the runs",
-    )
-    p.add_argument(
-        "--state",
-        choices=("cold", "steady", "both"),
-        default="cold",
-        help="cold: measure the first pass of a fresh engine; steady: after a warm-up pass",
-    )
-    p.add_argument(
-        "--numa",
-        action="append",
-        type=numa_setting,
-        help='numa_node settings to compare (repeat; default "off" and "auto")',
-    )
-    p.add_argument("--reference", metavar="BINARY", help="compiled tools/ref_blockio.c")
-    p.add_argument(
-        "--builtin",
-        metavar="PAYLOAD_DIR",
-        help="also run vLLM's built-in fs tier (payload of tools/vllm_builtin_payload.py)",
-    )
-    p.add_argument(
-        "--builtin-threads",
-        type=int_list,
-        default=[8],
-        help="built-in read = write threads, comma separated (default 8)",
-    )
-    p.add_argument(
-        "--case",
-        action="append",
-        choices=("many", "long"),
-        help="many: --blocks in jobs of --blocks-per-job; long: one job of --long-blocks",
-    )
-    p.add_argument("--block-mib", type=float, default=2.0)
-    p.add_argument("--blocks", type=int, default=256, help="blocks per direction per run")
-    p.add_argument("--blocks-per-job", type=int, default=8)
-    p.add_argument("--long-blocks", type=int, default=64, help="blocks of the long case's job")
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--checksum", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--durability", default="none", choices=("none", "file", "full"))
-    p.add_argument("--shm", action="store_true", help="primary buffer in /dev/shm (as vLLM's)")
-    p.add_argument("--poll-ms", type=float, default=0.5)
-    p.add_argument("--json", metavar="PATH")
-    args = p.parse_args()
-    args.per_side = args.per_side or [1, 2, 4, 8, 16]
-    args.numa = args.numa or ["off", "auto"]
-    args.mode = args.mode or ["threads"]
-    args.case = args.case or ["many"]
-    args.ours = args.ours or [parse_variant("shipped:")]
-    if not args.builtin:
-        args.builtin_threads = []
-    return args
-
-
 def main() -> int:
-    args = parse_args()
+    args = parse_args(__doc__.split("\n\n")[0])
     for d in args.dir:
         os.makedirs(d, exist_ok=True)
     info = machine(args.dir)
