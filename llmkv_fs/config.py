@@ -227,8 +227,8 @@ class TierSettings:
             "processes that map the CPU tier themselves (half of them load-first, "
             "half store-first; the thread counts are then unused); each costs "
             "about 2 MiB of page tables per GiB of CPU tier it maps (filled while "
-            "idle for the first 16 GiB: docs/architecture.md, \"Page tables ahead "
-            "of the I/O\"). auto: "
+            'idle for the first 16 GiB: docs/architecture.md, "Page tables ahead '
+            'of the I/O"). auto: '
             "processes when the process may use at least 6 CPUs (that many minus 2, "
             "for the scheduler and the conductor thread; at most 16; see "
             "docs/benchmarks.md), else threads. Processes need the "
