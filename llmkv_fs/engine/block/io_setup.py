@@ -6,6 +6,7 @@ BlockIO gets. No threads; runs on the constructing thread.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import mmap
 import os
 
@@ -15,17 +16,23 @@ from llmkv_fs.engine.volume.prepare import EngineError
 from llmkv_fs.layout.blockfile import Buffer
 from llmkv_fs.layout.files import PinnedRoot
 
-__all__ = ["choose_o_direct", "io_options", "rows_view"]
+__all__ = ["choose_o_direct", "for_worker_processes", "io_options", "rows_view"]
 
 # Memory-backed volumes, where a load is a memcpy: hash each piece while it
 # is still in cache (measured on tmpfs, 2 cores: the checksum's cost fell
-# from ~15 % to ~5 % with 256 KiB pieces). Issue 12 chose 1 MiB (fewer
-# syscalls); on the 16-core machine with 14 workers busy a 1 MiB piece is
-# no longer in cache when hashed, and 256 KiB moved 2 MiB loads 19.2 ->
-# 22.3 GB/s and stores 15.9 -> 16.3 (issue 20, same run, medians of 4;
-# docs/bench/device/issue20_after_many_steady.txt).
+# from ~15 % to ~5 % with 256 KiB pieces). The piece depends on who moves
+# the bytes (issue 20, docs/benchmarks.md):
+# - I/O threads in vLLM's process share its GIL, and each piece is one more
+#   release and re-acquire: 1 MiB (issue 12). 256 KiB there cost the 2-core
+#   machine a third of its tmpfs load ratio (0.84 / 0.97 -> 0.60 / 0.69
+#   against the built-in, alternating runs, load ~1-2);
+# - worker processes share no GIL, but 14 of them busy evict a 1 MiB piece
+#   before it is hashed: 256 KiB moved 2 MiB loads 19.2 -> 22.3 GB/s and
+#   stores 15.9 -> 16.3 on the 16-core machine (same run, medians of 4;
+#   docs/bench/device/issue20_after_many_steady.txt).
 _MEMORY_FS = frozenset(("tmpfs", "ramfs"))
-_HASH_CHUNK = 256 << 10
+_HASH_CHUNK = 1 << 20
+_HASH_CHUNK_WORKERS = 256 << 10
 
 
 def io_options(
@@ -94,3 +101,11 @@ def choose_o_direct(mode: str, flat: memoryview, block_size: int, rank_dir: str)
             f"{rank_dir}. Use io_mode=auto or buffered."
         )
     return works
+
+
+def for_worker_processes(options: IoOptions) -> IoOptions:
+    """The options an I/O worker process moves blocks with: those of the
+    engine's threads, with the smaller hash piece where pieces are used."""
+    if not options.hash_chunk:
+        return options
+    return dataclasses.replace(options, hash_chunk=_HASH_CHUNK_WORKERS)

@@ -30,6 +30,7 @@ import time
 from collections.abc import Callable, Collection
 
 from llmkv_fs.engine.block.blockio import IoOptions
+from llmkv_fs.engine.block.io_setup import for_worker_processes
 from llmkv_fs.engine.scheduling.jobs import BlockTicket
 from llmkv_fs.engine.volume.signals import VolumeSignals
 from llmkv_fs.engine.workers.records import JOB, OP_STOP
@@ -75,6 +76,7 @@ class WorkerSpec:
     ):
         self.handover = handover
         self.signals = signals
+        options = for_worker_processes(options)
         self.common = {
             "size": handover.size,
             "segments": [
