@@ -15,11 +15,7 @@ import json
 
 import pytest
 
-from llmkv_fs.config import TierSettings
-from llmkv_fs.engine import FsEngine
-from llmkv_fs.layout.paths import CacheLayout
-
-from engine_kit import BS, IDENTITY, fill, make_key, memfd_primary, pattern, row, wait_jobs
+from engine_kit import round_trip, worker_engine
 
 
 def worker_options(pid: int) -> dict:
@@ -31,15 +27,8 @@ def worker_options(pid: int) -> dict:
 @pytest.mark.parametrize("medium", ["tmpfs", "ext4"])
 def test_workers_hash_in_smaller_pieces_than_threads(medium, mount_tmpfs, tmp_path):
     base = mount_tmpfs("64m") if medium == "tmpfs" else str(tmp_path)
-    root = f"{base}/kv"
-    n_blocks = 8
-    primary = memfd_primary(n_blocks * BS)
-    settings = TierSettings(
-        root_dir=root, io_workers=2, n_read_threads=1, n_write_threads=1, lookup_threads=1
-    )
-    engine = FsEngine(settings, CacheLayout.for_identity(root, IDENTITY), primary, BS)
+    engine, primary = worker_engine(f"{base}/kv", 8)
     try:
-        assert engine.io_workers == 2
         threads_piece = engine.blockio.options.hash_chunk
         pieces = [worker_options(pid)["hash_chunk"] for pid in engine.executor.worker_pids()]
         if medium == "tmpfs":
@@ -47,14 +36,6 @@ def test_workers_hash_in_smaller_pieces_than_threads(medium, mount_tmpfs, tmp_pa
             assert pieces == [256 << 10, 256 << 10]
         else:  # a disk: one large read matters more than the cache
             assert threads_piece == 0 and pieces == [0, 0]
-        keys = [make_key(i) for i in range(n_blocks)]
-        for i in range(n_blocks):
-            fill(primary, i, pattern(i))
-        assert engine.submit_store(1, keys, list(range(n_blocks)))
-        assert wait_jobs(engine, [1])[1].success
-        primary[:] = bytes(len(primary))
-        assert engine.submit_load(2, keys, list(range(n_blocks)))
-        assert wait_jobs(engine, [2])[2].success
-        assert all(row(primary, i) == pattern(i) for i in range(n_blocks))
+        round_trip(engine, primary, 8)
     finally:
         engine.shutdown()

@@ -16,23 +16,10 @@ import struct
 
 import pytest
 
-from llmkv_fs.config import TierSettings
-from llmkv_fs.engine import FsEngine
 from llmkv_fs.engine.workers import prefault as prefault_module
 from llmkv_fs.engine.workers.prefault import RowPrefault
-from llmkv_fs.layout.paths import CacheLayout
 
-from engine_kit import (
-    BS,
-    IDENTITY,
-    fill,
-    make_key,
-    memfd_primary,
-    pattern,
-    row,
-    wait_jobs,
-    wait_until,
-)
+from engine_kit import BS, round_trip, wait_until, worker_engine
 
 PAGE = mmap.PAGESIZE
 ROWS = 8
@@ -133,27 +120,14 @@ def _region_rss_kib(pid: int, size: int) -> int:
 
 def test_idle_workers_map_the_whole_region_and_serve_the_right_bytes(tmp_path):
     n_blocks = 32
-    root = str(tmp_path / "kv")
-    primary = memfd_primary(n_blocks * BS)
-    settings = TierSettings(
-        root_dir=root, io_workers=2, n_read_threads=1, n_write_threads=1, lookup_threads=1
-    )
-    engine = FsEngine(settings, CacheLayout.for_identity(root, IDENTITY), primary, BS)
+    engine, primary = worker_engine(str(tmp_path / "kv"), n_blocks)
     try:
-        assert engine.io_workers == 2
         for pid in engine.executor.worker_pids():
             wait_until(
                 lambda pid=pid: _region_rss_kib(pid, n_blocks * BS) * 1024 == n_blocks * BS,
                 what=f"worker {pid} to map the whole region while idle",
                 deadline_s=60,
             )
-        for i in range(n_blocks):
-            fill(primary, i, pattern(i))
-        assert engine.submit_store(1, [make_key(i) for i in range(n_blocks)], list(range(n_blocks)))
-        assert wait_jobs(engine, [1])[1].success
-        primary[:] = bytes(len(primary))
-        assert engine.submit_load(2, [make_key(i) for i in range(n_blocks)], list(range(n_blocks)))
-        assert wait_jobs(engine, [2])[2].success
-        assert all(row(primary, i) == pattern(i) for i in range(n_blocks))
+        round_trip(engine, primary, n_blocks)
     finally:
         engine.shutdown()
