@@ -273,15 +273,15 @@ def write_blocks(root: str, ids, rank: int = 0) -> tuple[CacheLayout, BlockIO]:
     return layout, blockio
 
 
-def worker_engine(root: str, n_blocks: int) -> tuple[FsEngine, mmap.mmap]:
+def worker_engine(root: str, n_blocks: int, block_size: int = BS) -> tuple[FsEngine, mmap.mmap]:
     """An engine with 2 I/O worker processes (asserted: no fallback to
     threads) over a memfd primary of ``n_blocks`` rows; the caller shuts it
     down. For tests of what only worker processes do."""
-    primary = memfd_primary(n_blocks * BS)
+    primary = memfd_primary(n_blocks * block_size)
     settings = TierSettings(
         root_dir=root, io_workers=2, n_read_threads=1, n_write_threads=1, lookup_threads=1
     )
-    engine = FsEngine(settings, CacheLayout.for_identity(root, IDENTITY), primary, BS)
+    engine = FsEngine(settings, CacheLayout.for_identity(root, IDENTITY), primary, block_size)
     if engine.io_workers != 2:
         engine.shutdown()
         pytest.fail("worker mode fell back to threads")
@@ -291,12 +291,13 @@ def worker_engine(root: str, n_blocks: int) -> tuple[FsEngine, mmap.mmap]:
 def round_trip(engine: FsEngine, primary, n_blocks: int) -> None:
     """Store ``pattern(i)`` from every row, zero the buffer, load them all
     back: every byte right."""
+    size = engine.block_size
     keys = [make_key(i) for i in range(n_blocks)]
     for i in range(n_blocks):
-        fill(primary, i, pattern(i))
+        fill(primary, i, pattern(i, size), size)
     assert engine.submit_store(1, keys, list(range(n_blocks)))
     assert wait_jobs(engine, [1])[1].success
     primary[:] = bytes(len(primary))
     assert engine.submit_load(2, keys, list(range(n_blocks)))
     assert wait_jobs(engine, [2])[2].success
-    assert all(row(primary, i) == pattern(i) for i in range(n_blocks))
+    assert all(row(primary, i, size) == pattern(i, size) for i in range(n_blocks))

@@ -27,7 +27,8 @@ def worker_options(pid: int) -> dict:
 @pytest.mark.parametrize("medium", ["tmpfs", "ext4"])
 def test_workers_hash_in_smaller_pieces_than_threads(medium, mount_tmpfs, tmp_path):
     base = mount_tmpfs("64m") if medium == "tmpfs" else str(tmp_path)
-    engine, primary = worker_engine(f"{base}/kv", 8)
+    # 2 MiB blocks: larger than either piece, so both paths hash in pieces.
+    engine, primary = worker_engine(f"{base}/kv", 8, 2 << 20)
     try:
         threads_piece = engine.blockio.options.hash_chunk
         pieces = [worker_options(pid)["hash_chunk"] for pid in engine.executor.worker_pids()]

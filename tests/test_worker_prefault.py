@@ -67,8 +67,9 @@ def test_a_row_is_populated_before_its_first_block_and_no_byte_changes(fresh_map
     assert bytes(view) == content
 
 
-def test_idle_steps_populate_the_rest_and_then_stop(fresh_mapping):
+def test_idle_steps_populate_the_rest_and_then_stop(fresh_mapping, monkeypatch):
     view, content = fresh_mapping
+    monkeypatch.setattr(prefault_module, "_IDLE_STEP_BYTES", 4 * ROW)
     prefault = RowPrefault(view, ROW)
     prefault.before_block(5)
     steps = 0
@@ -131,3 +132,18 @@ def test_idle_workers_map_the_whole_region_and_serve_the_right_bytes(tmp_path):
         round_trip(engine, primary, n_blocks)
     finally:
         engine.shutdown()
+
+
+@pytest.mark.parametrize(("step_bytes", "steps"), [(ROW // 2, ROWS), (3 * ROW, 3)])
+def test_an_idle_step_is_whole_rows_at_least_one(fresh_mapping, monkeypatch, step_bytes, steps):
+    """Rows larger than the step still go one per step (never none); smaller
+    ones as many as fit."""
+    view, _content = fresh_mapping
+    monkeypatch.setattr(prefault_module, "_IDLE_STEP_BYTES", step_bytes)
+    prefault = RowPrefault(view, ROW)
+    taken = 0
+    while prefault.idle_work:
+        prefault.while_idle()
+        taken += 1
+    assert taken == steps
+    assert present_pages(view, 0, ROWS * ROW // PAGE) == ROWS * ROW // PAGE

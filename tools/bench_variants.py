@@ -6,8 +6,9 @@ A variant is ``NAME:key=value,...`` with keys
 
 * ``io_workers`` -- ``auto`` or a count (workers mode);
 * ``hash_kib`` -- the piece hashed next to each read or write on memory
-  filesystems (``engine/block/io_setup._HASH_CHUNK``; the options travel
-  to worker processes with the spec);
+  filesystems, for I/O threads and worker processes alike
+  (``engine/block/io_setup._HASH_CHUNK`` and ``_HASH_CHUNK_WORKERS``; the
+  options travel to worker processes with the spec);
 * ``prefault`` -- ``off`` turns the workers' page-table filler off
   (``engine/workers/prefault.py``) through a ``sitecustomize`` on the
   workers' PYTHONPATH: the engine itself has no such switch;
@@ -66,11 +67,12 @@ def applied(variant: Variant) -> Iterator[None]:
     engine started inside."""
     from llmkv_fs.engine.block import io_setup
 
-    saved_env, saved_chunk = dict(os.environ), io_setup._HASH_CHUNK
+    saved_env = dict(os.environ)
+    saved_chunks = io_setup._HASH_CHUNK, io_setup._HASH_CHUNK_WORKERS
     site = None
     try:
         if "hash_kib" in variant:
-            io_setup._HASH_CHUNK = int(variant["hash_kib"]) << 10
+            io_setup._HASH_CHUNK = io_setup._HASH_CHUNK_WORKERS = int(variant["hash_kib"]) << 10
         if variant.get("prefault") == "off" or "nice" in variant:
             site = tempfile.mkdtemp(prefix="llmkv_bench_site_")
             with open(os.path.join(site, "sitecustomize.py"), "w", encoding="utf-8") as f:
@@ -84,7 +86,7 @@ def applied(variant: Variant) -> Iterator[None]:
                 os.environ["LLMKV_BENCH_NICE"] = variant["nice"]
         yield
     finally:
-        io_setup._HASH_CHUNK = saved_chunk
+        io_setup._HASH_CHUNK, io_setup._HASH_CHUNK_WORKERS = saved_chunks
         os.environ.clear()
         os.environ.update(saved_env)
         if site:

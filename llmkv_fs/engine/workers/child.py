@@ -102,18 +102,22 @@ def serve(spec: dict[str, Any]) -> None:
     os.write(results_fd, hello_record(os.getpid()))
     buf = bytearray()
     last_stamp = time.monotonic()
+    # poll, not select: the pipe keeps the owner's fd number (pass_fds), and
+    # vLLM raises RLIMIT_NOFILE, so it may be past select's limit of 1024.
+    jobs_waiting = select.poll()
+    jobs_waiting.register(jobs_fd, select.POLLIN)
     while True:
         if len(buf) < JOB.size:
             idle: bool | None = None
             if blockio.has_queued_stamps():
                 now = time.monotonic()
-                idle = not select.select([jobs_fd], [], [], 0)[0]
+                idle = not jobs_waiting.poll(0)
                 if idle or now - last_stamp >= _STAMP_EVERY_S:
                     blockio.apply_access_stamps()
                     last_stamp = now
             if prefault.idle_work:
                 if idle is None:
-                    idle = not select.select([jobs_fd], [], [], 0)[0]
+                    idle = not jobs_waiting.poll(0)
                 if idle:
                     prefault.while_idle()
                     continue  # a few rows at a time: look for a job in between

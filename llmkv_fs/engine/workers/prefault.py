@@ -38,9 +38,10 @@ from llmkv_fs.engine.workers.region import view_address
 __all__ = ["RowPrefault"]
 
 _MADV_POPULATE_WRITE = 23
-# Rows populated per idle step: 8 MiB, ~1-2 ms, so a job arriving meanwhile
-# waits at most that long.
-_IDLE_ROWS = 4
+# Bytes populated per idle step (whole rows: at least one): 8 MiB, ~1-2 ms,
+# so a job arriving meanwhile waits at most that long (one row's worth where
+# rows are larger).
+_IDLE_STEP_BYTES = 8 << 20
 # The idle walk covers at most this much of the region (32 MiB of page
 # tables per worker); rows past it are populated on first use only.
 IDLE_LIMIT_BYTES = 16 << 30
@@ -65,6 +66,7 @@ class RowPrefault:
         self._done = bytearray(self._count)
         self._cursor = 0  # the idle walk's next row
         self._idle_end = min(self._count, IDLE_LIMIT_BYTES // max(1, row_bytes))
+        self._idle_rows = max(1, _IDLE_STEP_BYTES // max(1, row_bytes))
         self._madvise = _libc_madvise()
         self.working = self._count > 0
 
@@ -89,7 +91,7 @@ class RowPrefault:
                 self._cursor += 1
                 continue
             count = 1
-            while count < _IDLE_ROWS and first + count < end and not self._done[first + count]:
+            while count < self._idle_rows and first + count < end and not self._done[first + count]:
                 count += 1
             self._populate(first, count)
             self._cursor = first + count
