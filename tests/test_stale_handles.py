@@ -151,3 +151,62 @@ def test_a_block_replaced_by_another_client_meanwhile_is_written_again(blockio, 
     assert client.estales == 1
     with open(blockio.layout.block_path(key), "rb") as f:
         assert f.read(BS) == pattern(9)
+
+
+class StaleRootClient:
+    """``os`` as beneath.py uses it after the NFS server lost the handle of
+    the root this thread holds open (a failover, a re-export): every lookup
+    through that descriptor, and its fstat, answer ESTALE. Opening the root
+    by its path again -- a full lookup, revalidated -- gives a good one."""
+
+    def __init__(self, root_path: str, stale_fd: int):
+        self.root_path = root_path
+        self.stale_fd: int | None = stale_fd
+        self.estales = 0
+
+    def _check(self, fd: int | None) -> None:
+        if fd is not None and fd == self.stale_fd:
+            self.estales += 1
+            raise OSError(errno.ESTALE, "Stale file handle")
+
+    def open(self, path, flags, mode=0o777, *, dir_fd=None):
+        self._check(dir_fd)
+        if dir_fd is None and path == self.root_path:
+            self.stale_fd = None  # the server hands out a fresh handle
+        return os.open(path, flags, mode, dir_fd=dir_fd)
+
+    def mkdir(self, path, mode=0o777, *, dir_fd=None):
+        self._check(dir_fd)
+        return os.mkdir(path, mode, dir_fd=dir_fd)
+
+    def stat(self, path, *, dir_fd=None, follow_symlinks=True):
+        self._check(dir_fd)
+        return os.stat(path, dir_fd=dir_fd, follow_symlinks=follow_symlinks)
+
+    def fstat(self, fd):
+        self._check(fd)
+        return os.fstat(fd)
+
+    def __getattr__(self, name):
+        return getattr(os, name)
+
+
+def test_a_root_handle_the_server_lost_is_opened_again_not_kept(blockio, monkeypatch):
+    """Kept, a stale root descriptor failed every later store and made every
+    load a miss until the tier restarted."""
+    first, second = make_key(10), make_key(11)
+    row = mmap.mmap(-1, BS)
+    row[:] = pattern(10)
+    assert blockio.store(first, memoryview(row)) is Outcome.WRITTEN
+    below = blockio._below  # the thread's root descriptor is open by now
+    client = StaleRootClient(below.path, below.root_fd())
+    monkeypatch.setattr(beneath, "os", client)
+
+    row[:] = pattern(11)
+    assert blockio.store(second, memoryview(row)) is Outcome.WRITTEN  # a store walks...
+    assert client.estales >= 1 and client.stale_fd is None
+    client.stale_fd = below.root_fd()  # ...and so does a load, which never creates
+    row[:] = bytes(BS)
+    assert blockio.load(first, memoryview(row)) is Outcome.VERIFIED
+    assert bytes(row) == pattern(10)
+    assert client.stale_fd is None

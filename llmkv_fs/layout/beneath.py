@@ -193,13 +193,21 @@ class Beneath:
                 raise self.pin.gone()
         return fd
 
-    def _drop_removed_root(self, _exc: OSError | None = None) -> bool:
-        """Forget this thread's root descriptor if its directory was removed
-        (the next use opens the path again, and the pin decides). Only on
-        failures: one fstat."""
+    def _drop_removed_root(self, exc: OSError | None = None) -> bool:
+        """Forget this thread's root descriptor if its directory was removed,
+        or if a walk from it met ESTALE: an NFS server that lost the handle
+        (a failover, a re-export) answers every lookup through it so, and
+        kept, it would fail every later block too. The next use opens the
+        path again, and the pin decides. Only on failures: one fstat."""
         held: _RootFd | None = getattr(self._local, "root", None)
-        if held is None or os.fstat(held.fd).st_nlink:
+        if held is None:
             return False
+        if exc is None or exc.errno != errno.ESTALE:
+            try:
+                if os.fstat(held.fd).st_nlink:
+                    return False
+            except OSError:
+                pass  # a descriptor that cannot even be stat'ed: open the path again
         del self._local.root
         return True
 
@@ -270,9 +278,10 @@ class Beneath:
                     child = os.open(name, flags, dir_fd=fd)
                 except (NotADirectoryError, PermissionError):
                     child = open_child_dir(fd, name, flags)
-                except FileNotFoundError:
-                    # The root's child missing: the root itself may be gone.
-                    if i == 0 and again and self._drop_removed_root():
+                except OSError as exc:
+                    # The root's child missing or stale: the root itself may
+                    # be gone, or its descriptor stale.
+                    if is_transient(exc) and i == 0 and again and self._drop_removed_root(exc):
                         return self._walk(parts, last, again=False)
                     raise
                 if fd != top:
