@@ -33,7 +33,31 @@ from llmkv_fs.layout.paths import CacheLayout
 from engine_kit import BS, IDENTITY, make_key, pattern
 
 
-class StaleClient:
+class CheckingOs:
+    """``os`` with every call relative to a directory descriptor (and fstat)
+    first passed through ``_check``, which raises what the network client
+    would; subclasses say when."""
+
+    def _check(self, fd: int | None) -> None:
+        raise NotImplementedError
+
+    def mkdir(self, path, mode=0o777, *, dir_fd=None):
+        self._check(dir_fd)
+        return os.mkdir(path, mode, dir_fd=dir_fd)
+
+    def stat(self, path, *, dir_fd=None, follow_symlinks=True):
+        self._check(dir_fd)
+        return os.stat(path, dir_fd=dir_fd, follow_symlinks=follow_symlinks)
+
+    def fstat(self, fd):
+        self._check(fd)
+        return os.fstat(fd)
+
+    def __getattr__(self, name):
+        return getattr(os, name)
+
+
+class StaleClient(CheckingOs):
     """``os`` as beneath.py uses it, with ``stale_dir`` (an absolute path)
     cached stale: an ``O_PATH`` descriptor of it resolves, but any name
     looked up through it fails with ESTALE; a real open revalidates it,
@@ -61,17 +85,6 @@ class StaleClient:
         else:
             self.stale_fds.discard(fd)
         return fd
-
-    def mkdir(self, path, mode=0o777, *, dir_fd=None):
-        self._check(dir_fd)
-        return os.mkdir(path, mode, dir_fd=dir_fd)
-
-    def stat(self, path, *, dir_fd=None, follow_symlinks=True):
-        self._check(dir_fd)
-        return os.stat(path, dir_fd=dir_fd, follow_symlinks=follow_symlinks)
-
-    def __getattr__(self, name):
-        return getattr(os, name)
 
 
 @pytest.fixture
@@ -153,7 +166,7 @@ def test_a_block_replaced_by_another_client_meanwhile_is_written_again(blockio, 
         assert f.read(BS) == pattern(9)
 
 
-class StaleRootClient:
+class StaleRootClient(CheckingOs):
     """``os`` as beneath.py uses it after the NFS server lost the handle of
     the root this thread holds open (a failover, a re-export): every lookup
     through that descriptor, and its fstat, answer ESTALE. Opening the root
@@ -174,21 +187,6 @@ class StaleRootClient:
         if dir_fd is None and path == self.root_path:
             self.stale_fd = None  # the server hands out a fresh handle
         return os.open(path, flags, mode, dir_fd=dir_fd)
-
-    def mkdir(self, path, mode=0o777, *, dir_fd=None):
-        self._check(dir_fd)
-        return os.mkdir(path, mode, dir_fd=dir_fd)
-
-    def stat(self, path, *, dir_fd=None, follow_symlinks=True):
-        self._check(dir_fd)
-        return os.stat(path, dir_fd=dir_fd, follow_symlinks=follow_symlinks)
-
-    def fstat(self, fd):
-        self._check(fd)
-        return os.fstat(fd)
-
-    def __getattr__(self, name):
-        return getattr(os, name)
 
 
 def test_a_root_handle_the_server_lost_is_opened_again_not_kept(blockio, monkeypatch):
