@@ -33,6 +33,7 @@ from llmkv_fs.checks import (
     percent,
     seconds,
 )
+from llmkv_fs.rootlist import split_root_list
 
 __all__ = ["SETTINGS", "Setting", "TierConfigError", "TierSettings"]
 
@@ -121,6 +122,21 @@ class TierSettings:
         metadata=_declare(
             "Root directory of the shared cache volume.", _root_dir, vllm_builtin=True
         )
+    )
+    path_sharding: str = dataclasses.field(
+        default="none",
+        metadata=_declare(
+            "none: root_dir is one directory (a comma in it is part of its name). "
+            "by_block_hash: root_dir lists several roots separated by commas "
+            '("/mnt/nvme0/kv,/mnt/nvme1/kv") and each block is stored whole on one '
+            "of them, chosen from its hash by rendezvous hashing: reordering the "
+            "list moves no block, adding an N-th root moves 1/N of them (a load "
+            "also looks at a block's second choice, where it was written before). "
+            "Each root holds the ordinary layout and is checked, probed, "
+            "space-guarded and failed on its own. The key of vLLM's open "
+            "multi-root PR, whose placement differs (docs/configuration.md).",
+            one_of("none", "by_block_hash"),
+        ),
     )
     require_mounted_root: bool = dataclasses.field(
         default=False,
@@ -348,7 +364,18 @@ class TierSettings:
                     )
                 continue
             values[setting.key] = setting.check(setting.key, config[setting.key])
-        return cls(**values)
+        settings = cls(**values)
+        settings.root_dirs  # noqa: B018  # the list's spelling checked now, naming the entry
+        return settings
+
+    @property
+    def root_dirs(self) -> tuple[str, ...]:
+        """The roots this tier stores on: root_dir itself, or with
+        path_sharding by_block_hash its comma-separated entries (raises
+        RootListError naming a bad entry)."""
+        if self.path_sharding == "none":
+            return (self.root_dir,)
+        return split_root_list("root_dir", self.root_dir)
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

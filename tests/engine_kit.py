@@ -208,14 +208,18 @@ def engines(io_mode):
     gates: list[Gate] = []
 
     def make(root, n_blocks: int = 16, block_size: int = BS, **settings):
-        layout = CacheLayout.for_identity(root, IDENTITY)
+        """``root`` may list several roots (with path_sharding="by_block_hash");
+        the layout returned is the first root's."""
         primary = memfd_primary(n_blocks * block_size)
         if io_mode.workers:
             settings.setdefault("io_workers", _workers_for(settings))
         settings.setdefault("n_read_threads", 2)
         settings.setdefault("n_write_threads", 2)
         settings.setdefault("lookup_threads", 2)
-        engine = FsEngine(TierSettings(root_dir=root, **settings), layout, primary, block_size)
+        tier_settings = TierSettings(root_dir=root, **settings)
+        layouts = [CacheLayout.for_identity(r, IDENTITY) for r in tier_settings.root_dirs]
+        layout = layouts[0]
+        engine = FsEngine(tier_settings, layouts, primary, block_size)
         made.append(engine)
         if io_mode.workers and settings.get("io_workers", 0):
             assert engine.io_workers == settings["io_workers"], "worker mode fell back to threads"

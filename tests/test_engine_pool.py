@@ -271,3 +271,20 @@ def test_io_threads_pin_to_the_node_holding_the_primary_buffer(disk_root, engine
     store_blocks(engine, primary, 1, range(8), range(8))
     assert seen and set(seen) == {node1}
     assert frozenset(os.sched_getaffinity(0)) == frozenset(cpus)  # the caller is untouched
+
+
+def test_a_second_shutdown_closes_no_one_elses_descriptors(disk_root, engines):
+    """Shutdown is idempotent: a second call (a test's own plus the
+    fixture's, or a caller retrying) must not close fd numbers the first one
+    freed and someone else got since (found: a later engine's worker spawn
+    failed with EBADF)."""
+    engine, _, _ = engines(disk_root)
+    engine.shutdown()
+    others = [os.open(os.devnull, os.O_RDONLY) for _ in range(64)]  # the freed numbers
+    try:
+        engine.shutdown()
+        for fd in others:
+            os.fstat(fd)  # EBADF if the second shutdown closed it
+    finally:
+        for fd in others:
+            os.close(fd)

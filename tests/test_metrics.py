@@ -375,9 +375,11 @@ def test_prometheus_gauges_present(scenario):
         assert sample(sc, P + "busy_threads", engine) == 0
         assert sample(sc, P + "stuck_blocks", engine) == 0
         tripped = 1 if replica is sc.c else 0
-        assert sample(sc, P + "space_guard_tripped", engine) == tripped
-        used = sample(sc, P + "volume_used_bytes", engine)
-        free = sample(sc, P + "volume_free_bytes", engine)
+        root = replica.tier.settings.root_dir
+        assert sample(sc, P + "space_guard_tripped", engine, root=root) == tripped
+        assert sample(sc, P + "volume_failed", engine, root=root) == 0
+        used = sample(sc, P + "volume_used_bytes", engine, root=root)
+        free = sample(sc, P + "volume_free_bytes", engine, root=root)
         st = os.statvfs(sc.root)
         assert 0 < used <= st.f_blocks * st.f_frsize
         assert 0 < free <= st.f_blocks * st.f_frsize
@@ -536,7 +538,9 @@ def test_every_reason_has_a_documented_label():
         values = {o.value for o in Outcome if o.direction is direction}
         assert docs[label] == values <= _help_words(metric), label
     assert docs["direction"] == {d.value for d in Direction}
+    assert docs["root_blocks result"] == {"ok", "failed"} <= _help_words("root_blocks")
     assert set(docs) == {
+        "root_blocks result",
         "store_failures reason",
         "load_failures reason",
         "corrupt_blocks reason",

@@ -14,7 +14,6 @@ from __future__ import annotations
 import logging
 import os
 import stat
-import subprocess
 
 import pytest
 
@@ -24,6 +23,7 @@ from llmkv_fs.layout.files import PinnedRoot, RootGone, make_dirs
 from llmkv_fs.layout.paths import CacheLayout
 
 from engine_kit import BS, IDENTITY, fill, make_key, pattern, settle, wait_jobs, wait_until
+from volume_kit import BindVolume
 
 SMALL = {"n_read_threads": 1, "n_write_threads": 1, "lookup_threads": 1}
 
@@ -189,46 +189,15 @@ def test_beneath_refuses_links_and_dotdot_and_a_replaced_root(tmp_path):
     assert os.listdir(root) == []
 
 
-class _Bind:
-    """A tmpfs kept at ``stash`` and bind-mounted at ``mountpoint``: unmounting
-    the bind and binding it again brings back the very same directory (one
-    superblock), as a network volume reattached after an outage would."""
-
-    def __init__(self, tmp_path):
-        self.stash = str(tmp_path / "stash")
-        self.mountpoint = str(tmp_path / "mnt")
-        os.mkdir(self.stash)
-        os.mkdir(self.mountpoint)
-        self._run("mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", self.stash, skip=True)
-        self.mount()
-
-    def _run(self, *argv: str, skip: bool = False) -> None:
-        done = subprocess.run(argv, capture_output=True, text=True)
-        if done.returncode:
-            if skip:
-                pytest.skip(f"cannot mount here (needs root): {done.stderr.strip()}")
-            raise AssertionError(f"{argv}: {done.stderr}")
-
-    def mount(self) -> None:
-        self._run("mount", "--bind", self.stash, self.mountpoint)
-
-    def unmount(self) -> None:
-        self._run("umount", "-l", self.mountpoint)
-
-    def close(self) -> None:
-        for path in (self.mountpoint, self.stash):
-            subprocess.run(["umount", "-l", path], check=False, capture_output=True)
-
-
 @pytest.fixture
 def bind_volume(tmp_path):
-    volume = _Bind(tmp_path)
+    volume = BindVolume(tmp_path)
     yield volume
     volume.close()
 
 
 def _failed_gauge(engine) -> float:
-    return engine.gauges()["volume_failed"]
+    return engine.root_gauges()[engine.layout.root_dir]["volume_failed"]
 
 
 @pytest.mark.parametrize("where", ["mount-point", "subdirectory"])

@@ -24,7 +24,7 @@ from llmkv_fs.layout.blockfile import TRAILER_SIZE
 from llmkv_fs.layout.fsinfo import VolumeUsage, volume_usage
 
 from engine_kit import BS, fill, make_key, pattern, row, store_blocks, wait_jobs, wait_until
-from volume_kit import block_files, temp_files
+from volume_kit import block_files, temp_files, write_filler
 
 MiB = 1 << 20
 
@@ -35,14 +35,6 @@ def small_tmpfs(mount_tmpfs):
     return mount_tmpfs("16m")
 
 
-def write_filler(path: str, nbytes: int) -> None:
-    chunk = b"\xa5" * MiB
-    with open(path, "wb") as f:
-        left = nbytes
-        while left:
-            left -= f.write(chunk[: min(left, MiB)])
-
-
 def wait_samples(engine, n: int = 1) -> None:
     """Wait until the housekeeping thread has sampled the volume n more times."""
     for _ in range(n):
@@ -51,7 +43,11 @@ def wait_samples(engine, n: int = 1) -> None:
 
 
 def tripped(engine) -> bool:
-    return engine.gauges()["space_guard_tripped"] == 1
+    return root_gauges(engine)["space_guard_tripped"] == 1
+
+
+def root_gauges(engine) -> dict[str, float]:
+    return engine.root_gauges()[engine.layout.root_dir]
 
 
 # -- the arithmetic, with real statvfs ------------------------------------------------------
@@ -202,7 +198,7 @@ def test_watermark_drops_stores_loads_continue_and_gc_lifts_it(small_tmpfs, engi
 
     write_filler(f"{small_tmpfs}/filler", 10 * MiB)  # another writer fills the volume
     wait_until(lambda: tripped(engine), "the guard to see the volume over 50%")
-    gauges = engine.gauges()
+    gauges = root_gauges(engine)
     assert gauges["volume_used_bytes"] >= 10 * MiB
     assert gauges["volume_free_bytes"] < 6 * MiB
     assert engine.guard.reason == "watermark"
@@ -278,7 +274,7 @@ def test_min_free_bytes_trips_at_start_and_lifts_when_space_is_freed(small_tmpfs
         min_free_bytes=settings.min_free_bytes,
     )
     assert tripped(engine)  # the first sample is taken before any store
-    assert engine.gauges()["volume_free_bytes"] < 8 * MiB
+    assert root_gauges(engine)["volume_free_bytes"] < 8 * MiB
     fill(primary, 0, pattern("m"))
     assert engine.submit_store(1, [make_key("m")], [0]) is False
     assert not wait_jobs(engine, [1], deadline_s=0.5)[1].success

@@ -1,5 +1,6 @@
 """What a test sees of a cache volume: the files under a root (or a rank
-directory), sorted, by kind; and one way to damage a block in place.
+directory), sorted, by kind; one way to damage a block in place; a volume
+that can be unmounted and brought back while a tier runs; a filler file.
 
 No vLLM, no engine: plain directory walks, usable from every test.
 """
@@ -7,6 +8,9 @@ No vLLM, no engine: plain directory walks, usable from every test.
 from __future__ import annotations
 
 import os
+import subprocess
+
+import pytest
 
 
 def files_under(root: str) -> list[str]:
@@ -41,3 +45,42 @@ def flip_a_bit(path: str, offset: int = 12345) -> None:
         byte = f.read(1)[0]
         f.seek(offset)
         f.write(bytes([byte ^ 0x10]))
+
+
+class BindVolume:
+    """A tmpfs kept at ``stash`` and bind-mounted at ``mountpoint``: unmounting
+    the bind and binding it again brings back the very same directory (one
+    superblock), as a network volume reattached after an outage would."""
+
+    def __init__(self, tmp_path):
+        self.stash = str(tmp_path / "stash")
+        self.mountpoint = str(tmp_path / "mnt")
+        os.mkdir(self.stash)
+        os.mkdir(self.mountpoint)
+        self._run("mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", self.stash, skip=True)
+        self.mount()
+
+    def _run(self, *argv: str, skip: bool = False) -> None:
+        done = subprocess.run(argv, capture_output=True, text=True)
+        if done.returncode:
+            if skip:
+                pytest.skip(f"cannot mount here (needs root): {done.stderr.strip()}")
+            raise AssertionError(f"{argv}: {done.stderr}")
+
+    def mount(self) -> None:
+        self._run("mount", "--bind", self.stash, self.mountpoint)
+
+    def unmount(self) -> None:
+        self._run("umount", "-l", self.mountpoint)
+
+    def close(self) -> None:
+        for path in (self.mountpoint, self.stash):
+            subprocess.run(["umount", "-l", path], check=False, capture_output=True)
+
+
+def write_filler(path: str, nbytes: int) -> None:
+    chunk = b"\xa5" * (1 << 20)
+    with open(path, "wb") as f:
+        left = nbytes
+        while left:
+            left -= f.write(chunk[: min(left, (1 << 20))])

@@ -27,30 +27,26 @@ import time
 from collections.abc import Sequence
 
 from llmkv_fs.config import TierSettings
-from llmkv_fs.engine.block.blockio import BlockIO
-from llmkv_fs.engine.block.io_setup import choose_o_direct, io_options, rows_view
+from llmkv_fs.engine.block.io_setup import rows_view
 from llmkv_fs.engine.block.pause import PausePoints
 from llmkv_fs.engine.block.step import BlockStep
 from llmkv_fs.engine.lookup import AsyncExistence
 from llmkv_fs.engine.outcomes import CounterKey, Direction, Failure, LookupAnswer, Tally
+from llmkv_fs.engine.roots import EngineRoot, open_roots
 from llmkv_fs.engine.scheduling.accounting import FinishedJob, JobAccountant, ThrottledErrorLog
 from llmkv_fs.engine.scheduling.executor import Executor
 from llmkv_fs.engine.scheduling.jobs import IoJob, QueueFull
 from llmkv_fs.engine.scheduling.scheduler import BlockScheduler
 from llmkv_fs.engine.threads.executor import ThreadExecutor
-from llmkv_fs.engine.volume.housekeeping import Housekeeping
 from llmkv_fs.engine.volume.numa import PinningPlan, plan_pinning, read_topology
-from llmkv_fs.engine.volume.prepare import EngineError, prepare_volume
-from llmkv_fs.engine.volume.signals import VolumeSignals
-from llmkv_fs.engine.volume.space import SpaceGuard
+from llmkv_fs.engine.volume.prepare import EngineError
 from llmkv_fs.engine.workers.crew import WorkerSpec, resolve_io_workers
 from llmkv_fs.engine.workers.executor import ProcessExecutor
 from llmkv_fs.engine.workers.region import NoHandover, RegionHandover, find_handover
 from llmkv_fs.layout.blockfile import Buffer
-from llmkv_fs.layout.files import PinnedRoot
-from llmkv_fs.layout.fsinfo import filesystem_type
 from llmkv_fs.layout.leases import Lease
 from llmkv_fs.layout.paths import CacheLayout
+from llmkv_fs.layout.placement import RootPlacement
 
 __all__ = ["EngineError", "FinishedJob", "FsEngine"]
 
@@ -64,65 +60,74 @@ _LOOKUP_TIMEOUT_CAP_S = 5.0
 
 
 class FsEngine:
-    """The engine of one tier instance on one volume directory.
+    """The engine of one tier instance on its roots: one directory, or
+    several that blocks are placed over by their hash (``layouts``: one
+    CacheLayout per root, in the configured order; ``roots.py``).
 
-    Constructing it prepares the volume first (``prepare_volume``: the root is
-    checked, ``config.json`` created or verified, the rank directory made), so
-    no I/O thread ever starts on an unchecked volume. Raises EngineError (or
-    RunConfigMismatch) with the path and the fix; VolumeError (an OSError) for
-    an unusable root.
+    Constructing it prepares every root first (``prepare_volume``: the root
+    is checked, ``config.json`` created or verified, the rank directory
+    made), so no I/O thread ever starts on an unchecked volume. Raises
+    EngineError (or RunConfigMismatch) with the path and the fix; VolumeError
+    (an OSError) for an unusable root; RootListError for two roots that are
+    one directory or nested.
 
-    Volume failed: while root_dir is not the directory the engine started on
-    (the housekeeping thread re-checks it about once a second), stores and
-    loads are refused at submit (``Failure.VOLUME_FAILED``), lookups answer
-    miss and nothing is created on the volume; it clears by itself when the
-    directory is back.
+    Volume failed: while a root is not the directory the engine started on
+    (each root's housekeeping thread re-checks it about once a second), the
+    blocks placed on it fail ``Failure.VOLUME_FAILED``, lookups of its keys
+    answer miss and nothing is created there; once every root is lost, jobs
+    are refused at submit. It clears by itself when the directory is back.
+    ``layout``, ``blockio``, ``guard``, ``signals``, ``housekeeping``,
+    ``use_o_direct`` and ``run_config_state`` are the first root's.
     """
 
     def __init__(
         self,
         settings: TierSettings,
-        layout: CacheLayout,
+        layouts: CacheLayout | Sequence[CacheLayout],
         primary: Buffer,
         block_size: int,
     ):
-        prepared = prepare_volume(
-            layout, settings.file_mode, settings.dir_mode, settings.require_mounted_root
-        )
-        # "created", "matched" or "repaired": what became of config.json.
-        self.run_config_state = prepared.run_config_state
         self.settings = settings
-        self.layout = layout
         self.block_size = block_size
         self._flat = rows_view(primary, block_size)
         self.num_chunks = self._flat.nbytes // block_size
-        self.use_o_direct = choose_o_direct(
-            settings.io_mode, self._flat, block_size, layout.rank_dir
-        )
+        if isinstance(layouts, CacheLayout):
+            layouts = (layouts,)
+        # Every root prepared (and its housekeeping started) before any I/O
+        # thread or worker exists.
+        self.roots: list[EngineRoot] = open_roots(settings, layouts, self._flat, block_size)
+        self.placement = RootPlacement([root.root_dir for root in self.roots])
+        first = self.roots[0]
+        # The first root's parts, under the names a one-root engine always had.
+        self.layout, self.blockio, self.guard = first.layout, first.blockio, first.guard
+        self.signals, self.housekeeping = first.signals, first.housekeeping
+        self.use_o_direct, self.run_config_state = first.use_o_direct, first.run_config_state
         self.pinning: PinningPlan = plan_pinning(read_topology(), settings.numa_node, self._flat)
-        fstype = filesystem_type(layout.root_dir)
-        self.blockio = BlockIO(
-            layout,
-            io_options(settings, block_size, self.use_o_direct, fstype, prepared.root),
-        )
         # Cumulative, updated by the owner only; tier/metrics.py publishes them.
         self.counters: collections.Counter[CounterKey] = collections.Counter()
-        self.signals = VolumeSignals.create()
-        self.guard, self.housekeeping = self._start_housekeeping(prepared.root)
+        # Blocks by (root index, direction, succeeded), as placed (owner only).
+        self.root_counters: collections.Counter[tuple[int, Direction, bool]] = collections.Counter()
         self._error_log = ThrottledErrorLog()
         self._rejected: list[FinishedJob] = []
         self._stalled = False  # as of the last stalled() (lookups read this)
         self._volume_failed = False  # as of the last end_step() (lookups read this)
+        self._lost_roots: frozenset[int] = frozenset()  # likewise: lost roots, by index
         self._handover: RegionHandover | None = None
-        self.step = BlockStep(self.blockio, self._flat, self.guard, PausePoints.from_environment())
+        self.step = BlockStep(
+            [root.step_root() for root in self.roots],
+            self._flat,
+            self.placement,
+            PausePoints.from_environment(),
+        )
         self._scheduler = BlockScheduler(settings.max_pending_store_blocks)
         self.io_workers = self._start_executor()  # worker processes in use (0: I/O threads)
         self._executor: Executor = self._scheduler.executor
-        # Every block the executor can hold may start a store the moment the
-        # guard lifts after ENOSPC.
-        self.guard.headroom_bytes = block_size * (self._executor.capacity() + 1)
+        for root in self.roots:
+            # Every block the executor can hold may start a store the moment
+            # the guard lifts after ENOSPC.
+            root.guard.headroom_bytes = block_size * (self._executor.capacity() + 1)
         self._lookups = AsyncExistence(
-            self.blockio.exists,
+            self.blockio.exists if len(self.roots) == 1 else self._exists_on_its_roots,
             settings.lookup_threads,
             timeout=min(settings.job_timeout_s, _LOOKUP_TIMEOUT_CAP_S),
             miss_for_s=settings.failed_load_miss_s,
@@ -137,39 +142,36 @@ class FsEngine:
         self.job_latencies = self._accountant.job_latencies
         self._log_start()
 
-    def _start_housekeeping(self, root: PinnedRoot) -> tuple[SpaceGuard, Housekeeping]:
-        settings, layout = self.settings, self.layout
-        guard = SpaceGuard(
-            layout.root_dir,
-            settings.max_usage_percent,
-            settings.min_free_bytes,
-            headroom_bytes=0,  # set once the executor exists (the blocks it holds)
-            signals=self.signals,
-        )
-        housekeeping = Housekeeping(
-            guard,
-            layout.base_path,
-            settings.lease_interval_s,
-            settings.file_mode,
-            settings.dir_mode,
-            stamp=self.blockio.apply_access_stamps,
-            root=root,
-        )
-        return guard, housekeeping
+    def _exists_on_its_roots(self, key: bytes) -> bool:
+        """A lookup thread's check with several roots: the key's home root,
+        then its second choice (see ``RootPlacement``); a lost root answers
+        no without being touched."""
+        for index in self.placement.choices(key):
+            root = self.roots[index]
+            if not root.signals.root_lost and root.blockio.exists(key):
+                return True
+        return False
 
     def _log_start(self) -> None:
         settings = self.settings
-        logger.info(
-            "llmkv_fs engine: %s, %s I/O, %s, durability=%s, checksum=%s, numa: %s",
-            self.layout.rank_dir,
-            "O_DIRECT" if self.use_o_direct else "buffered",
+        workers = (
             f"{self.io_workers} worker processes"
             if self.io_workers
-            else f"{settings.n_read_threads} read + {settings.n_write_threads} write threads",
+            else f"{settings.n_read_threads} read + {settings.n_write_threads} write threads"
+        )
+        logger.info(
+            "llmkv_fs engine: %s, durability=%s, checksum=%s, numa: %s",
+            workers,
             settings.durability,
             settings.checksum,
             self.pinning.reason,
         )
+        for root in self.roots:
+            logger.info(
+                "llmkv_fs engine root: %s, %s I/O",
+                root.layout.rank_dir,
+                "O_DIRECT" if root.use_o_direct else "buffered",
+            )
 
     # -- executors ---------------------------------------------------------------------
 
@@ -182,7 +184,9 @@ class FsEngine:
             try:
                 self._handover = handover = find_handover(self._flat)
                 spec = WorkerSpec(
-                    handover, self.layout, self.blockio.options, self.pinning.cpus, self.signals
+                    handover,
+                    [(r.layout, r.blockio.options, r.signals) for r in self.roots],
+                    self.pinning.cpus,
                 )
                 self._scheduler.start(ProcessExecutor(spec, wanted))
                 return wanted
@@ -212,7 +216,8 @@ class FsEngine:
             return self._refuse(job_id, Direction.STORE, keys, Failure.VOLUME_FAILED)
         if self.stalled():
             return self._refuse(job_id, Direction.STORE, keys, Failure.STALLED)
-        if not self.guard.allows_store():
+        if not any(root.guard.allows_store() for root in self.roots):
+            # Each root's guard also refuses its own blocks in the step.
             return self._refuse(job_id, Direction.STORE, keys, Failure.SPACE)
         try:
             self._scheduler.submit(IoJob(job_id, False, keys, chunks, self.settings.job_timeout_s))
@@ -246,9 +251,13 @@ class FsEngine:
         return self._stalled
 
     def volume_failed(self) -> bool:
-        """root_dir is not the directory the engine started on (as of the
-        housekeeping thread's last check; never touches the filesystem)."""
-        self._volume_failed = self.housekeeping.root_lost
+        """Every root is lost: not the directory the engine started on (as
+        of each housekeeping thread's last check; never touches the
+        filesystem). With several roots, the blocks of a lost root fail one
+        by one in the step, and lookups of its keys answer miss."""
+        lost = [index for index, root in enumerate(self.roots) if root.housekeeping.root_lost]
+        self._lost_roots = frozenset(lost)
+        self._volume_failed = len(lost) == len(self.roots)
         return self._volume_failed
 
     def take_finished(self) -> list[FinishedJob]:
@@ -262,6 +271,7 @@ class FsEngine:
         results, self._rejected = self._rejected, []
         for job in self._scheduler.take_finished():
             results.append(self._accountant.account(job))
+        self._count_by_root(results)
         for result in results:
             if result.is_load:
                 self._lookups.set_verdict(result.failed, False)
@@ -269,10 +279,26 @@ class FsEngine:
                 self._lookups.set_verdict(result.succeeded, True)
         return results
 
+    def _count_by_root(self, results: list[FinishedJob]) -> None:
+        counts = self.root_counters
+        for result in results:
+            direction = Direction.LOAD if result.is_load else Direction.STORE
+            if len(self.roots) == 1:
+                counts[0, direction, True] += len(result.succeeded)
+                counts[0, direction, False] += len(result.failed)
+                continue
+            home = self.placement.home
+            for key in result.succeeded:
+                counts[home(key), direction, True] += 1
+            for key in result.failed:
+                counts[home(key), direction, False] += 1
+
     def lookup(self, key: bytes, request_id: str) -> bool | None:
         # The step's cached verdict: a per-key clock read would cost more
         # than the lookup itself, and a stall is detected per step anyway.
         refused = self._stalled or self._volume_failed
+        if self._lost_roots and not refused:  # several roots, some lost: its home?
+            refused = self.placement.home(key) in self._lost_roots
         verdict = False if refused else self._lookups.lookup(key, request_id)
         self.counters[_LOOKUP_ANSWER[verdict]] += 1
         return verdict
@@ -292,22 +318,35 @@ class FsEngine:
     def set_lease(self, lease: Lease) -> None:
         """Publish this tier's lease (written and refreshed by the
         housekeeping thread; removed at shutdown)."""
-        self.housekeeping.set_lease(lease)
+        for root in self.roots:
+            root.housekeeping.set_lease(lease)
 
     def gauges(self) -> dict[str, float]:
-        """Point-in-time state for metrics; cheap, owner side."""
-        usage = self.guard.usage
+        """Point-in-time state for metrics; cheap, owner side. Each root's
+        own state is in ``root_gauges``."""
         return {
             "queued_store_blocks": self._scheduler.queued_store_blocks(),
             "queued_load_blocks": self._scheduler.queued_load_blocks(),
             "busy_threads": self._scheduler.blocks_in_flight(),
             "io_workers": len(self._executor.worker_pids()),
             "stuck_blocks": self._scheduler.stuck_blocks(),
-            "space_guard_tripped": 0 if self.guard.allows_store() else 1,
-            "volume_failed": 1 if self.volume_failed() else 0,
-            "volume_used_bytes": usage.used_bytes if usage else 0,
-            "volume_free_bytes": usage.free_bytes if usage else 0,
         }
+
+    def root_gauges(self) -> dict[str, dict[str, float]]:
+        """Each root's state for metrics, by root_dir; cheap, owner side.
+        Also refreshes the volume-failed verdict lookups read, as every
+        step's metrics always have."""
+        self.volume_failed()
+        gauges: dict[str, dict[str, float]] = {}
+        for root in self.roots:
+            usage = root.guard.usage
+            gauges[root.root_dir] = {
+                "space_guard_tripped": 0 if root.guard.allows_store() else 1,
+                "volume_failed": 1 if root.housekeeping.root_lost else 0,
+                "volume_used_bytes": usage.used_bytes if usage else 0,
+                "volume_free_bytes": usage.free_bytes if usage else 0,
+            }
+        return gauges
 
     @property
     def lookups(self) -> AsyncExistence:
@@ -338,8 +377,8 @@ class FsEngine:
         self._scheduler.shutdown()
         if self._handover is not None:
             self._handover.close()
-        self.housekeeping.stop()
-        self.signals.close()
+        for root in self.roots:
+            root.close()
         # Our view pins the primary mmap; vLLM unmaps it right after us.
         self._flat.release()
         logger.info("llmkv_fs engine stopped in %.3fs", time.monotonic() - started)

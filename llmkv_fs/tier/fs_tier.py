@@ -106,21 +106,28 @@ class FsTier(SecondaryTierManager):
                     "disabled globally; no events will be emitted.",
                     tier_type,
                 )
-        self.layout = CacheLayout.for_identity(
-            self.settings.root_dir, identity_from_spec(offloading_spec)
-        )
-        self.engine = FsEngine(self.settings, self.layout, primary_kv_view, self.block_size_bytes)
+        identity = identity_from_spec(offloading_spec)
+        layouts = [CacheLayout.for_identity(root, identity) for root in self.settings.root_dirs]
+        if "," in self.settings.root_dir and self.settings.path_sharding == "none":
+            logger.warning(
+                "llmkv_fs: root_dir %r contains a comma and is used as one directory; "
+                'to shard over several roots set path_sharding: "by_block_hash"',
+                self.settings.root_dir,
+            )
+        self.engine = FsEngine(self.settings, layouts, primary_kv_view, self.block_size_bytes)
+        self.layout = self.engine.layout  # the first root's
         self._metrics = TierMetrics(
             self.engine, _tier_label(offloading_spec, tier_type, self.settings)
         )
         self._lease_pending = True
-        logger.info(
-            "llmkv_fs %s tier %r ready at %s (config.json %s)",
-            __version__,
-            tier_type,
-            self.layout.rank_dir,
-            self.engine.run_config_state,
-        )
+        for root in self.engine.roots:
+            logger.info(
+                "llmkv_fs %s tier %r ready at %s (config.json %s)",
+                __version__,
+                tier_type,
+                root.layout.rank_dir,
+                root.run_config_state,
+            )
 
     # -- lookups -----------------------------------------------------------------
 
@@ -231,7 +238,11 @@ class FsTier(SecondaryTierManager):
             "llmkv_fs_read_threads": s.n_read_threads,
             "llmkv_fs_write_threads": s.n_write_threads,
             "llmkv_fs_numa_node": "off" if engine.pinning.node is None else engine.pinning.node,
-            "llmkv_fs_io_mode": "direct" if engine.use_o_direct else "buffered",
+            "llmkv_fs_io_mode": ",".join(
+                "direct" if root.use_o_direct else "buffered" for root in engine.roots
+            ),
+            "llmkv_fs_path_sharding": s.path_sharding,
+            "llmkv_fs_roots": len(engine.roots),
             "llmkv_fs_durability": s.durability,
             "llmkv_fs_checksum": s.checksum,
             "llmkv_fs_job_timeout_s": s.job_timeout_s,
@@ -244,6 +255,8 @@ _CONFIG_INFO_KEYS = (
     "llmkv_fs_write_threads",
     "llmkv_fs_numa_node",
     "llmkv_fs_io_mode",
+    "llmkv_fs_path_sharding",
+    "llmkv_fs_roots",
     "llmkv_fs_durability",
     "llmkv_fs_checksum",
     "llmkv_fs_job_timeout_s",

@@ -146,15 +146,37 @@ METRICS = {
             "gauge",
             "Blocks still inside a syscall after their job's deadline (volume stalled).",
         ),
-        _m("space_guard_tripped", "gauge", "1 while the space guard refuses stores."),
+        _m(
+            "space_guard_tripped",
+            "gauge",
+            "1 while the space guard refuses stores to this root.",
+            "root",
+        ),
         _m(
             "volume_failed",
             "gauge",
-            "1 while root_dir is missing or not the directory the tier started on "
-            "(volume unmounted): stores and loads refused, lookups miss.",
+            "1 while the root is missing or not the directory the tier started on "
+            "(volume unmounted): its blocks' stores and loads fail, lookups of them "
+            "miss (with one root: every job is refused).",
+            "root",
         ),
-        _m("volume_used_bytes", "gauge", "Used bytes of the volume (statvfs, sampled)."),
-        _m("volume_free_bytes", "gauge", "Bytes available on the volume (statvfs, sampled)."),
+        _m("volume_used_bytes", "gauge", "Used bytes of the root's volume (statvfs).", "root"),
+        _m(
+            "volume_free_bytes",
+            "gauge",
+            "Bytes available on the root's volume (statvfs, sampled).",
+            "root",
+        ),
+        _m(
+            "root_blocks",
+            "counter",
+            "Blocks of finished jobs by the root they are placed on (how "
+            "path_sharding spreads the work, and which root fails), direction and "
+            "result: ok, failed.",
+            "root",
+            "direction",
+            "result",
+        ),
     )
 }
 
@@ -176,10 +198,6 @@ _GAUGES: dict[str, tuple[str, tuple[str, ...]]] = {
     "busy_threads": ("busy_threads", ()),
     "io_workers": ("io_workers", ()),
     "stuck_blocks": ("stuck_blocks", ()),
-    "space_guard_tripped": ("space_guard_tripped", ()),
-    "volume_failed": ("volume_failed", ()),
-    "volume_used_bytes": ("volume_used_bytes", ()),
-    "volume_free_bytes": ("volume_free_bytes", ()),
     "queued_store_blocks": ("queued_blocks", ("store",)),
     "queued_load_blocks": ("queued_blocks", ("load",)),
 }
@@ -212,6 +230,9 @@ class TierMetrics:
         self._engine = engine
         self._label = tier_label
         self._reported: collections.Counter[CounterKey] = collections.Counter()
+        self._reported_by_root: collections.Counter[tuple[int, Direction, bool]] = (
+            collections.Counter()
+        )
 
     def take_stats(self) -> OffloadingConnectorStats:
         stats = OffloadingConnectorStats()
@@ -230,4 +251,18 @@ class TierMetrics:
         for gauge, value in engine.gauges().items():
             suffix, gauge_labels = _GAUGES[gauge]
             stats.set_gauge(PREFIX + suffix, value, (self._label, *gauge_labels))
+        for root, gauges in engine.root_gauges().items():
+            for gauge, value in gauges.items():  # named as their metric
+                stats.set_gauge(PREFIX + gauge, value, (self._label, root))
+        self._take_root_counts(stats)
         return stats
+
+    def _take_root_counts(self, stats: OffloadingConnectorStats) -> None:
+        engine = self._engine
+        for (index, direction, ok), total in list(engine.root_counters.items()):
+            delta = total - self._reported_by_root[index, direction, ok]
+            if not delta:
+                continue
+            self._reported_by_root[index, direction, ok] = total
+            labels = (engine.roots[index].root_dir, direction.value, "ok" if ok else "failed")
+            stats.increase_counter(PREFIX + "root_blocks", delta, (self._label, *labels))

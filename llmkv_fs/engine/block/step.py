@@ -6,8 +6,10 @@ did: a worker stored to a volume the engine had declared failed).
 The checks, in order: the job still wants the block (its deadline); the
 chunk index lies inside the primary buffer (a memoryview slice would clamp
 silently and copy the wrong bytes); root_dir is still the directory the tier
-started on (shared ``VolumeSignals``); for a store, the space guard admits
-it. Then the block moves (``BlockIO``); a directory creation that finds the
+started on (shared ``VolumeSignals``, one page per root); for a store, the
+space guard admits it. Then the block moves (``BlockIO``) on the root its
+key is placed on (a load also tries the key's second choice, see
+``RootPlacement``); a directory creation that finds the
 root gone (pinned root, ``RootGone``) fails it as VOLUME_FAILED, and ENOSPC
 trips the space guard right there, with the free space of that moment.
 
@@ -19,13 +21,15 @@ holds no mutable state of its own (BlockIO keeps per-thread scratch).
 from __future__ import annotations
 
 import errno
-from collections.abc import Callable
-from typing import TypeVar
+from collections.abc import Callable, Sequence
+from typing import NamedTuple, TypeVar
 
 from llmkv_fs.engine.block.blockio import BlockIO
 from llmkv_fs.engine.block.pause import PausePoints
 from llmkv_fs.engine.outcomes import (
     DEADLINE,
+    BlockMissing,
+    BlockNotMoved,
     BlockResult,
     StoreRefused,
     VolumeFailed,
@@ -33,8 +37,9 @@ from llmkv_fs.engine.outcomes import (
 )
 from llmkv_fs.engine.volume.space import SpaceGuard
 from llmkv_fs.layout.files import RootGone
+from llmkv_fs.layout.placement import RootPlacement
 
-__all__ = ["BlockStep"]
+__all__ = ["BlockStep", "StepRoot"]
 
 _SPACE_ERRNOS = frozenset((errno.ENOSPC, errno.EDQUOT))
 _E = TypeVar("_E", bound=BaseException)
@@ -53,23 +58,32 @@ def without_tracebacks(exc: _E) -> _E:
     return exc
 
 
+class StepRoot(NamedTuple):
+    """One root as a block step sees it: how blocks move there, and its
+    space guard (whose ``signals`` say whether the root is lost)."""
+
+    blockio: BlockIO
+    guard: SpaceGuard
+
+
 class BlockStep:
     """See the module doc. ``rows`` is the primary buffer as one flat view
-    of ``rows.nbytes // block_size`` rows."""
+    of ``rows.nbytes // block_size`` rows; ``roots`` the engine's roots in
+    list order and ``placement`` where a key lives among them (None: one
+    root)."""
 
     def __init__(
         self,
-        blockio: BlockIO,
+        roots: Sequence[StepRoot],
         rows: memoryview,
-        guard: SpaceGuard,
+        placement: RootPlacement | None = None,
         pause: PausePoints | None = None,
     ):
-        self.blockio = blockio
-        self.block_size = blockio.options.block_size
+        self.roots = tuple(roots)
+        self.block_size = self.roots[0].blockio.options.block_size
         self.num_chunks = rows.nbytes // self.block_size
         self._rows = rows
-        self._guard = guard
-        self._signals = guard.signals
+        self._placement = placement if len(self.roots) > 1 else None
         self._pause = pause
 
     def run(
@@ -83,12 +97,12 @@ class BlockStep:
         if not 0 <= chunk < self.num_chunks:
             message = f"chunk {chunk} outside the primary buffer (0..{self.num_chunks - 1})"
             return failed(IndexError(message))
-        if self._signals.root_lost:
-            return failed(VolumeFailed(self.blockio.layout.root_dir))
         start = chunk * self.block_size
         row = self._rows[start : start + self.block_size]
         try:
-            return self._move(is_load, key, row, still_wanted)
+            if is_load:
+                return self._load(key, row)
+            return self._store(key, row, still_wanted)
         except Exception as exc:  # recorded per block; never ends a thread or worker
             return failed(without_tracebacks(exc))
         finally:
@@ -97,24 +111,41 @@ class BlockStep:
             except BufferError:  # a view still exported: freed with it
                 pass
 
-    def _move(
-        self, is_load: bool, key: bytes, row: memoryview, still_wanted: Callable[[], bool]
-    ) -> BlockResult:
-        if is_load:
+    def _load(self, key: bytes, row: memoryview) -> BlockResult:
+        """From the block's home root, else its second choice (where it was
+        written before the home root was added); a lost root is skipped."""
+        choices = (0,) if self._placement is None else self._placement.choices(key)
+        first_error: BlockNotMoved | None = None
+        for index in choices:
+            root = self.roots[index]
+            if root.guard.signals.root_lost:
+                first_error = first_error or VolumeFailed(root.blockio.layout.root_dir)
+                continue
             if self._pause is not None:  # tests: a read the volume has not answered yet
                 self._pause.reached("read", "load", key)
-            return self.blockio.load(key, row)
-        if not self._guard.allows_store():
-            raise StoreRefused(self._guard.reason)
+            try:
+                return root.blockio.load(key, row)
+            except BlockMissing as exc:
+                first_error = first_error or exc
+        assert first_error is not None
+        raise first_error
+
+    def _store(self, key: bytes, row: memoryview, still_wanted: Callable[[], bool]) -> BlockResult:
+        root = self.roots[0 if self._placement is None else self._placement.home(key)]
+        blockio, guard = root
+        if guard.signals.root_lost:
+            raise VolumeFailed(blockio.layout.root_dir)
+        if not guard.allows_store():
+            raise StoreRefused(guard.reason)
         if self._pause is not None:
             still_wanted = self._pausing_before_publish(self._pause, key, still_wanted)
         try:
-            return self.blockio.store(key, row, still_wanted)
+            return blockio.store(key, row, still_wanted)
         except RootGone as exc:
-            raise VolumeFailed(self.blockio.layout.root_dir) from exc
+            raise VolumeFailed(blockio.layout.root_dir) from exc
         except OSError as exc:
             if exc.errno in _SPACE_ERRNOS:
-                self._guard.saw_enospc()
+                guard.saw_enospc()
             raise
 
     @staticmethod

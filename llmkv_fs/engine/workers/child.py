@@ -48,7 +48,7 @@ from typing import Any
 
 from llmkv_fs.engine.block.blockio import BlockIO, IoOptions
 from llmkv_fs.engine.block.pause import PausePoints
-from llmkv_fs.engine.block.step import BlockStep
+from llmkv_fs.engine.block.step import BlockStep, StepRoot
 from llmkv_fs.engine.volume.signals import VolumeSignals
 from llmkv_fs.engine.volume.space import SpaceGuard
 from llmkv_fs.engine.workers.prefault import RowPrefault
@@ -56,6 +56,7 @@ from llmkv_fs.engine.workers.records import JOB, OP_LOAD, OP_STOP, encode_result
 from llmkv_fs.engine.workers.region import map_region
 from llmkv_fs.layout.files import PinnedRoot
 from llmkv_fs.layout.paths import CacheLayout
+from llmkv_fs.layout.placement import RootPlacement
 
 _PR_SET_PDEATHSIG = 1
 _STAMP_EVERY_S = 1.0
@@ -70,20 +71,43 @@ def _die_with_parent(parent: int) -> None:
 
 def _block_step(spec: dict[str, Any]) -> tuple[BlockStep, RowPrefault]:
     """The worker's BlockStep: the region and shared pages mapped from the
-    inherited fds (closed once mapped), its own BlockIO; and the region's
-    page-table filler."""
+    inherited fds (closed once mapped), its own BlockIO per root; and the
+    region's page-table filler."""
     rows = map_region(spec["size"], spec["segments"], spec["region_fds"])
     for fd in spec["region_fds"]:
         os.close(fd)
-    layout = CacheLayout(spec["root_dir"], spec["run_config"], spec["rank"])
-    root = spec.get("root")
-    pinned = None if root is None else PinnedRoot(root[0], (root[1], root[2]))
-    blockio = BlockIO(layout, IoOptions(**spec["options"], root=pinned))
+    roots = [
+        _step_root(spec, root, signals_fd)
+        for root, signals_fd in zip(spec["roots"], spec["signals_fds"], strict=True)
+    ]
+    placement = RootPlacement([root.blockio.layout.root_dir for root in roots])
+    step = BlockStep(roots, rows, placement, PausePoints.from_environment())
+    return step, RowPrefault(rows, step.block_size)
+
+
+def _step_root(spec: dict[str, Any], root: dict[str, Any], signals_fd: int) -> StepRoot:
+    layout = CacheLayout(root["root_dir"], spec["run_config"], spec["rank"])
+    pin = root["root"]
+    pinned = None if pin is None else PinnedRoot(pin[0], (pin[1], pin[2]))
+    blockio = BlockIO(layout, IoOptions(**root["options"], root=pinned))
     # Only the guard's shared verdict and its ENOSPC trip are used here; the
     # watermarks are sampled by the engine's housekeeping thread.
-    guard = SpaceGuard(layout.root_dir, 100.0, 0, 0, VolumeSignals.attach(spec["signals_fd"]))
-    step = BlockStep(blockio, rows, guard, PausePoints.from_environment())
-    return step, RowPrefault(rows, blockio.options.block_size)
+    guard = SpaceGuard(layout.root_dir, 100.0, 0, 0, VolumeSignals.attach(signals_fd))
+    return StepRoot(blockio, guard)
+
+
+class _AccessStamps:
+    """The access stamps every root's BlockIO queued, applied together."""
+
+    def __init__(self, blockios: list[BlockIO]):
+        self._blockios = blockios
+
+    def queued(self) -> bool:
+        return any(blockio.has_queued_stamps() for blockio in self._blockios)
+
+    def apply(self) -> None:
+        for blockio in self._blockios:
+            blockio.apply_access_stamps()
 
 
 def _cancel_byte_clear(board: mmap.mmap, slot: int) -> Callable[[], bool]:
@@ -96,7 +120,7 @@ def serve(spec: dict[str, Any]) -> None:
         os.sched_setaffinity(0, spec["cpus"])
     jobs_fd, results_fd = spec["jobs_fd"], spec["results_fd"]
     step, prefault = _block_step(spec)
-    blockio = step.blockio
+    stamps = _AccessStamps([root.blockio for root in step.roots])
     board = mmap.mmap(spec["board_fd"], spec["board_size"])
     os.close(spec["board_fd"])
     os.write(results_fd, hello_record(os.getpid()))
@@ -109,11 +133,11 @@ def serve(spec: dict[str, Any]) -> None:
     while True:
         if len(buf) < JOB.size:
             idle: bool | None = None
-            if blockio.has_queued_stamps():
+            if stamps.queued():
                 now = time.monotonic()
                 idle = not jobs_waiting.poll(0)
                 if idle or now - last_stamp >= _STAMP_EVERY_S:
-                    blockio.apply_access_stamps()
+                    stamps.apply()
                     last_stamp = now
             if prefault.idle_work:
                 if idle is None:
@@ -143,7 +167,7 @@ def serve(spec: dict[str, Any]) -> None:
         prefault.before_block(chunk)
         result = step.run(op == OP_LOAD, key, chunk, _cancel_byte_clear(board, slot))
         os.write(results_fd, encode_result(slot, result))
-    blockio.apply_access_stamps()
+    stamps.apply()
 
 
 def main() -> None:

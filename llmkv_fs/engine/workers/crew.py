@@ -27,7 +27,8 @@ import selectors
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
+from typing import Any
 
 from llmkv_fs.engine.block.blockio import IoOptions
 from llmkv_fs.engine.block.io_setup import for_worker_processes
@@ -69,30 +70,37 @@ class WorkerSpec:
     def __init__(
         self,
         handover: RegionHandover,
-        layout: CacheLayout,
-        options: IoOptions,
+        roots: Sequence[tuple[CacheLayout, IoOptions, VolumeSignals]],
         cpus: Collection[int] | None,
-        signals: VolumeSignals,
     ):
         self.handover = handover
-        self.signals = signals
-        options = for_worker_processes(options)
+        self.signals = [signals for _, _, signals in roots]
+        layout = roots[0][0]  # every root holds the same run config and rank
         self.common = {
             "size": handover.size,
             "segments": [
                 (s.offset, s.length, s.file_offset, s.fd_index) for s in handover.segments
             ],
-            "root_dir": layout.root_dir,
             "run_config": layout.run_config,
             "rank": layout.rank,
-            "options": {
-                k: getattr(options, k) for k in options.__dataclass_fields__ if k != "root"
-            },
-            # The pinned root travels as (path, dev, ino): a worker refuses to
-            # create directories once the volume underneath is not that one.
-            "root": None if options.root is None else [options.root.path, *options.root.ident],
+            "roots": [_root_spec(layout, options) for layout, options, _ in roots],
             "cpus": sorted(cpus) if cpus else None,
         }
+
+    @property
+    def signals_fds(self) -> list[int]:
+        return [signals.fd for signals in self.signals]
+
+
+def _root_spec(layout: CacheLayout, options: IoOptions) -> dict[str, Any]:
+    options = for_worker_processes(options)
+    return {
+        "root_dir": layout.root_dir,
+        "options": {k: getattr(options, k) for k in options.__dataclass_fields__ if k != "root"},
+        # The pinned root travels as (path, dev, ino): a worker refuses to
+        # create directories once the volume underneath is not that one.
+        "root": None if options.root is None else [options.root.path, *options.root.ident],
+    }
 
 
 class CancelBoard:
@@ -107,8 +115,10 @@ class CancelBoard:
         self.places = mmap.mmap(self.fd, n_workers * DEPTH)
 
     def close(self) -> None:
-        with contextlib.suppress(OSError):
-            os.close(self.fd)
+        if self.fd >= 0:  # once: the number may be someone else's afterwards
+            with contextlib.suppress(OSError):
+                os.close(self.fd)
+            self.fd = -1
         with contextlib.suppress(BufferError):
             self.places.close()
 
@@ -190,7 +200,7 @@ class Crew:
             region_fds=handover.fds,
             board_fd=board.fd,
             board_size=len(board.places),
-            signals_fd=self.spec.signals.fd,
+            signals_fds=self.spec.signals_fds,
         )
         # llmkv_fs/engine/workers/crew.py -> the directory holding llmkv_fs
         package_root = str(pathlib.Path(__file__).resolve().parents[3])
@@ -205,7 +215,7 @@ class Crew:
                     "from llmkv_fs.engine.workers.child import main; main()",
                     json.dumps(spec),
                 ],
-                pass_fds=(jobs_r, results_w, board.fd, self.spec.signals.fd, *handover.fds),
+                pass_fds=(jobs_r, results_w, board.fd, *self.spec.signals_fds, *handover.fds),
                 stdin=subprocess.DEVNULL,
                 env=env,
             )

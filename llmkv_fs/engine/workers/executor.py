@@ -102,12 +102,17 @@ class ProcessExecutor:
 
     def stop(self) -> None:
         self._stop_requested = True
-        with contextlib.suppress(OSError):
+        with contextlib.suppress(OSError, ValueError):  # ValueError: stopped before
             os.eventfd_write(self._wake, 1)
         if self._conductor.ident is not None and self._conductor.ident != threading.get_ident():
             self._conductor.join()
-        with contextlib.suppress(OSError):
-            os.close(self._wake)
+        # Idempotent: a second shutdown must not close fd numbers that
+        # belong to someone else by then (found: a later engine's workers
+        # failed to spawn with EBADF).
+        if self._wake >= 0:
+            with contextlib.suppress(OSError):
+                os.close(self._wake)
+            self._wake = -1
         self._crew.board.close()
 
     def capacity(self) -> int:
