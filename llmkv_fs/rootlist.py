@@ -1,0 +1,76 @@
+"""The list of roots of a sharded tier (``path_sharding: "by_block_hash"``,
+the keys of vLLM's open multi-root PR): ``root_dir`` as directories
+separated by commas. Checked by spelling here, before anything exists on
+disk; ``layout.roots`` adds the checks that need the filesystem (the same
+directory through a symlink or a bind mount). The tier, the engine and the
+volume tools all split the list here, so they agree on it.
+
+Pure functions: safe from any thread.
+"""
+
+from __future__ import annotations
+
+import os
+
+from llmkv_fs.checks import TierConfigError
+
+__all__ = ["MAX_ROOTS", "RootListError", "root_identity", "split_root_list"]
+
+# Every root costs a housekeeping thread, a shared page and a lease; 64 is
+# far past any server's count of drives or exports.
+MAX_ROOTS = 64
+
+
+class RootListError(TierConfigError):
+    """An entry of a root list is empty, repeated, nested in another, or the
+    list is too long. The message names the entry."""
+
+
+def root_identity(root: str) -> str:
+    """The name a root is placed by (``layout.placement``): its spelling with
+    "." components, doubled and trailing slashes removed. Every replica must
+    list the same directories under these names (the order is free)."""
+    return os.path.normpath(root)
+
+
+def split_root_list(key: str, text: str) -> tuple[str, ...]:
+    """The entries of ``text`` (whitespace around each is dropped), in their
+    order. Raises RootListError naming the entry: an empty one, one that
+    repeats an earlier one by its spelling, one that lies inside another
+    (by spelling, relative entries taken from the current directory), more
+    than MAX_ROOTS."""
+    entries = [entry.strip() for entry in text.split(",")]
+    for position, entry in enumerate(entries, 1):
+        if not entry:
+            raise RootListError(
+                f"llmkv_fs: {key} {text!r}: entry {position} is empty (list directories "
+                f'separated by single commas: "/mnt/a/kv,/mnt/b/kv")'
+            )
+    if len(entries) > MAX_ROOTS:
+        raise RootListError(
+            f"llmkv_fs: {key} lists {len(entries)} directories; at most {MAX_ROOTS} are allowed"
+        )
+    absolute = [os.path.abspath(entry) for entry in entries]
+    for later, path in enumerate(absolute):
+        for earlier in range(later):
+            _refuse_overlap(key, entries, earlier, later, absolute[earlier], path)
+    return tuple(entries)
+
+
+def _refuse_overlap(
+    key: str, entries: list[str], first: int, second: int, first_path: str, second_path: str
+) -> None:
+    if first_path == second_path:
+        raise RootListError(
+            f"llmkv_fs: {key}: entry {second + 1} {entries[second]!r} names the same "
+            f"directory as entry {first + 1} {entries[first]!r}; list each root once"
+        )
+    for outer, inner in ((first, second), (second, first)):
+        outer_path = first_path if outer == first else second_path
+        inner_path = second_path if inner == second else first_path
+        if inner_path.startswith(outer_path.rstrip("/") + "/"):
+            raise RootListError(
+                f"llmkv_fs: {key}: entry {inner + 1} {entries[inner]!r} lies inside entry "
+                f"{outer + 1} {entries[outer]!r}; roots must be separate directory trees "
+                f"(gc of one would see the other's files as its own)"
+            )
