@@ -4,6 +4,10 @@ blocks and bytes, how recently blocks were used, the tiers holding leases
 anything unexpected. Reads metadata only (plus at most a few trailer pages
 per digest to tell the chunk size); never changes the volume, never follows
 a symlink. What cannot be read is counted under ``problems`` and skipped.
+
+Several roots (a tier's root_dir list with path_sharding by_block_hash, or
+several ROOT arguments): a report per root, then blocks and bytes per root
+and in all.
 """
 
 from __future__ import annotations

@@ -9,6 +9,10 @@ directory that cannot be listed included: its blocks went unchecked).
 With --repair, bad files move into their rank directory's .quarantine/ --
 only if the path still names the inode that was read, so it is safe while
 tiers are live: a block republished meanwhile is left alone.
+
+Several roots (a tier's root_dir list with path_sharding by_block_hash, or
+several ROOT arguments): each root verified on its own, then the total; the
+exit status is the worst of the roots'.
 """
 
 from __future__ import annotations
