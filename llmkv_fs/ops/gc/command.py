@@ -210,8 +210,10 @@ def _one_root(
     several: bool,
     root: str,
 ) -> RootOutcome:
-    """One pass on ``root`` under its own lock."""
-    if not os.path.isdir(root):
+    """One pass on ``root`` under its own lock. A single root was checked
+    once before the first pass, as ever; each of several roots is checked
+    before each of its passes."""
+    if several and not os.path.isdir(root):
         return RootOutcome(2, error=f"{root} is not a directory")
     lock = VolumeLock(root)
     try:
