@@ -4,6 +4,10 @@ blocks and bytes, how recently blocks were used, the tiers holding leases
 anything unexpected. Reads metadata only (plus at most a few trailer pages
 per digest to tell the chunk size); never changes the volume, never follows
 a symlink. What cannot be read is counted under ``problems`` and skipped.
+
+Several roots (a tier's root_dir list with path_sharding by_block_hash, or
+several ROOT arguments): a report per root, then blocks and bytes per root
+and in all.
 """
 
 from __future__ import annotations
@@ -11,12 +15,13 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
+import io
 import json
 import os
 import socket
 import stat
-import sys
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from llmkv_fs.layout.blockfile import TRAILER_SIZE, last_used
@@ -27,7 +32,16 @@ from llmkv_fs.layout.paths import run_config_digest
 from llmkv_fs.ops import scan
 from llmkv_fs.ops.blockcheck import infer_chunk_size
 from llmkv_fs.ops.problems import Problems
+from llmkv_fs.ops.roots import (
+    EXIT_BAD_ROOT,
+    RootOutcome,
+    add_root_argument,
+    roots_from_args,
+    run_roots,
+    sum_totals,
+)
 from llmkv_fs.ops.stats_text import print_report
+from llmkv_fs.units import format_bytes
 
 __all__ = ["AGE_BUCKETS", "add_arguments", "run", "select_digests", "volume_stats"]
 
@@ -38,16 +52,21 @@ _SEED_WARNING = "replicas will not share cache"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("root", help="cache root directory (the tier's root_dir)")
+    add_root_argument(parser, "cache root directory (the tier's root_dir)")
     parser.add_argument("--json", action="store_true", help="machine-readable output")
     parser.add_argument(
-        "--threads", type=int, default=8, metavar="N", help="parallel directory listers (default 8)"
+        "--threads",
+        type=int,
+        default=8,
+        metavar="N",
+        help="parallel directory listers (default 8; per root, one root after another)",
     )
     parser.add_argument(
         "--digest",
         action="append",
         metavar="NAME",
-        help="only this digest (directory name or 12-hex digest); repeatable",
+        help="only this digest (directory name or 12-hex digest); repeatable; with "
+        "several roots it must be on each",
     )
 
 
@@ -367,18 +386,55 @@ def volume_stats(
     }
 
 
-def run(args: argparse.Namespace) -> int:
-    if not os.path.isdir(args.root):
-        print(f"llmkv-fs stats: {args.root}: not a directory", file=sys.stderr)
-        return 2
+def _one_root(args: argparse.Namespace, root: str) -> RootOutcome:
+    if not os.path.isdir(root):
+        return RootOutcome(2, error=f"{root}: not a directory")
     try:
-        report = volume_stats(args.root, args.threads, args.digest)
+        report = volume_stats(root, args.threads, args.digest)
     except LookupError as exc:
-        print(f"llmkv-fs stats: {exc}", file=sys.stderr)
-        return 2
-    if args.json:
-        json.dump(report, sys.stdout, indent=1, sort_keys=False)
-        print()
-    else:
-        print_report(report, sys.stdout, OTHER_LISTED)
-    return 0
+        return RootOutcome(2, error=str(exc))
+    text = io.StringIO()
+    print_report(report, text, OTHER_LISTED)
+    return RootOutcome(0, report, text.getvalue())
+
+
+def _totals(done: Sequence[tuple[str, RootOutcome]]) -> tuple[dict[str, Any], list[str]]:
+    """Blocks and bytes per root and in all (a digest on two roots counts
+    on each)."""
+    reports = [o.report for _, o in done if o.report is not None]
+    total = sum_totals(reports)
+    rows = [["ROOT", "DIGESTS", "BLOCKS", "BYTES", "TEMP", "QUAR", "PROBLEMS"]]
+    for root, outcome in done:
+        t = outcome.report["totals"] if outcome.report is not None else None
+        rows.append(_row(root, t) if t is not None else [root, "-", "-", "-", "-", "-", "-"])
+    label = "total" if len(reports) == len(done) else f"total ({len(reports)} of {len(done)})"
+    rows.append(_row(label, total))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    return total, lines
+
+
+def _row(name: str, t: dict[str, Any]) -> list[str]:
+    return [
+        name,
+        str(t.get("digests", 0)),
+        str(t.get("blocks", 0)),
+        format_bytes(t.get("bytes", 0)),
+        str(t.get("temp_files", 0)),
+        str(t.get("quarantined_files", 0)),
+        str(t.get("problems", 0)),
+    ]
+
+
+def run(args: argparse.Namespace) -> int:
+    roots = roots_from_args("stats", args.root)
+    if roots is None:
+        return EXIT_BAD_ROOT
+    return run_roots(
+        "stats",
+        roots,
+        lambda root: _one_root(args, root),
+        as_json=args.json,
+        dumps=lambda obj: json.dumps(obj, indent=1, sort_keys=False),
+        totals=_totals,
+    )

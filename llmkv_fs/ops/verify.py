@@ -9,18 +9,23 @@ directory that cannot be listed included: its blocks went unchecked).
 With --repair, bad files move into their rank directory's .quarantine/ --
 only if the path still names the inode that was read, so it is safe while
 tiers are live: a block republished meanwhile is left alone.
+
+Several roots (a tier's root_dir list with path_sharding by_block_hash, or
+several ROOT arguments): each root verified on its own, then the total; the
+exit status is the worst of the roots'.
 """
 
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
 import queue
 import stat
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -40,6 +45,14 @@ from llmkv_fs.ops.blockcheck import (
     infer_chunk_size,
 )
 from llmkv_fs.ops.problems import EXAMPLES_PER_KIND, Problems
+from llmkv_fs.ops.roots import (
+    EXIT_BAD_ROOT,
+    RootOutcome,
+    add_root_argument,
+    roots_from_args,
+    run_roots,
+    sum_totals,
+)
 from llmkv_fs.ops.stats import select_digests
 from llmkv_fs.ops.verify_text import print_report
 from llmkv_fs.units import format_bytes
@@ -50,7 +63,7 @@ _PROGRESS_INTERVAL_S = 0.2
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("root", help="cache root directory (the tier's root_dir)")
+    add_root_argument(parser, "cache root directory (the tier's root_dir)")
     parser.add_argument(
         "--repair",
         action="store_true",
@@ -60,14 +73,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--digest",
         action="append",
         metavar="NAME",
-        help="only this digest (directory name or 12-hex digest); repeatable",
+        help="only this digest (directory name or 12-hex digest); repeatable; with "
+        "several roots it must be on each",
     )
     parser.add_argument(
         "--threads",
         type=int,
         default=8,
         metavar="N",
-        help="parallel readers and directory listers (default 8)",
+        help="parallel readers and directory listers (default 8; per root, one root after another)",
     )
     parser.add_argument("--json", action="store_true", help="machine-readable output")
 
@@ -338,18 +352,45 @@ def verify_volume(
     }
 
 
-def run(args: argparse.Namespace) -> int:
-    if not os.path.isdir(args.root):
-        print(f"llmkv-fs verify: {args.root}: not a directory", file=sys.stderr)
-        return 2
+def _one_root(args: argparse.Namespace, root: str) -> RootOutcome:
+    if not os.path.isdir(root):
+        return RootOutcome(2, error=f"{root}: not a directory")
     try:
-        report = verify_volume(args.root, args.digest, args.threads, args.repair)
+        report = verify_volume(root, args.digest, args.threads, args.repair)
     except LookupError as exc:
-        print(f"llmkv-fs verify: {exc}", file=sys.stderr)
-        return 2
-    if args.json:
-        json.dump(report, sys.stdout, indent=1)
-        print()
-    else:
-        print_report(report, sys.stdout)
-    return 1 if report["totals"]["bad"] or report["totals"]["errors"] else 0
+        return RootOutcome(2, error=str(exc))
+    text = io.StringIO()
+    print_report(report, text)
+    status = 1 if report["totals"]["bad"] or report["totals"]["errors"] else 0
+    return RootOutcome(status, report, text.getvalue())
+
+
+def _totals(done: Sequence[tuple[str, RootOutcome]]) -> tuple[dict[str, Any], list[str]]:
+    reports = [o.report for _, o in done if o.report is not None]
+    t = sum_totals(reports)
+    n = len(reports)
+    counts = "  ".join(f"{k} {t.get(k, 0)}" for k in ("verified", "unverified", "bad"))
+    line = (
+        f"{t.get('files', 0)} files on {n} root(s) read, {format_bytes(t.get('bytes_read', 0))}:"
+        f"  {counts}  unreadable {t.get('errors', 0)}  vanished {t.get('vanished', 0)}"
+    )
+    wrong = []
+    if t.get("bad") or t.get("errors"):
+        wrong.append(f"{t.get('bad', 0)} bad, {t.get('errors', 0)} unreadable")
+    if n < len(done):
+        wrong.append(f"{len(done) - n} root(s) not verified")
+    return t, [line, f"result: {'; '.join(wrong) or 'OK'}"]
+
+
+def run(args: argparse.Namespace) -> int:
+    roots = roots_from_args("verify", args.root)
+    if roots is None:
+        return EXIT_BAD_ROOT
+    return run_roots(
+        "verify",
+        roots,
+        lambda root: _one_root(args, root),
+        as_json=args.json,
+        dumps=lambda obj: json.dumps(obj, indent=1),
+        totals=_totals,
+    )

@@ -5,6 +5,11 @@ least recently used blocks. Never follows a symlink, never removes a block
 used within --protect, never touches config.json or leases of a digest it
 keeps. One gc per volume at a time (a lock file in the root).
 
+Several roots (a tier's root_dir list with path_sharding by_block_hash, or
+several ROOT arguments): each root gets its own pass under its own lock, its
+capacity limits apply to each root, and a busy or missing root does not stop
+the others; the exit status is the worst of the roots'.
+
 Also runs as ``python -m llmkv_fs gc``; needs neither vLLM nor torch.
 """
 

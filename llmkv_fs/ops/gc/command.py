@@ -4,18 +4,28 @@ volume's lock, or ``--watch`` passes until SIGTERM. Exit codes are below."""
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import sys
 import threading
 import traceback
+from collections.abc import Sequence
+from typing import Any
 
 from llmkv_fs.ops.gc.lock import LockBusy, VolumeLock
 from llmkv_fs.ops.gc.report import Progress
 from llmkv_fs.ops.gc.rules import Policy, pids_are_ours
 from llmkv_fs.ops.gc.sweep import gc_pass
+from llmkv_fs.ops.roots import (
+    EXIT_BAD_ROOT,
+    RootOutcome,
+    add_root_argument,
+    roots_from_args,
+    run_roots,
+)
 from llmkv_fs.ops.scan import default_threads
-from llmkv_fs.units import parse_duration, parse_percent_or_off, parse_size
+from llmkv_fs.units import format_bytes, parse_duration, parse_percent_or_off, parse_size
 
 __all__ = ["EXIT_BUSY", "EXIT_ERRORS", "EXIT_SIGTERM", "add_arguments", "run"]
 
@@ -45,7 +55,7 @@ def _threads(text: str) -> int | None:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("root", help="the cache volume's root_dir")
+    add_root_argument(parser, "the cache volume's root_dir")
     parser.add_argument(
         "--dry-run", action="store_true", help="report what would be removed; change nothing"
     )
@@ -98,7 +108,7 @@ def _add_capacity(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="SIZE",
         help="evict LRU blocks while the cache holds more than SIZE "
-        "(e.g. 800Gi, 1T; default: no limit)",
+        "(e.g. 800Gi, 1T; default: no limit); with several roots, on each root",
     )
     parser.add_argument(
         "--high",
@@ -106,7 +116,8 @@ def _add_capacity(parser: argparse.ArgumentParser) -> None:
         default=parse_percent_or_off(d["high"]),
         metavar="PCT",
         help="evict LRU blocks when the volume is at least PCT "
-        f"percent full, 'off' to disable (default {d['high']})",
+        f"percent full, 'off' to disable (default {d['high']}); with several roots, "
+        "each root's own volume",
     )
     parser.add_argument(
         "--low",
@@ -191,53 +202,97 @@ def _policy(args: argparse.Namespace) -> Policy:
     )
 
 
-def _one_pass(
-    args: argparse.Namespace, policy: Policy, stop: threading.Event, watching: bool
-) -> int:
-    lock = VolumeLock(args.root)
+def _one_root(
+    args: argparse.Namespace,
+    policy: Policy,
+    stop: threading.Event,
+    watching: bool,
+    several: bool,
+    root: str,
+) -> RootOutcome:
+    """One pass on ``root`` under its own lock. A single root was checked
+    once before the first pass, as ever; each of several roots is checked
+    before each of its passes."""
+    if several and not os.path.isdir(root):
+        return RootOutcome(2, error=f"{root} is not a directory")
+    lock = VolumeLock(root)
     try:
         if not lock.acquire(wait=args.wait, stop=stop):
-            return 0  # stopped while waiting
+            # Stopped while waiting.
+            return RootOutcome(0, error="stopped while waiting for its lock" if several else "")
     except LockBusy as exc:
-        print(f"llmkv-fs gc: {exc}", file=sys.stderr)
-        return EXIT_BUSY
+        return RootOutcome(EXIT_BUSY, error=str(exc))
     except OSError as exc:
-        print(f"llmkv-fs gc: cannot take the lock {lock.path}: {exc.strerror}", file=sys.stderr)
-        return EXIT_ERRORS
+        return RootOutcome(EXIT_ERRORS, error=f"cannot take the lock {lock.path}: {exc.strerror}")
     try:
         # An entry that cannot be read or acted on is in the report; a root
         # that fails ends the pass early, reported too (report.aborted).
         report = gc_pass(
-            args.root,
+            root,
             policy,
             lock,
             keep=args.keep,
             models=args.model,
-            threads=args.threads or default_threads(args.root),
+            threads=args.threads or default_threads(root),
             dry_run=args.dry_run,
             progress=Progress(sys.stderr),
             stop=stop.is_set,
         )
     finally:
         lock.release()
-    if args.json:
-        print(report.to_json(indent=None if watching else 1), flush=True)
-    else:
-        print(report.human(), flush=True)
-    if report.aborted:
-        print(f"llmkv-fs gc: pass stopped early: {report.aborted}", file=sys.stderr, flush=True)
     if report.interrupted:
-        return 0 if watching else EXIT_SIGTERM
-    return EXIT_ERRORS if report.problems or report.aborted else 0
+        status = 0 if watching else EXIT_SIGTERM
+    else:
+        status = EXIT_ERRORS if report.problems or report.aborted else 0
+    error = f"pass stopped early: {report.aborted}" if report.aborted else ""
+    return RootOutcome(status, report.as_dict(), report.human() + "\n", error)
+
+
+def _totals(done: Sequence[tuple[str, RootOutcome]]) -> tuple[dict[str, Any], list[str]]:
+    """What the pass removed on all roots together."""
+    reports = [o.report for _, o in done if o.report is not None]
+    total = {
+        "digests_removed": sum(r["digests_removed"] for r in reports),
+        "temps_removed": sum(r["temps"]["removed"] for r in reports),
+        "evicted_blocks": sum(r["capacity"]["evicted_blocks"] for r in reports),
+        "evicted_bytes": sum(r["capacity"]["evicted_bytes"] for r in reports),
+        "dirs_pruned": sum(r["dirs_pruned"] for r in reports),
+        "bytes_freed": sum(r["bytes_freed"] for r in reports),
+        "error_count": sum(r["error_count"] for r in reports),
+    }
+    dry = any(r["dry_run"] for r in reports)
+    t = total
+    line = (
+        f"{'would remove' if dry else 'removed'} on {len(reports)} of {len(done)} roots: "
+        f"{t['digests_removed']} digests, {t['temps_removed']} temp files, "
+        f"{t['evicted_blocks']:,} blocks evicted ({format_bytes(t['evicted_bytes'])}), "
+        f"{t['dirs_pruned']} empty directories; {format_bytes(t['bytes_freed'])} "
+        f"{'to free' if dry else 'freed'}; errors: {t['error_count']}"
+    )
+    return total, [line]
 
 
 def run(args: argparse.Namespace) -> int:
-    root = args.root
-    if not os.path.isdir(root):
-        print(f"llmkv-fs gc: {root} is not a directory", file=sys.stderr)
-        return 2
+    roots = roots_from_args("gc", args.root)
+    if roots is None:
+        return EXIT_BAD_ROOT
+    if len(roots) == 1 and not os.path.isdir(roots[0]):
+        print(f"llmkv-fs gc: {roots[0]} is not a directory", file=sys.stderr)
+        return EXIT_BAD_ROOT
     policy = _policy(args)
     stop = threading.Event()
+
+    def one_pass(watching: bool) -> int:
+        return run_roots(
+            "gc",
+            roots,
+            lambda root: _one_root(args, policy, stop, watching, len(roots) > 1, root),
+            as_json=args.json,
+            dumps=lambda obj: json.dumps(obj, indent=None if watching else 1, sort_keys=True),
+            totals=_totals,
+            stop=stop.is_set,
+            stopped_status=0 if watching else EXIT_SIGTERM,
+        )
 
     def on_signal(signum: int, _frame: object) -> None:
         stop.set()
@@ -245,14 +300,14 @@ def run(args: argparse.Namespace) -> int:
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         if args.watch is None:
-            return _one_pass(args, policy, stop, watching=False)
+            return one_pass(watching=False)
         while not stop.is_set():
             try:
-                status = _one_pass(args, policy, stop, watching=True)
+                status = one_pass(watching=True)
             except Exception:  # a sidecar keeps going; the next pass starts afresh
                 traceback.print_exc()
                 status = EXIT_ERRORS
-            if status == EXIT_BUSY:
+            if status == EXIT_BUSY and len(roots) == 1:
                 print("llmkv-fs gc: skipping this pass", file=sys.stderr, flush=True)
             stop.wait(args.watch)
         return 0
