@@ -358,6 +358,39 @@ def test_two_servers_on_one_root_share_blocks(story, e2e_env):
     )
 
 
+def test_two_roots_store_on_both_and_a_restart_loads_from_both(story, e2e_env, tmp_path):
+    """path_sharding over two roots through a real vllm serve: the blocks
+    of one prompt land on both roots, and a restarted server (empty CPU
+    tier) serves the prompt from both."""
+    roots = [str(tmp_path / "nvme0" / "kv"), str(tmp_path / "nvme1" / "kv")]
+    config = dataclasses.replace(
+        story.config(e2e_env, path_sharding="by_block_hash"), root_dir=",".join(roots)
+    )
+    shared = prompt(5)
+    chunks = full_chunks(shared)
+    first = Server(config, "roots1")
+    story.servers.append(first)
+    text, _ = first.start(START_TIMEOUT_S).complete(shared)
+    wait_for(
+        lambda: sum(len(block_files(r)) for r in roots) >= chunks
+        and not any(block_temp_files(r) for r in roots),
+        STORE_TIMEOUT_S,
+        f"{chunks} block files over both roots",
+    )
+    first.stop()
+    assert all(block_files(r) for r in roots), {r: len(block_files(r)) for r in roots}
+    second = Server(config, "roots2")
+    story.servers.append(second)
+    text_again, _ = second.start(START_TIMEOUT_S).complete(shared)
+    assert text_again == text
+    wait_for(
+        lambda: second.metric_sum(LOADED) >= chunks, METRIC_TIMEOUT_S, "the restart loading"
+    )
+    for root in roots:  # each root served its share
+        assert second.metric_sum(OUR_PREFIX + "root_blocks_total", root=root, result="ok") > 0
+    second.stop()
+
+
 def test_nothing_of_ours_is_left_behind(story):
     for server in story.servers:
         server.stop()
