@@ -40,6 +40,7 @@ __all__ = [
     "add_root_argument",
     "parse_roots",
     "roots_from_args",
+    "run_listed_roots",
     "run_roots",
     "sum_totals",
     "worst",
@@ -233,3 +234,14 @@ def roots_from_args(tool: str, given: str | Sequence[str]) -> tuple[str, ...] | 
         message = str(exc).removeprefix("llmkv_fs: ")
         print(f"llmkv-fs {tool}: {message}", file=sys.stderr, flush=True)
         return None
+
+
+def run_listed_roots(
+    tool: str, given: str | Sequence[str], one_root: Callable[[str], RootOutcome], **options: Any
+) -> int:
+    """A tool's whole run over its ROOT arguments: ``roots_from_args``
+    (EXIT_BAD_ROOT for a refused list), then ``run_roots`` with ``options``."""
+    roots = roots_from_args(tool, given)
+    if roots is None:
+        return EXIT_BAD_ROOT
+    return run_roots(tool, roots, one_root, **options)

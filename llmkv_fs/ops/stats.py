@@ -33,11 +33,9 @@ from llmkv_fs.ops import scan
 from llmkv_fs.ops.blockcheck import infer_chunk_size
 from llmkv_fs.ops.problems import Problems
 from llmkv_fs.ops.roots import (
-    EXIT_BAD_ROOT,
     RootOutcome,
     add_root_argument,
-    roots_from_args,
-    run_roots,
+    run_listed_roots,
     sum_totals,
 )
 from llmkv_fs.ops.stats_text import print_report
@@ -427,12 +425,9 @@ def _row(name: str, t: dict[str, Any]) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    roots = roots_from_args("stats", args.root)
-    if roots is None:
-        return EXIT_BAD_ROOT
-    return run_roots(
+    return run_listed_roots(
         "stats",
-        roots,
+        args.root,
         lambda root: _one_root(args, root),
         as_json=args.json,
         dumps=lambda obj: json.dumps(obj, indent=1, sort_keys=False),

@@ -46,11 +46,9 @@ from llmkv_fs.ops.blockcheck import (
 )
 from llmkv_fs.ops.problems import EXAMPLES_PER_KIND, Problems
 from llmkv_fs.ops.roots import (
-    EXIT_BAD_ROOT,
     RootOutcome,
     add_root_argument,
-    roots_from_args,
-    run_roots,
+    run_listed_roots,
     sum_totals,
 )
 from llmkv_fs.ops.stats import select_digests
@@ -383,12 +381,9 @@ def _totals(done: Sequence[tuple[str, RootOutcome]]) -> tuple[dict[str, Any], li
 
 
 def run(args: argparse.Namespace) -> int:
-    roots = roots_from_args("verify", args.root)
-    if roots is None:
-        return EXIT_BAD_ROOT
-    return run_roots(
+    return run_listed_roots(
         "verify",
-        roots,
+        args.root,
         lambda root: _one_root(args, root),
         as_json=args.json,
         dumps=lambda obj: json.dumps(obj, indent=1),
