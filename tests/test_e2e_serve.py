@@ -372,8 +372,10 @@ def test_two_roots_store_on_both_and_a_restart_loads_from_both(story, e2e_env, t
     story.servers.append(first)
     text, _ = first.start(START_TIMEOUT_S).complete(shared)
     wait_for(
-        lambda: sum(len(block_files(r)) for r in roots) >= chunks
-        and not any(block_temp_files(r) for r in roots),
+        lambda: (
+            sum(len(block_files(r)) for r in roots) >= chunks
+            and not any(block_temp_files(r) for r in roots)
+        ),
         STORE_TIMEOUT_S,
         f"{chunks} block files over both roots",
     )
@@ -383,9 +385,7 @@ def test_two_roots_store_on_both_and_a_restart_loads_from_both(story, e2e_env, t
     story.servers.append(second)
     text_again, _ = second.start(START_TIMEOUT_S).complete(shared)
     assert text_again == text
-    wait_for(
-        lambda: second.metric_sum(LOADED) >= chunks, METRIC_TIMEOUT_S, "the restart loading"
-    )
+    wait_for(lambda: second.metric_sum(LOADED) >= chunks, METRIC_TIMEOUT_S, "the restart loading")
     for root in roots:  # each root served its share
         assert second.metric_sum(OUR_PREFIX + "root_blocks_total", root=root, result="ok") > 0
     second.stop()

@@ -6,7 +6,10 @@ refused before anything is created."""
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -207,3 +210,52 @@ def test_one_directory_listed_twice_is_refused_before_anything_is_created(
     assert os.listdir(real) == []
     if case == "bind":
         os.system(f"umount -l {tmp_path / 'twin'}")
+
+
+# Replica B, in a mount namespace of its own where client B's view of the
+# volume is bound over client A's path: the same root spelling (placement is
+# by spelling, and every pod mounts at the same path) through the other client.
+_READER = """
+import json, mmap, os, sys
+from llmkv_fs.config import TierSettings
+from llmkv_fs.engine import FsEngine
+from llmkv_fs.layout.paths import CacheLayout
+from engine_kit import BS, IDENTITY, make_key, memfd_primary, pattern, settle, wait_jobs
+roots, n, workers = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+settings = TierSettings(root_dir=roots, path_sharding="by_block_hash", io_workers=workers,
+                        n_read_threads=2, n_write_threads=2, lookup_threads=2)
+layouts = [CacheLayout.for_identity(r, IDENTITY) for r in settings.root_dirs]
+primary = memfd_primary(n * BS)
+engine = FsEngine(settings, layouts, primary, BS)
+hits = [settle(engine, make_key(i), "b") for i in range(n)]
+engine.submit_load(1, [make_key(i) for i in range(n)], list(range(n)))
+job = wait_jobs(engine, [1])[1]
+right = [bytes(primary[i * BS:(i + 1) * BS]) == pattern(i) for i in range(n)]
+engine.shutdown()
+print(json.dumps({"hits": hits, "loaded": job.success, "right": right,
+                  "workers": engine.io_workers}))
+"""
+
+
+def test_two_roots_shared_through_another_client(shared_volume, engines, io_mode):
+    roots_a = [os.path.join(shared_volume.a, name) for name in ("r0", "r1")]
+    engine_a, _, primary_a = engines(",".join(roots_a), n_blocks=N, **SHARDED)
+    store_blocks(engine_a, primary_a, 1, range(N), range(N))
+    tests = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(tests), tests]))
+    workers = 2 if io_mode.workers else 0
+    bind = f"mount --bind {shared_volume.b} {shared_volume.a}"
+    reader = f"{sys.executable} -c '{_READER}' {','.join(roots_a)} {N} {workers}"
+    done = subprocess.run(
+        ["unshare", "--mount", "--propagation", "private", "sh", "-c", f"{bind} && {reader}"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    if done.returncode and "unshare failed" in done.stderr:
+        pytest.skip(f"no mount namespace here: {done.stderr.strip()}")
+    assert done.returncode == 0, done.stderr[-3000:]
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    assert seen["workers"] == workers
+    assert seen["hits"] == [True] * N and seen["loaded"] and seen["right"] == [True] * N
