@@ -94,6 +94,22 @@ def test_a_root_added_later_still_finds_the_blocks_written_before(mount_tmpfs, e
     assert name in block_names(added)
 
 
+def test_a_jobs_blocks_on_both_roots_move_at_the_same_time(mount_tmpfs, engines, gate_for):
+    roots = two_roots(mount_tmpfs)
+    engine, _, primary = engines(",".join(roots), n_blocks=8, **SHARDED)
+    ids = [i for i in range(40) if home_of(roots, i) == roots[0]][:2]
+    ids += [i for i in range(40) if home_of(roots, i) == roots[1]][:2]
+    store_blocks(engine, primary, 1, ids, range(4))
+    gate = gate_for(engine, point="read")  # past every check, at the read of its root
+    assert engine.submit_load(2, [make_key(i) for i in ids], [4, 5, 6, 7])
+    gate.wait_entered(4)  # one job, both roots, four places at once
+    assert {key for _place, _kind, key in gate.entries} == {make_key(i) for i in ids}
+    assert len({place for place, _kind, _key in gate.entries}) == 4
+    gate.open()
+    assert wait_jobs(engine, [2])[2].success
+    assert all(bytes(primary[(4 + n) * BS : (5 + n) * BS]) == pattern(i) for n, i in enumerate(ids))
+
+
 def test_a_reordered_list_finds_every_block(mount_tmpfs, engines):
     roots = two_roots(mount_tmpfs)
     engine, _, primary = engines(",".join(roots), n_blocks=N, **SHARDED)
