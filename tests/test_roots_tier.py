@@ -10,6 +10,8 @@ import os
 import pytest
 from vllm.v1.kv_offload.base import LookupResult
 
+from llmkv_fs.rootlist import RootListError
+
 from harness import make_keys, ours, payload_for, resolve, start
 from volume_kit import block_files
 
@@ -62,3 +64,20 @@ def test_a_comma_without_path_sharding_is_one_directory(tmp_path, replicas, capl
     assert len(block_files(root)) == 2
     assert not os.path.exists(str(tmp_path / "team"))
     assert "contains a comma and is used as one directory" in caplog.text
+
+
+@pytest.mark.parametrize("case", ["empty entry", "through a symlink"])
+def test_a_bad_root_list_stops_start_up_naming_the_entry(case, tmp_path, replicas):
+    real = tmp_path / "real"
+    real.mkdir()
+    if case == "empty entry":
+        root_dir = f"{real},,{tmp_path / 'other'}"
+    else:
+        os.symlink(real, tmp_path / "link")
+        root_dir = f"{tmp_path / 'other'},{real},{tmp_path / 'link'}"
+    with pytest.raises(RootListError, match="entry 2|entry 3"):
+        start(replicas, ours(root_dir, **SHARDED))
+    assert sorted(os.listdir(tmp_path)) == sorted(
+        ["real", *(["link"] if "link" in root_dir else [])]
+    )
+    assert os.listdir(real) == []
