@@ -71,8 +71,8 @@ class BlockIO:
         self._below = Beneath(layout.root_dir, options.root)
         self._rank = layout.rank_dir_rel
         self._temps = TempFiles(options, self._open_flags(os.O_WRONLY | os.O_CREAT | os.O_EXCL))
-        # The same pieces serve stores: hashing a piece just before writing
-        # it saves a second pass over the row from memory.
+        # The same pieces serve stores: hashing a piece just after writing
+        # it (from cache) saves a second pass over the row from memory.
         self._hash_in_pieces = bool(
             options.checksum
             and options.hash_chunk

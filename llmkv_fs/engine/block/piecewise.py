@@ -44,17 +44,18 @@ def write_hashing(
     fd: int, row: memoryview, piece: int, trailer: memoryview, key: bytes, created_ns: int
 ) -> None:
     """Write the payload ``piece`` bytes at a time, hashing each piece right
-    before its write so the copy into the file reads it from cache; the
-    trailer, packed with the digest, rides with the last piece. A failed
-    write raises with the file incomplete (the caller removes it)."""
+    after its write: the kernel's copy into the file has just pulled the
+    piece from memory into this CPU's cache, so the hash reads it from cache
+    (hashing first made the hash do the memory read, which the kernel's copy
+    does with far more reads in flight: 2 MiB blocks on the 16-core machine,
+    docs/bench/device/issue20_store.md). The trailer, packed with the
+    digest, follows in its own write. A failed write raises with the file
+    incomplete (the caller removes it)."""
     hasher = xxhash.xxh3_64()
-    done = 0
-    last = row.nbytes - piece
-    while done < last:
+    size = row.nbytes
+    for done in range(0, size, piece):
         part = row[done : done + piece]
-        hasher.update(part)
         write_all(fd, [part], done)
-        done += piece
-    hasher.update(row[done:])
-    pack_trailer(trailer, key, row.nbytes, hasher.intdigest(), created_ns)
-    write_all(fd, [row[done:], trailer], done)
+        hasher.update(part)
+    pack_trailer(trailer, key, size, hasher.intdigest(), created_ns)
+    write_all(fd, [trailer], size)
