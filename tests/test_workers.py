@@ -31,10 +31,12 @@ from tests.engine_kit import (
     fill,
     make_key,
     pattern,
+    round_trip,
     row,
     settle,
     wait_jobs,
     wait_until,
+    worker_engine,
 )
 
 CHUNKS = 32
@@ -425,5 +427,19 @@ def test_a_workers_death_does_not_make_good_blocks_miss(root):
         assert all(settle(engine, key, "next request") for key in keys)
         engine.submit_load(3, keys, list(range(4)))
         assert not wait_jobs(engine, [3])[3].failed
+    finally:
+        engine.shutdown()
+
+
+def test_workers_import_the_engines_package_not_one_in_the_current_directory(tmp_path, monkeypatch):
+    """``python -c`` puts the current directory first on a worker's path: an
+    unrelated llmkv_fs there (another checkout) must not be what it runs."""
+    decoy = tmp_path / "cwd" / "llmkv_fs"
+    decoy.mkdir(parents=True)
+    (decoy / "__init__.py").write_text("raise ImportError('the decoy in the current directory')\n")
+    monkeypatch.chdir(decoy.parent)
+    engine, primary = worker_engine(str(tmp_path / "kv"), n_blocks=4)
+    try:
+        round_trip(engine, primary, 4)
     finally:
         engine.shutdown()

@@ -211,7 +211,11 @@ class Crew:
                 [
                     sys.executable,
                     "-c",
-                    "import os; os.umask(0); "
+                    # -c puts the current directory first on sys.path: a
+                    # checkout of another llmkv_fs there would be imported
+                    # instead of the engine's (python -P is 3.11+ only).
+                    "import os, sys; os.umask(0); "
+                    "sys.path[:1] = [] if sys.path[:1] == [''] else sys.path[:1]; "
                     "from llmkv_fs.engine.workers.child import main; main()",
                     json.dumps(spec),
                 ],
