@@ -14,6 +14,8 @@ on any machine with Python 3.10+ and xxhash, e.g. a big box without vLLM:
     python3 tools/bench_engine.py --dir /dev/shm/b --mode workers --io-workers auto \
         --builtin .bench_payload --builtin-threads 7,8,16 --case many --case long \
         --standin both --state both --numa auto --per-side 7 --blocks 2048 --rounds 5
+    python3 tools/bench_engine.py --dir /mnt/r0 --dir /mnt/r1 --dir /mnt/r2 --dir /mnt/r3 \
+        --root-sets 1,2,4 --mode workers --numa auto --per-side 7 --builtin .bench_payload
 
 The primary buffer is a memfd mapping (or a /dev/shm file with --shm, like
 vLLM's SharedOffloadRegion), so worker processes can map it. Each
@@ -26,6 +28,13 @@ n_read_threads = n_write_threads = k for threads, io_workers = 2k for
 processes unless ``--io-workers`` says otherwise. Cases: ``many`` is
 ``--blocks`` blocks in jobs of ``--blocks-per-job``; ``long`` is one job of
 ``--long-blocks`` blocks (one long prompt).
+
+Several roots (issue 19): a ``--dir`` given as a comma list is one medium
+of several roots, our engine placing blocks over them
+(``path_sharding: by_block_hash``) and the built-in on the first root alone;
+``--root-sets 1,2,4`` makes one medium of every root given and runs ours on
+its first 1, 2 and 4 roots as configurations of the same rounds. Both report
+the aggregate GB/s, ours / the built-in and ours / ours on one root.
 
 Reported per run: GB/s; the owner thread's wall microseconds per block spent
 inside submit_* and take_finished (what vLLM's scheduler pays); with the
@@ -53,7 +62,7 @@ if importlib.util.find_spec("llmkv_fs") is None:  # a checkout, not installed
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from bench_engine_cli import io_workers_setting, parse_args
-from bench_engine_report import print_report, ratios
+from bench_engine_report import print_report, ratios, root_scaling
 from bench_support import (
     IDENTITY,
     MiB,
@@ -95,15 +104,15 @@ def cases(args) -> list[dict]:
     return [{"name": c, "blocks": known[c][0], "per_job": known[c][1]} for c in args.case]
 
 
-def open_tier(args, root: str, primary: Primary, config: dict, per_side: int) -> Any:
-    """A fresh FsEngine for our configurations, a fresh built-in tier for
+def open_tier(args, roots: list[str], primary: Primary, config: dict, per_side: int) -> Any:
+    """A fresh FsEngine for our configurations (sharded over ``roots`` when
+    there are several), a fresh built-in tier on the first root for
     ``builtin`` ones."""
     block = int(args.block_mib * MiB)
     if config["mode"] == "builtin":
         from bench_builtin import BuiltinTier
 
-        return BuiltinTier(args.payload, root, primary.mm, block, config["threads"])
-    layout = CacheLayout.for_identity(root, IDENTITY)
+        return BuiltinTier(args.payload, roots[0], primary.mm, block, config["threads"])
     workers: str | int = 0
     variant = config["variant"]
     if config["mode"] == "workers":
@@ -112,7 +121,8 @@ def open_tier(args, root: str, primary: Primary, config: dict, per_side: int) ->
             workers = io_workers_setting(variant["io_workers"])
     settings = TierSettings.from_mapping(
         {
-            "root_dir": root,
+            "root_dir": ",".join(roots),
+            "path_sharding": "by_block_hash" if len(roots) > 1 else "none",
             "n_read_threads": per_side,
             "n_write_threads": per_side,
             "io_workers": workers,
@@ -122,9 +132,10 @@ def open_tier(args, root: str, primary: Primary, config: dict, per_side: int) ->
             "max_pending_store_blocks": max(1024, primary.size // block),
         }
     )
+    layouts = [CacheLayout.for_identity(r, IDENTITY) for r in settings.root_dirs]
     t = time.perf_counter()
     with applied(variant):
-        engine = FsEngine(settings, layout, primary.mm, block)
+        engine = FsEngine(settings, layouts, primary.mm, block)
     engine.startup_s = time.perf_counter() - t
     if engine.io_workers != resolve_io_workers(workers):
         engine.shutdown()
@@ -134,9 +145,11 @@ def open_tier(args, root: str, primary: Primary, config: dict, per_side: int) ->
 
 def one_run(args, medium, primary, config, per_side, case, round_no) -> dict:
     block, n, per_job = int(args.block_mib * MiB), case["blocks"], case["per_job"]
-    root = os.path.join(medium, f"llmkv-bench-engine-{os.getpid()}")
-    os.makedirs(root, exist_ok=True)
-    tier = open_tier(args, root, primary, config, per_side)
+    used = medium[: config.get("roots") or len(medium)]
+    roots = [os.path.join(d, f"llmkv-bench-engine-{os.getpid()}") for d in used]
+    for root in roots:
+        os.makedirs(root, exist_ok=True)
+    tier = open_tier(args, roots, primary, config, per_side)
     standin = None
     try:
         poll = args.poll_ms / 1000
@@ -168,18 +181,31 @@ def one_run(args, medium, primary, config, per_side, case, round_no) -> dict:
             "worker_pte_kib": worker_page_tables_kib(tier),
             "pinning": getattr(getattr(tier, "pinning", None), "reason", "-"),
             "o_direct": tier.use_o_direct,
+            "root_store_blocks": root_store_blocks(tier, len(roots)),
         }
     finally:
         if standin:
             standin.stop()
         tier.shutdown()
-        shutil.rmtree(root, ignore_errors=True)
+        for root in roots:
+            shutil.rmtree(root, ignore_errors=True)
 
 
-def reference_run(args, medium: str, per_side: int, blocks: int) -> dict:
+def root_store_blocks(tier: Any, n_roots: int) -> list[int]:
+    """Blocks stored on each root (placement's balance); the built-in: all on one."""
+    counts = getattr(tier, "root_counters", None)
+    if counts is None:
+        return []
+    return [
+        sum(v for (i, d, ok), v in counts.items() if i == k and ok and d.value == "store")
+        for k in range(n_roots)
+    ]
+
+
+def reference_run(args, medium: tuple[str, ...], per_side: int, blocks: int) -> dict:
     """The compiled reference at 2 x per_side pthreads (as many as serve a
-    one-direction burst in our engine)."""
-    root = os.path.join(medium, f"llmkv-bench-ref-{os.getpid()}")
+    one-direction burst in our engine), on the medium's first root."""
+    root = os.path.join(medium[0], f"llmkv-bench-ref-{os.getpid()}")
     try:
         out = subprocess.run(
             [
@@ -211,9 +237,11 @@ def configurations(args) -> list[dict]:
                 for numa in args.numa:
                     for variant in args.ours:
                         named = f"[{variant.name}]" if len(args.ours) > 1 else ""
-                        label = f"{mode}{named}/numa={numa}{tail}"
-                        config = {"mode": mode, "numa": numa, "variant": variant}
-                        out.append({**config, "label": label, **common})
+                        base = f"{mode}{named}/numa={numa}{tail}"
+                        config = {"mode": mode, "numa": numa, "variant": variant, "base": base}
+                        for k in args.root_sets or [None]:
+                            label = base + (f"/roots={k}" if k else "")
+                            out.append({**config, "roots": k, "label": label, **common})
             for k in args.builtin_threads:
                 label = f"builtin/{k}+{k}{tail}"
                 out.append({"mode": "builtin", "threads": k, "label": label, **common})
@@ -222,9 +250,10 @@ def configurations(args) -> list[dict]:
 
 def main() -> int:
     args = parse_args(__doc__.split("\n\n")[0])
-    for d in args.dir:
+    all_roots = list(dict.fromkeys(r for medium in args.media for r in medium))
+    for d in all_roots:
         os.makedirs(d, exist_ok=True)
-    info = machine(args.dir)
+    info = machine(all_roots)
     args.payload = None
     if args.builtin:
         from bench_builtin import load_payload
@@ -245,7 +274,7 @@ def main() -> int:
     primary = Primary(max(c["blocks"] for c in cases(args)), block, args.shm)
     rows = []
     try:
-        for medium in args.dir:
+        for medium in args.media:
             for case in cases(args):
                 for per_side in args.per_side:
                     row = measure(args, medium, primary, configs, per_side, case, idle_rate)
@@ -254,6 +283,7 @@ def main() -> int:
     finally:
         primary.close()
     info["load_average_after"] = os.getloadavg()
+    root_scaling(configs, rows)
     save(args, info, rows)
     print_report(args, rows, idle_rate)
     return 0
@@ -278,9 +308,10 @@ def measure(args, medium, primary, configs, per_side, case, idle_rate) -> dict:
             )
         if args.reference and case["name"] == "many":
             refs.append(reference_run(args, medium, per_side, case["blocks"]))
-    row = summarize(medium, per_side, configs, runs, refs, idle_rate)
+    row = summarize(",".join(medium), per_side, configs, runs, refs, idle_rate)
     row["case"] = case
-    print(f"# {medium} {case['name']} per side={per_side}: " + line_of(row), flush=True)
+    row["roots"] = list(medium)
+    print(f"# {row['medium']} {case['name']} per side={per_side}: " + line_of(row), flush=True)
     return row
 
 
@@ -292,6 +323,7 @@ def summarize(medium, per_side, configs, runs, refs, idle_rate) -> dict:
             m[f"{d}_standin_ratio"] = m[f"{d}_standin"] / idle_rate if idle_rate else 0.0
         m["pinning"] = rs[0]["pinning"]
         m["o_direct"] = rs[0]["o_direct"]
+        m["root_store_blocks"] = rs[0]["root_store_blocks"]
         medians[label] = m
     reference = (
         {d: statistics.median(r[d] for r in refs) for d in ("store_gbps", "load_gbps")}

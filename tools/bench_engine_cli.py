@@ -6,7 +6,7 @@ import argparse
 
 from bench_variants import parse_variant
 
-__all__ = ["io_workers_setting", "parse_args"]
+__all__ = ["io_workers_setting", "media_of", "parse_args"]
 
 
 def numa_setting(text: str) -> str | int:
@@ -27,9 +27,39 @@ def int_list(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x]
 
 
+def media_of(dirs: list[str], root_sets: list[int]) -> list[tuple[str, ...]]:
+    """The media a run measures, each a tuple of roots: without root sets one
+    per --dir (a comma list is one medium of several roots, our engine with
+    path_sharding by_block_hash over them); with root sets one medium of every
+    root given, whose first k roots each set k uses."""
+    split = [tuple(r for r in d.split(",") if r) for d in dirs]
+    if any(not roots for roots in split):
+        raise SystemExit("--dir: an empty entry")
+    if not root_sets:
+        return split
+    flat = tuple(r for roots in split for r in roots)
+    if min(root_sets) < 1 or max(root_sets) > len(flat):
+        raise SystemExit(f"--root-sets: each count must be 1..{len(flat)} (the roots given)")
+    return [flat]
+
+
 def parse_args(description: str) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=description)
-    p.add_argument("--dir", action="append", required=True, help="medium (repeat)")
+    p.add_argument(
+        "--dir",
+        action="append",
+        required=True,
+        help="medium (repeat); a comma list is one medium of several roots (ours shards "
+        "blocks over them; the built-in runs on the first)",
+    )
+    p.add_argument(
+        "--root-sets",
+        type=int_list,
+        default=[],
+        metavar="K,K,...",
+        help="one medium of all --dir roots; ours runs on the first K of them for each K "
+        "(e.g. 1,2,4), in the same rounds as the built-in (on the first root)",
+    )
     p.add_argument(
         "--per-side",
         "--threads",
@@ -110,4 +140,5 @@ def parse_args(description: str) -> argparse.Namespace:
     args.ours = args.ours or [parse_variant("shipped:")]
     if not args.builtin:
         args.builtin_threads = []
+    args.media = media_of(args.dir, args.root_sets)
     return args

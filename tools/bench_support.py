@@ -13,6 +13,7 @@ import time
 from typing import Any, Protocol
 
 from llmkv_fs.engine.volume.numa import format_cpulist, read_topology
+from llmkv_fs.harness.bench_report import loop_backing
 from llmkv_fs.layout.fsinfo import mount_of
 from llmkv_fs.layout.paths import RunIdentity
 
@@ -28,7 +29,12 @@ IDENTITY = RunIdentity(
 
 def fs_of(path: str) -> str:
     mount = mount_of(path)
-    return "?" if mount is None else f"{mount.fstype} ({mount.device} on {mount.mount_point})"
+    if mount is None:
+        return "?"
+    backing = loop_backing(mount.device)
+    return f"{mount.fstype} ({mount.device} on {mount.mount_point}" + (
+        f", backed by {backing} on {fs_of(backing)})" if backing else ")"
+    )
 
 
 def machine(dirs: list[str]) -> dict:

@@ -16,6 +16,12 @@ submit_* and get_finished_jobs / blocks). ``--mixed`` adds loads submitted
 while a store backlog is queued (the latency a promotion sees behind stores).
 
     llmkv-fs bench --dir /dev/shm/bench --dir /var/tmp/bench --threads 1 --threads 4
+
+Several roots (issue 19): a ``--dir`` given as a comma list is one medium
+of several roots: ours stores over all of them (``path_sharding:
+by_block_hash``), the built-in and the reference use the first root alone.
+Where a medium of its first root alone runs too (``--dir /a --dir /a,/b``),
+ours on several roots is also given against ours on one.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ from typing import Any
 
 from llmkv_fs.harness import bench_report
 
-__all__ = ["add_arguments", "run_bench"]
+__all__ = ["add_arguments", "roots_of", "run_bench"]
 
 KINDS = ("ours", "builtin")
 BLOCK_MIB_CHOICES = (0.5, 2.0, 8.0)
@@ -49,7 +55,9 @@ def _add_cases(p: argparse.ArgumentParser) -> None:
         "--dir",
         action="append",
         required=True,
-        help="medium to test (repeat); a scratch folder is made and removed inside it",
+        help="medium to test (repeat); a scratch folder is made and removed inside it. A comma "
+        "list is one medium of several roots: ours shards blocks over them (path_sharding "
+        "by_block_hash), the built-in and the reference use the first",
     )
     p.add_argument(
         "--block-mib",
@@ -133,6 +141,38 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plot-dir", metavar="DIR", help="write PNG plots (GB/s vs threads) here")
 
 
+def roots_of(medium: str) -> list[str]:
+    """The roots of a --dir value: its comma-separated entries."""
+    roots = [r for r in medium.split(",") if r]
+    if not roots or len(roots) != len(medium.split(",")):
+        raise SystemExit(f"--dir {medium!r}: an empty entry in the list")
+    return roots
+
+
+def add_root_scaling(cases: list[dict[str, Any]]) -> None:
+    """Sets case["vs_one_root"] on every case of several roots: ours / ours on
+    its first root alone (the case of that medium with the same block size
+    and threads), where that ran too."""
+    for case in cases:
+        if len(case["roots"]) < 2:
+            continue
+        peer = next(
+            (
+                c
+                for c in cases
+                if c["roots"] == case["roots"][:1]
+                and c["block_mib"] == case["block_mib"]
+                and c["threads"] == case["threads"]
+            ),
+            None,
+        )
+        if peer is not None:
+            case["vs_one_root"] = {
+                d: case["tiers"]["ours"][d]["gbps"] / peer["tiers"]["ours"][d]["gbps"]
+                for d in ("store", "load")
+            }
+
+
 def _pct(values: list[float], p: int) -> float | None:
     """Nearest-rank percentile (no interpolation between samples)."""
     if not values:
@@ -185,9 +225,12 @@ def run_case(
                     mixed[kind].append(bench.mixed(kind, round_no))
     finally:
         bench.close()
+    roots = roots_of(medium)
     case: dict[str, Any] = {
         "medium": medium,
-        "fs": bench_report.fs_of(medium),
+        "roots": roots,
+        "fs": bench_report.fs_of(roots[0]),
+        "fs_roots": [bench_report.fs_of(r) for r in roots],
         "block_mib": block_mib,
         "threads": threads,
         "rounds": args.rounds,
@@ -255,11 +298,12 @@ def run_bench(args: argparse.Namespace) -> int:
             flush=True,
         )
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # before vLLM is imported
-    for medium in args.dir:
-        os.makedirs(medium, exist_ok=True)
+    all_roots = list(dict.fromkeys(r for medium in args.dir for r in roots_of(medium)))
+    for root in all_roots:
+        os.makedirs(root, exist_ok=True)
     result: dict[str, Any] = {
         "args": {k: v for k, v in vars(args).items() if k != "func"},
-        "machine": bench_report.machine_info(args.dir),
+        "machine": bench_report.machine_info(all_roots),
         "cases": [],
     }
     log = sys.stderr
@@ -278,6 +322,7 @@ def run_bench(args: argparse.Namespace) -> int:
                     file=log,
                     flush=True,
                 )
+    add_root_scaling(result["cases"])
     table = bench_report.markdown(result)
     print(table, file=sys.stderr if args.json == "-" else sys.stdout)
     if args.plot_dir:

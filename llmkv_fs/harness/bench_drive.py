@@ -17,7 +17,7 @@ from vllm.v1.kv_offload.base import ReqContext
 from vllm.v1.kv_offload.tiering.base import TransferJob
 
 from llmkv_fs.harness import driver
-from llmkv_fs.harness.bench import KINDS
+from llmkv_fs.harness.bench import KINDS, roots_of
 
 __all__ = ["Bench"]
 
@@ -42,21 +42,29 @@ class Bench:
         self.mixed_jobs = args.mixed_store_jobs or 4 * threads
         mixed_rows = self.mixed_jobs * args.blocks_per_job + MIXED_LOAD_KEYS if args.mixed else 0
         self.rows_used = max(self.n, mixed_rows)
-        self.base = os.path.join(medium, f"llmkv-bench-{os.getpid()}")
-        self.roots = {k: os.path.join(self.base, k) for k in KINDS}
-        for root in self.roots.values():
-            os.makedirs(root, exist_ok=True)
+        # A scratch folder per root; the built-in and the reference use the first.
+        self.bases = [os.path.join(r, f"llmkv-bench-{os.getpid()}") for r in roots_of(medium)]
+        self.base = self.bases[0]
+        self.root_dirs = {
+            "ours": [os.path.join(b, "ours") for b in self.bases],
+            "builtin": [os.path.join(self.base, "builtin")],
+        }
+        for dirs in self.root_dirs.values():
+            for root in dirs:
+                os.makedirs(root, exist_ok=True)
         t = {"n_read_threads": threads, "n_write_threads": threads}
+        sharding = {"path_sharding": "by_block_hash"} if len(self.bases) > 1 else {}
         cfg = driver.offloading_config(
             tiers=[
                 driver.ours(
-                    self.roots["ours"],
+                    ",".join(self.root_dirs["ours"]),
+                    **sharding,
                     checksum=args.checksum,
                     durability=args.durability,
                     **t,
                     **_io_workers(args.io_workers),
                 ),
-                driver.builtin(self.roots["builtin"], **t),
+                driver.builtin(self.root_dirs["builtin"][0], **t),
             ],
             block_bytes=self.block,
             cpu_bytes=(self.rows_used + 4) * self.block,
@@ -80,15 +88,17 @@ class Bench:
         # Our view must go before vLLM unmaps the region (closed: rows is gone).
         self.rows = None  # type: ignore[assignment]
         self.replica.close()
-        shutil.rmtree(self.base, ignore_errors=True)
+        for base in self.bases:
+            shutil.rmtree(base, ignore_errors=True)
 
     def clear(self, kind: str) -> None:
         """Remove the last run's blocks: the <hhh> fan-out folders of the rank
         dirs (config.json, leases and the rank dirs themselves stay)."""
-        for rank_dir in glob.glob(os.path.join(glob.escape(self.roots[kind]), "*_r[0-9]*")):
-            for child in os.listdir(rank_dir):
-                if len(child) == 3 and all(c in "0123456789abcdef" for c in child):
-                    shutil.rmtree(os.path.join(rank_dir, child), ignore_errors=True)
+        for root in self.root_dirs[kind]:
+            for rank_dir in glob.glob(os.path.join(glob.escape(root), "*_r[0-9]*")):
+                for child in os.listdir(rank_dir):
+                    if len(child) == 3 and all(c in "0123456789abcdef" for c in child):
+                        shutil.rmtree(os.path.join(rank_dir, child), ignore_errors=True)
 
     # -- one batch of jobs, driven as the tiering manager does ----------------------
 

@@ -19,7 +19,15 @@ from typing import Any
 
 from llmkv_fs.layout.fsinfo import mount_of
 
-__all__ = ["fs_of", "machine_info", "markdown", "plot_all", "plotting_missing", "write_json"]
+__all__ = [
+    "fs_of",
+    "loop_backing",
+    "machine_info",
+    "markdown",
+    "plot_all",
+    "plotting_missing",
+    "write_json",
+]
 
 DIRECTIONS = ("store", "load")
 SERIES = (
@@ -32,12 +40,29 @@ SERIES = (
 # -- the machine -------------------------------------------------------------------
 
 
+def loop_backing(device: str) -> str | None:
+    """The file behind a loop device (/dev/loopN), else None."""
+    name = os.path.basename(device)
+    if not name.startswith("loop"):
+        return None
+    try:
+        with open(f"/sys/block/{name}/loop/backing_file", encoding="utf-8") as f:
+            return f.read().strip() or None
+    except OSError:
+        return None
+
+
 def fs_of(path: str) -> dict[str, str]:
-    """Mount point, filesystem type and device of ``path`` (the mount table)."""
+    """Mount point, filesystem type and device of ``path`` (the mount table);
+    for a loop device also the file behind it (``backing``)."""
     mount = mount_of(path)
     if mount is None:
         return {"mount": "/", "fstype": "?", "device": "?"}
-    return {"mount": mount.mount_point, "fstype": mount.fstype, "device": mount.device}
+    out = {"mount": mount.mount_point, "fstype": mount.fstype, "device": mount.device}
+    backing = loop_backing(mount.device)
+    if backing:
+        out["backing"] = f"{backing} ({fs_of(backing)['fstype']})"
+    return out
 
 
 def _ram_gib() -> float | None:
@@ -82,7 +107,9 @@ def machine_info(dirs: list[str]) -> dict:
 
 def describe_machine(m: dict) -> str:
     media = "; ".join(
-        f"`{d}` {fs['fstype']} ({fs['device']} on {fs['mount']})" for d, fs in m["media"].items()
+        f"`{d}` {fs['fstype']} ({fs['device']} on {fs['mount']}"
+        + (f", backed by {fs['backing']})" if fs.get("backing") else ")")
+        for d, fs in m["media"].items()
     )
     return (
         f"Machine `{m['node']}`: {m['cpus']} CPUs ({m['allowed_cpus']} allowed), "
@@ -110,6 +137,7 @@ def markdown(result: dict) -> str:
         f"the reference runs that many jobs)."
     )
     out += _throughput_table(result["cases"])
+    out += _roots_table(result["cases"])
     out += _latency_table(result["cases"])
     out += _mixed_table([c for c in result["cases"] if c.get("mixed")])
     return "\n".join(out) + "\n"
@@ -125,7 +153,7 @@ def _throughput_table(cases: list[dict[str, Any]]) -> list[str]:
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for c in cases:
-        row = [f"`{c['medium']}` {c['fs']['fstype']}", f"{c['block_mib']:g} MiB", str(c["threads"])]
+        row = [f"`{c['medium']}` {_fstypes(c)}", f"{c['block_mib']:g} MiB", str(c["threads"])]
         for d in DIRECTIONS:
             ref = c["reference"][d]["gbps"] if c.get("reference") else None
             ours = c["tiers"]["ours"][d]["gbps"]
@@ -147,6 +175,40 @@ def _throughput_table(cases: list[dict[str, Any]]) -> list[str]:
             )
             + ", one file per block, psync.",
         ]
+    return out
+
+
+def _fstypes(case: dict[str, Any]) -> str:
+    """The medium's filesystem type, or its roots' joined by + (several roots)."""
+    return "+".join(fs["fstype"] for fs in case.get("fs_roots", [case["fs"]]))
+
+
+def _roots_table(cases: list[dict[str, Any]]) -> list[str]:
+    """Media of several roots: ours' aggregate GB/s against the built-in on the
+    first root (same rounds) and against ours on the first root alone."""
+    several = [c for c in cases if len(c.get("roots", ())) > 1]
+    if not several:
+        return []
+    out = [
+        "",
+        "### Several roots (ours sharded by block hash; built-in and reference on the first root)",
+        "",
+        "| medium | roots | block | threads | store ours | built-in | ratio | ours / 1 root "
+        "| load ours | built-in | ratio | ours / 1 root |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for c in several:
+        row = [f"`{c['medium']}` {_fstypes(c)}", str(len(c["roots"]))]
+        row += [f"{c['block_mib']:g} MiB", str(c["threads"])]
+        for d in DIRECTIONS:
+            one = c.get("vs_one_root", {}).get(d)
+            row += [
+                _f(c["tiers"]["ours"][d]["gbps"]),
+                _f(c["tiers"]["builtin"][d]["gbps"]),
+                _f(c["ratio"][d], suffix="x"),
+                _f(one, suffix="x"),
+            ]
+        out.append("| " + " | ".join(row) + " |")
     return out
 
 
@@ -303,7 +365,7 @@ def plot_all(result: dict, plot_dir: str) -> list[str]:
                 else:
                     ys = [c["tiers"][key][d]["gbps"] for c in cases]
                 series.append((label, color, ys, key == "reference"))
-            title = f"{d} GB/s vs threads: {medium} ({fs['fstype']}), {block:g} MiB blocks"
+            title = f"{d} GB/s vs threads: {medium} ({_fstypes(cases[0])}), {block:g} MiB blocks"
             subtitle = (
                 f"{m['node']}, {m['cpus']} CPUs, {m['ram_gib']} GiB RAM, {fs['device']} on "
                 f"{fs['mount']}; {result['args']['jobs']}x{result['args']['blocks_per_job']} "
