@@ -21,7 +21,8 @@ from engine_kit import round_trip, worker_engine
 def worker_options(pid: int) -> dict:
     with open(f"/proc/{pid}/cmdline", "rb") as f:
         argv = f.read().split(b"\0")
-    return json.loads(argv[3])["options"]  # python -c CODE SPEC_JSON
+    (root,) = json.loads(argv[3])["roots"]  # python -c CODE SPEC_JSON; one root here
+    return root["options"]
 
 
 @pytest.mark.parametrize("medium", ["tmpfs", "ext4"])
