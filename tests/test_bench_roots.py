@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from llmkv_fs.harness import bench_report
-from llmkv_fs.harness.bench import add_root_scaling, roots_of
+from llmkv_fs.harness.bench import add_root_scaling
+from llmkv_fs.harness.bench_media import roots_of
 
 DOCS = Path(__file__).parent.parent / "docs" / "bench"
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "tools"))
@@ -20,9 +21,13 @@ from bench_engine_cli import media_of  # noqa: E402
 def test_a_comma_list_is_one_medium_of_several_roots():
     assert roots_of("/a") == ["/a"]
     assert roots_of("/a,/b") == ["/a", "/b"]
+    with pytest.raises(SystemExit, match="lies inside"):  # the tier's rules
+        roots_of("/a,/a/b")
     for bad in ("/a,,/b", "/a,", ","):
-        with pytest.raises(SystemExit, match="empty entry"):
+        with pytest.raises(SystemExit, match="is empty"):
             roots_of(bad)
+        with pytest.raises(SystemExit, match="is empty"):
+            media_of([bad], [])
     assert media_of(["/a", "/b,/c"], []) == [("/a",), ("/b", "/c")]
     assert media_of(["/a", "/b,/c"], [1, 3]) == [("/a", "/b", "/c")]
     with pytest.raises(SystemExit, match=r"1\.\.3"):

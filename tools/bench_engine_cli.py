@@ -6,6 +6,8 @@ import argparse
 
 from bench_variants import parse_variant
 
+from llmkv_fs.rootlist import RootListError, split_root_list
+
 __all__ = ["io_workers_setting", "media_of", "parse_args"]
 
 
@@ -32,9 +34,10 @@ def media_of(dirs: list[str], root_sets: list[int]) -> list[tuple[str, ...]]:
     per --dir (a comma list is one medium of several roots, our engine with
     path_sharding by_block_hash over them); with root sets one medium of every
     root given, whose first k roots each set k uses."""
-    split = [tuple(r for r in d.split(",") if r) for d in dirs]
-    if any(not roots for roots in split):
-        raise SystemExit("--dir: an empty entry")
+    try:  # the tier's own rules for root_dir: no empty, repeated or nested entry
+        split = [split_root_list("--dir", d) for d in dirs]
+    except RootListError as exc:
+        raise SystemExit(str(exc)) from None
     if not root_sets:
         return split
     flat = tuple(r for roots in split for r in roots)

@@ -34,10 +34,10 @@ import time
 from typing import Any
 
 from llmkv_fs.harness import bench_report
+from llmkv_fs.harness.bench_media import KINDS, roots_of
 
-__all__ = ["add_arguments", "roots_of", "run_bench"]
+__all__ = ["add_arguments", "run_bench"]
 
-KINDS = ("ours", "builtin")
 BLOCK_MIB_CHOICES = (0.5, 2.0, 8.0)
 
 
@@ -139,14 +139,6 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--json", metavar="PATH", help="write every sample as JSON ('-': stdout)")
     p.add_argument("--plot-dir", metavar="DIR", help="write PNG plots (GB/s vs threads) here")
-
-
-def roots_of(medium: str) -> list[str]:
-    """The roots of a --dir value: its comma-separated entries."""
-    roots = [r for r in medium.split(",") if r]
-    if not roots or len(roots) != len(medium.split(",")):
-        raise SystemExit(f"--dir {medium!r}: an empty entry in the list")
-    return roots
 
 
 def add_root_scaling(cases: list[dict[str, Any]]) -> None:

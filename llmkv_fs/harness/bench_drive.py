@@ -17,7 +17,7 @@ from vllm.v1.kv_offload.base import ReqContext
 from vllm.v1.kv_offload.tiering.base import TransferJob
 
 from llmkv_fs.harness import driver
-from llmkv_fs.harness.bench import KINDS, roots_of
+from llmkv_fs.harness.bench_media import KINDS, roots_of
 
 __all__ = ["Bench"]
 
