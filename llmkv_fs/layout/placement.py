@@ -27,6 +27,8 @@ from llmkv_fs.rootlist import root_identity
 
 __all__ = ["RootPlacement"]
 
+_score = xxhash.xxh3_64_intdigest
+
 
 class RootPlacement:
     """Rendezvous placement over ``roots`` (see the module doc); indices
@@ -43,8 +45,14 @@ class RootPlacement:
         """The root a store of ``key`` goes to."""
         if len(self._seeds) == 1:
             return 0
-        scores = [xxhash.xxh3_64_intdigest(key, seed) for seed in self._seeds]
-        return scores.index(max(scores))
+        # A plain loop: half the cost of a list of scores and max() (0.29 vs
+        # 0.59 us at 2 roots, 2-core VM); the owner pays it per finished block.
+        best, best_score = 0, -1
+        for index, seed in enumerate(self._seeds):
+            score = _score(key, seed)
+            if score > best_score:
+                best, best_score = index, score
+        return best
 
     def choices(self, key: bytes, depth: int = 2) -> tuple[int, ...]:
         """The ``depth`` best roots for ``key``, best first: where a load
@@ -52,6 +60,6 @@ class RootPlacement:
         that is now its home was added)."""
         if len(self._seeds) == 1:
             return (0,)
-        scores = [xxhash.xxh3_64_intdigest(key, seed) for seed in self._seeds]
+        scores = [_score(key, seed) for seed in self._seeds]
         ranked = sorted(range(len(scores)), key=scores.__getitem__, reverse=True)
         return tuple(ranked[:depth])
