@@ -11,10 +11,11 @@ Pure functions: safe from any thread.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Sequence
 
 from llmkv_fs.checks import TierConfigError
 
-__all__ = ["MAX_ROOTS", "RootListError", "root_identity", "split_root_list"]
+__all__ = ["MAX_ROOTS", "RootListError", "first_overlap", "root_identity", "split_root_list"]
 
 # Every root costs a housekeeping thread, a shared page and a lease; 64 is
 # far past any server's count of drives or exports.
@@ -51,26 +52,34 @@ def split_root_list(key: str, text: str) -> tuple[str, ...]:
             f"llmkv_fs: {key} lists {len(entries)} directories; at most {MAX_ROOTS} are allowed"
         )
     absolute = [os.path.abspath(entry) for entry in entries]
-    for later, path in enumerate(absolute):
-        for earlier in range(later):
-            _refuse_overlap(key, entries, earlier, later, absolute[earlier], path)
+    overlap = first_overlap(absolute)
+    if overlap is not None:
+        kind, first, second = overlap
+        if kind == "same":
+            raise RootListError(
+                f"llmkv_fs: {key}: entry {first + 1} {entries[first]!r} names the same "
+                f"directory as entry {second + 1} {entries[second]!r}; list each root once"
+            )
+        raise RootListError(
+            f"llmkv_fs: {key}: entry {first + 1} {entries[first]!r} lies inside entry "
+            f"{second + 1} {entries[second]!r}; roots must be separate directory trees "
+            f"(gc of one would see the other's files as its own)"
+        )
     return tuple(entries)
 
 
-def _refuse_overlap(
-    key: str, entries: list[str], first: int, second: int, first_path: str, second_path: str
-) -> None:
-    if first_path == second_path:
-        raise RootListError(
-            f"llmkv_fs: {key}: entry {second + 1} {entries[second]!r} names the same "
-            f"directory as entry {first + 1} {entries[first]!r}; list each root once"
-        )
-    for outer, inner in ((first, second), (second, first)):
-        outer_path = first_path if outer == first else second_path
-        inner_path = second_path if inner == second else first_path
-        if inner_path.startswith(outer_path.rstrip("/") + "/"):
-            raise RootListError(
-                f"llmkv_fs: {key}: entry {inner + 1} {entries[inner]!r} lies inside entry "
-                f"{outer + 1} {entries[outer]!r}; roots must be separate directory trees "
-                f"(gc of one would see the other's files as its own)"
-            )
+def first_overlap(
+    paths: Sequence[str], same: Callable[[int, int], bool] | None = None
+) -> tuple[str, int, int] | None:
+    """The first two of ``paths`` (absolute, normalised) that overlap, later
+    entries against earlier ones: ``("same", later, earlier)`` when equal (or
+    ``same(later, earlier)`` says so), ``("inside", inner, outer)`` when one
+    lies below the other; None when they are separate trees."""
+    for later in range(len(paths)):
+        for earlier in range(later):
+            if paths[later] == paths[earlier] or (same is not None and same(later, earlier)):
+                return ("same", later, earlier)
+            for inner, outer in ((later, earlier), (earlier, later)):
+                if paths[inner].startswith(paths[outer].rstrip("/") + "/"):
+                    return ("inside", inner, outer)
+    return None

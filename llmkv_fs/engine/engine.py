@@ -110,8 +110,8 @@ class FsEngine:
         self._error_log = ThrottledErrorLog()
         self._rejected: list[FinishedJob] = []
         self._stalled = False  # as of the last stalled() (lookups read this)
-        self._volume_failed = False  # as of the last end_step() (lookups read this)
-        self._lost_roots: frozenset[int] = frozenset()  # likewise: lost roots, by index
+        # Lost roots by index, as of the last end_step() (lookups read this).
+        self._lost_roots: frozenset[int] = frozenset()
         self._handover: RegionHandover | None = None
         self.step = BlockStep(
             [root.step_root() for root in self.roots],
@@ -127,7 +127,7 @@ class FsEngine:
             # the guard lifts after ENOSPC.
             root.guard.headroom_bytes = block_size * (self._executor.capacity() + 1)
         self._lookups = AsyncExistence(
-            self.blockio.exists if len(self.roots) == 1 else self._exists_on_its_roots,
+            self._exists_on_its_roots,
             settings.lookup_threads,
             timeout=min(settings.job_timeout_s, _LOOKUP_TIMEOUT_CAP_S),
             miss_for_s=settings.failed_load_miss_s,
@@ -143,9 +143,9 @@ class FsEngine:
         self._log_start()
 
     def _exists_on_its_roots(self, key: bytes) -> bool:
-        """A lookup thread's check with several roots: the key's home root,
-        then its second choice (see ``RootPlacement``); a lost root answers
-        no without being touched."""
+        """A lookup thread's check: the key's home root, then (several
+        roots) its second choice (see ``RootPlacement``); a lost root
+        answers no without being touched."""
         for index in self.placement.choices(key):
             root = self.roots[index]
             if not root.signals.root_lost and root.blockio.exists(key):
@@ -257,8 +257,7 @@ class FsEngine:
         by one in the step, and lookups of its keys answer miss."""
         lost = [index for index, root in enumerate(self.roots) if root.housekeeping.root_lost]
         self._lost_roots = frozenset(lost)
-        self._volume_failed = len(lost) == len(self.roots)
-        return self._volume_failed
+        return len(lost) == len(self.roots)
 
     def take_finished(self) -> list[FinishedJob]:
         if not self._rejected and not self._scheduler.has_news():
@@ -296,9 +295,8 @@ class FsEngine:
     def lookup(self, key: bytes, request_id: str) -> bool | None:
         # The step's cached verdict: a per-key clock read would cost more
         # than the lookup itself, and a stall is detected per step anyway.
-        refused = self._stalled or self._volume_failed
-        if self._lost_roots and not refused:  # several roots, some lost: its home?
-            refused = self.placement.home(key) in self._lost_roots
+        lost = self._lost_roots
+        refused = self._stalled or (bool(lost) and self.placement.home(key) in lost)
         verdict = False if refused else self._lookups.lookup(key, request_id)
         self.counters[_LOOKUP_ANSWER[verdict]] += 1
         return verdict

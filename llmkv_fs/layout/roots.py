@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 
-from llmkv_fs.rootlist import RootListError
+from llmkv_fs.rootlist import RootListError, first_overlap
 
 __all__ = ["check_roots_distinct"]
 
@@ -53,19 +53,22 @@ def check_roots_distinct(key: str, roots: Sequence[str]) -> None:
     inside another after resolving links."""
     identities = [_identity(root) for root in roots]
     resolved = [_resolved(root) for root in roots]
-    for later in range(len(roots)):
-        for earlier in range(later):
-            pair = f"entry {later + 1} {roots[later]!r} and entry {earlier + 1} {roots[earlier]!r}"
-            same = identities[later] is not None and identities[later] == identities[earlier]
-            if same or resolved[later] == resolved[earlier]:
-                raise RootListError(
-                    f"llmkv_fs: {key}: {pair} are the same directory (a symlink or bind "
-                    f"mount); list each root once"
-                )
-            for inner, outer in ((later, earlier), (earlier, later)):
-                if resolved[inner].startswith(resolved[outer].rstrip("/") + "/"):
-                    raise RootListError(
-                        f"llmkv_fs: {key}: entry {inner + 1} {roots[inner]!r} lies inside "
-                        f"entry {outer + 1} {roots[outer]!r} (resolved: {resolved[inner]!r} "
-                        f"in {resolved[outer]!r}); roots must be separate directory trees"
-                    )
+
+    def same_inode(later: int, earlier: int) -> bool:
+        return identities[later] is not None and identities[later] == identities[earlier]
+
+    overlap = first_overlap(resolved, same_inode)
+    if overlap is None:
+        return
+    kind, first, second = overlap
+    if kind == "same":
+        raise RootListError(
+            f"llmkv_fs: {key}: entry {first + 1} {roots[first]!r} and entry {second + 1} "
+            f"{roots[second]!r} are the same directory (a symlink or bind mount); list "
+            f"each root once"
+        )
+    raise RootListError(
+        f"llmkv_fs: {key}: entry {first + 1} {roots[first]!r} lies inside entry "
+        f"{second + 1} {roots[second]!r} (resolved: {resolved[first]!r} in "
+        f"{resolved[second]!r}); roots must be separate directory trees"
+    )

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+from collections.abc import Callable, Mapping
+from typing import TypeVar
 
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
     OffloadingConnectorStats,
@@ -221,6 +223,9 @@ def metric_definitions() -> dict[str, OffloadingMetricMetadata]:
     return {name: metric.metadata() for name, metric in METRICS.items()}
 
 
+_K = TypeVar("_K")
+
+
 class TierMetrics:
     """Turns an engine's cumulative counters, latency lists and gauges into
     one OffloadingConnectorStats per ``take_stats`` call (deltas since the
@@ -237,13 +242,8 @@ class TierMetrics:
     def take_stats(self) -> OffloadingConnectorStats:
         stats = OffloadingConnectorStats()
         engine = self._engine
-        for key, total in list(engine.counters.items()):
-            delta = total - self._reported[key]
-            if not delta:
-                continue
-            self._reported[key] = total
-            name, labels = counter_series(key)
-            stats.increase_counter(name, delta, (self._label, *labels))
+        self._increase(stats, engine.counters, self._reported, counter_series)
+        self._increase(stats, engine.root_counters, self._reported_by_root, self._root_series)
         for direction in list(engine.job_latencies):
             taken, engine.job_latencies[direction] = engine.job_latencies[direction], []
             for seconds in taken:
@@ -254,15 +254,25 @@ class TierMetrics:
         for root, gauges in engine.root_gauges().items():
             for gauge, value in gauges.items():  # named as their metric
                 stats.set_gauge(PREFIX + gauge, value, (self._label, root))
-        self._take_root_counts(stats)
         return stats
 
-    def _take_root_counts(self, stats: OffloadingConnectorStats) -> None:
-        engine = self._engine
-        for (index, direction, ok), total in list(engine.root_counters.items()):
-            delta = total - self._reported_by_root[index, direction, ok]
-            if not delta:
-                continue
-            self._reported_by_root[index, direction, ok] = total
-            labels = (engine.roots[index].root_dir, direction.value, "ok" if ok else "failed")
-            stats.increase_counter(PREFIX + "root_blocks", delta, (self._label, *labels))
+    def _increase(
+        self,
+        stats: OffloadingConnectorStats,
+        totals: Mapping[_K, int],
+        reported: collections.Counter[_K],
+        series: Callable[[_K], tuple[str, tuple[str, ...]]],
+    ) -> None:
+        """Each cumulative total's growth since the last call, as a counter
+        increase of its series."""
+        for key, total in list(totals.items()):
+            delta = total - reported[key]
+            if delta:
+                reported[key] = total
+                name, labels = series(key)
+                stats.increase_counter(name, delta, (self._label, *labels))
+
+    def _root_series(self, key: tuple[int, Direction, bool]) -> tuple[str, tuple[str, ...]]:
+        index, direction, ok = key
+        root = self._engine.roots[index].root_dir
+        return PREFIX + "root_blocks", (root, direction.value, "ok" if ok else "failed")

@@ -69,21 +69,20 @@ class StepRoot(NamedTuple):
 class BlockStep:
     """See the module doc. ``rows`` is the primary buffer as one flat view
     of ``rows.nbytes // block_size`` rows; ``roots`` the engine's roots in
-    list order and ``placement`` where a key lives among them (None: one
-    root)."""
+    list order and ``placement`` where a key lives among them."""
 
     def __init__(
         self,
         roots: Sequence[StepRoot],
         rows: memoryview,
-        placement: RootPlacement | None = None,
+        placement: RootPlacement,
         pause: PausePoints | None = None,
     ):
         self.roots = tuple(roots)
         self.block_size = self.roots[0].blockio.options.block_size
         self.num_chunks = rows.nbytes // self.block_size
         self._rows = rows
-        self._placement = placement if len(self.roots) > 1 else None
+        self._placement = placement
         self._pause = pause
 
     def run(
@@ -114,9 +113,8 @@ class BlockStep:
     def _load(self, key: bytes, row: memoryview) -> BlockResult:
         """From the block's home root, else its second choice (where it was
         written before the home root was added); a lost root is skipped."""
-        choices = (0,) if self._placement is None else self._placement.choices(key)
         first_error: BlockNotMoved | None = None
-        for index in choices:
+        for index in self._placement.choices(key):
             root = self.roots[index]
             if root.guard.signals.root_lost:
                 first_error = first_error or VolumeFailed(root.blockio.layout.root_dir)
@@ -131,8 +129,7 @@ class BlockStep:
         raise first_error
 
     def _store(self, key: bytes, row: memoryview, still_wanted: Callable[[], bool]) -> BlockResult:
-        root = self.roots[0 if self._placement is None else self._placement.home(key)]
-        blockio, guard = root
+        blockio, guard = self.roots[self._placement.home(key)]
         if guard.signals.root_lost:
             raise VolumeFailed(blockio.layout.root_dir)
         if not guard.allows_store():
