@@ -21,6 +21,7 @@ NUMERIC = {
     "lease_interval_s": (0.1, 3600, 1e-6, 3601),
     "failed_load_miss_s": (1, 3600, 0.5, 3601),
     "numa_node": (0, 1023, -1, 1024),
+    "io_workers_nice": (0, 19, -1, 20),
 }
 HUGE = int("9" * 400)  # json.loads gives an int this large; float() of it overflows
 

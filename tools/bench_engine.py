@@ -130,6 +130,7 @@ def open_tier(args, roots: list[str], primary: Primary, config: dict, per_side: 
             "checksum": args.checksum,
             "durability": args.durability,
             "max_pending_store_blocks": max(1024, primary.size // block),
+            "io_workers_nice": int(variant.get("nice", 0)),
         }
     )
     layouts = [CacheLayout.for_identity(r, IDENTITY) for r in settings.root_dirs]

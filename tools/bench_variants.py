@@ -12,7 +12,11 @@ A variant is ``NAME:key=value,...`` with keys
 * ``prefault`` -- ``off`` turns the workers' page-table filler off
   (``engine/workers/prefault.py``) through a ``sitecustomize`` on the
   workers' PYTHONPATH: the engine itself has no such switch;
-* ``nice`` -- the workers' nice value (through the same ``sitecustomize``).
+* ``nice`` -- the workers' nice increment (the ``io_workers_nice`` setting);
+* ``site`` -- a directory put first on the workers' PYTHONPATH, e.g. an
+  unpacked wheel of another xxhash, so two builds of a dependency are
+  compared in one run (workers mode: I/O threads hash in the benchmark's
+  own process, which has imported its xxhash already).
 
 Threading: applied on the benchmark's main thread around an engine's
 start-up (workers inherit the environment at spawn).
@@ -28,7 +32,7 @@ from collections.abc import Iterator
 
 __all__ = ["Variant", "applied", "parse_variant"]
 
-_KEYS = ("io_workers", "hash_kib", "prefault", "nice")
+_KEYS = ("io_workers", "hash_kib", "prefault", "nice", "site")
 _SITECUSTOMIZE = """
 import os
 if os.environ.get("LLMKV_BENCH_NO_PREFAULT"):
@@ -38,8 +42,6 @@ if os.environ.get("LLMKV_BENCH_NO_PREFAULT"):
         _init(self, rows, row_bytes)
         self.working = False
     _prefault.RowPrefault.__init__ = _off
-if os.environ.get("LLMKV_BENCH_NICE"):
-    os.nice(int(os.environ["LLMKV_BENCH_NICE"]))
 """
 
 
@@ -61,6 +63,12 @@ def parse_variant(text: str) -> Variant:
     return variant
 
 
+def _put_first_on_pythonpath(directory: str) -> None:
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        p for p in (directory, os.environ.get("PYTHONPATH")) if p
+    )
+
+
 @contextlib.contextmanager
 def applied(variant: Variant) -> Iterator[None]:
     """``variant``'s hash piece and worker environment in force for the
@@ -73,17 +81,14 @@ def applied(variant: Variant) -> Iterator[None]:
     try:
         if "hash_kib" in variant:
             io_setup._HASH_CHUNK = io_setup._HASH_CHUNK_WORKERS = int(variant["hash_kib"]) << 10
-        if variant.get("prefault") == "off" or "nice" in variant:
+        if "site" in variant:
+            _put_first_on_pythonpath(os.path.abspath(variant["site"]))
+        if variant.get("prefault") == "off":
             site = tempfile.mkdtemp(prefix="llmkv_bench_site_")
             with open(os.path.join(site, "sitecustomize.py"), "w", encoding="utf-8") as f:
                 f.write(_SITECUSTOMIZE)
-            os.environ["PYTHONPATH"] = os.pathsep.join(
-                p for p in (site, saved_env.get("PYTHONPATH")) if p
-            )
-            if variant.get("prefault") == "off":
-                os.environ["LLMKV_BENCH_NO_PREFAULT"] = "1"
-            if "nice" in variant:
-                os.environ["LLMKV_BENCH_NICE"] = variant["nice"]
+            _put_first_on_pythonpath(site)
+            os.environ["LLMKV_BENCH_NO_PREFAULT"] = "1"
         yield
     finally:
         io_setup._HASH_CHUNK, io_setup._HASH_CHUNK_WORKERS = saved_chunks

@@ -8,7 +8,8 @@ run of ours, store and load side by side, the 1.0 line marked.
 
 Each ``--run LABEL=FILE[:PREFIX]`` takes the ratio rows of FILE whose
 configuration starts with PREFIX (default: every row of ours); a label given
-more than once gathers the rows of all its files. Needs
+more than once gathers the rows of all its files, and a bar is then the
+median of its files' ratios (each file one run on one lease). Needs
 matplotlib (vLLM installs it).
 """
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import statistics
 
 import matplotlib
 
@@ -44,17 +46,25 @@ def load_run(spec: str) -> tuple[str, dict[tuple[str, str], tuple[float, float]]
     return label, found
 
 
+def _median_pair(pairs: list[tuple[float, float]]) -> tuple[float, float]:
+    return statistics.median(p[0] for p in pairs), statistics.median(p[1] for p in pairs)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--run", action="append", required=True, metavar="LABEL=FILE[:PREFIX]")
     p.add_argument("--out", required=True)
     p.add_argument("--title", default="ours / vLLM built-in at its best thread count")
     args = p.parse_args()
-    merged: dict[str, dict[tuple[str, str], tuple[float, float]]] = {}
+    gathered: dict[str, dict[tuple[str, str], list[tuple[float, float]]]] = {}
     for spec in args.run:  # one label from several files: their rows together
         label, found = load_run(spec)
-        merged.setdefault(label, {}).update(found)
-    runs = list(merged.items())
+        for key, ratios in found.items():
+            gathered.setdefault(label, {}).setdefault(key, []).append(ratios)
+    runs = [
+        (label, {key: _median_pair(pairs) for key, pairs in found.items()})
+        for label, found in gathered.items()
+    ]
     groups = sorted({key for _label, found in runs for key in found})
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=False)
     width = 0.8 / len(runs)

@@ -26,6 +26,8 @@ import logging
 import time
 from collections.abc import Sequence
 
+import xxhash
+
 from llmkv_fs.config import TierSettings
 from llmkv_fs.engine.block.io_setup import rows_view
 from llmkv_fs.engine.block.pause import PausePoints
@@ -155,15 +157,16 @@ class FsEngine:
     def _log_start(self) -> None:
         settings = self.settings
         workers = (
-            f"{self.io_workers} worker processes"
+            f"{self.io_workers} worker processes (nice +{settings.io_workers_nice})"
             if self.io_workers
             else f"{settings.n_read_threads} read + {settings.n_write_threads} write threads"
         )
         logger.info(
-            "llmkv_fs engine: %s, durability=%s, checksum=%s, numa: %s",
+            "llmkv_fs engine: %s, durability=%s, checksum=%s (xxh3 of python-xxhash %s), numa: %s",
             workers,
             settings.durability,
             settings.checksum,
+            xxhash.VERSION,
             self.pinning.reason,
         )
         for root in self.roots:
@@ -187,6 +190,7 @@ class FsEngine:
                     handover,
                     [(r.layout, r.blockio.options, r.signals) for r in self.roots],
                     self.pinning.cpus,
+                    self.settings.io_workers_nice,
                 )
                 self._scheduler.start(ProcessExecutor(spec, wanted))
                 return wanted

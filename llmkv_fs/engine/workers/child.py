@@ -118,6 +118,9 @@ def serve(spec: dict[str, Any]) -> None:
     _die_with_parent(spec["parent"])
     if spec["cpus"]:
         os.sched_setaffinity(0, spec["cpus"])
+    # Before any thread of ours starts (the prefault filler): they inherit it.
+    # A positive increment is always permitted.
+    os.nice(spec["nice"])
     jobs_fd, results_fd = spec["jobs_fd"], spec["results_fd"]
     step, prefault = _block_step(spec)
     stamps = _AccessStamps([root.blockio for root in step.roots])

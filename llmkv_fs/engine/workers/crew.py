@@ -72,6 +72,7 @@ class WorkerSpec:
         handover: RegionHandover,
         roots: Sequence[tuple[CacheLayout, IoOptions, VolumeSignals]],
         cpus: Collection[int] | None,
+        nice: int = 0,
     ):
         self.handover = handover
         self.signals = [signals for _, _, signals in roots]
@@ -85,6 +86,7 @@ class WorkerSpec:
             "rank": layout.rank,
             "roots": [_root_spec(layout, options) for layout, options, _ in roots],
             "cpus": sorted(cpus) if cpus else None,
+            "nice": nice,
         }
 
     @property
