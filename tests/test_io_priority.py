@@ -5,9 +5,15 @@ scheduler (docs/configuration.md). Both io modes, each asserting its rule."""
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import threading
+
+import pytest
+import xxhash
+
+from llmkv_fs.engine.block.hash_path import xxh3_path_for
 
 from engine_kit import round_trip, wait_until
 
@@ -25,12 +31,16 @@ def thread_nices(pid: int) -> dict[int, int]:
     return nices
 
 
-def test_io_workers_nice_lowers_worker_processes_and_spares_io_threads(engines, tmp_path):
+def test_io_workers_nice_lowers_worker_processes_and_spares_io_threads(engines, tmp_path, caplog):
     base = os.getpriority(os.PRIO_PROCESS, 0)
     wanted = min(19, base + NICER_BY)
-    engine, _, primary = engines(str(tmp_path / "root"), io_workers_nice=NICER_BY)
+    with caplog.at_level(logging.INFO, logger="vllm.llmkv_fs"):
+        engine, _, primary = engines(str(tmp_path / "root"), io_workers_nice=NICER_BY)
+    started = [r.getMessage() for r in caplog.records if "llmkv_fs engine: " in r.getMessage()]
+    assert len(started) == 1 and f"xxh3 of python-xxhash {xxhash.VERSION}: " in started[0]
     round_trip(engine, primary, 8)
     if engines.mode.workers:
+        assert f"4 worker processes (nice +{NICER_BY})" in started[0]
         pids = engine.executor.worker_pids()
         assert len(pids) == 4
 
@@ -44,3 +54,22 @@ def test_io_workers_nice_lowers_worker_processes_and_spares_io_threads(engines, 
         assert len(io_threads) == 4
         assert {os.getpriority(os.PRIO_PROCESS, t.native_id) for t in io_threads} == {base}
     round_trip(engine, primary, 8)  # and at that priority every byte still comes back
+
+
+X86_AVX512 = frozenset({"sse2", "avx2", "avx512f"})
+
+
+@pytest.mark.parametrize(
+    "machine,flags,version,path",
+    [
+        ("x86_64", X86_AVX512, "4.1.0", "avx512"),
+        ("x86_64", frozenset({"sse2", "avx2"}), "4.1.0", "avx2"),
+        ("x86_64", frozenset({"sse2"}), "4.2", "sse2"),
+        ("x86_64", X86_AVX512, "4.0.1", "sse2 (python-xxhash 4.0.1 has no run-time dispatch"),
+        ("x86_64", X86_AVX512, "3.6.0", "sse2 (python-xxhash 3.6.0"),
+        ("x86_64", X86_AVX512, "dev", "sse2 (python-xxhash dev"),
+        ("aarch64", frozenset({"asimd"}), "4.1.0", "built for aarch64"),
+    ],
+)
+def test_the_start_up_line_says_which_xxh3_runs(machine, flags, version, path):
+    assert xxh3_path_for(machine, flags, version).startswith(path)

@@ -29,6 +29,7 @@ from collections.abc import Sequence
 import xxhash
 
 from llmkv_fs.config import TierSettings
+from llmkv_fs.engine.block.hash_path import xxh3_path
 from llmkv_fs.engine.block.io_setup import rows_view
 from llmkv_fs.engine.block.pause import PausePoints
 from llmkv_fs.engine.block.step import BlockStep
@@ -162,11 +163,13 @@ class FsEngine:
             else f"{settings.n_read_threads} read + {settings.n_write_threads} write threads"
         )
         logger.info(
-            "llmkv_fs engine: %s, durability=%s, checksum=%s (xxh3 of python-xxhash %s), numa: %s",
+            "llmkv_fs engine: %s, durability=%s, checksum=%s (xxh3 of python-xxhash %s: %s), "
+            "numa: %s",
             workers,
             settings.durability,
             settings.checksum,
             xxhash.VERSION,
+            xxh3_path(),
             self.pinning.reason,
         )
         for root in self.roots:

@@ -1,0 +1,55 @@
+"""Which xxh3 code the checksum runs on this machine, for the start-up log.
+
+python-xxhash 4.1 links xxHash's x86 dispatcher, which picks the widest of
+SSE2, AVX2 and AVX-512 that the CPU and the kernel support when the module
+loads; 4.0 and older run SSE2 on x86-64 whatever the CPU (docs/benchmarks.md,
+"Issue 20, second round": 10.6 against 28.9 GB/s hot on the 16-core
+machine). The dispatcher does not report its choice, so it is inferred here
+from the CPU flags the kernel publishes (which already leave out what the
+kernel does not enable). Reads /proc/cpuinfo once; any thread may call it.
+"""
+
+from __future__ import annotations
+
+import functools
+import platform
+
+import xxhash
+
+__all__ = ["xxh3_path", "xxh3_path_for"]
+
+_DISPATCH_SINCE = (4, 1)
+
+
+def xxh3_path_for(machine: str, cpu_flags: frozenset[str], xxhash_version: str) -> str:
+    """The vector path of xxh3 for a CPU architecture, its flags and an xxhash version."""
+    if machine not in ("x86_64", "AMD64", "i686", "i386"):
+        return f"built for {machine}"
+    try:
+        version = tuple(int(part) for part in xxhash_version.split(".")[:2])
+    except ValueError:
+        version = (0, 0)
+    if version < _DISPATCH_SINCE:
+        return f"sse2 (python-xxhash {xxhash_version} has no run-time dispatch; 4.1 has)"
+    if "avx512f" in cpu_flags:
+        return "avx512"
+    if "avx2" in cpu_flags:
+        return "avx2"
+    return "sse2"
+
+
+def _cpu_flags() -> frozenset[str]:
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.partition(":")[2].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+@functools.cache
+def xxh3_path() -> str:
+    """This process's xxh3 path, e.g. ``avx512``."""
+    return xxh3_path_for(platform.machine(), _cpu_flags(), xxhash.VERSION)
