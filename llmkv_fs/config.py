@@ -7,7 +7,8 @@ key and what is valid, before any thread or file exists.
 
 Each setting is declared once, as a field of ``TierSettings`` (type, default,
 and in its metadata the doc, the check and whether vLLM's built-in fs tier
-takes the same key); ``SETTINGS`` is the table view derived from those fields.
+takes the same key; how, in declared.py); ``SETTINGS`` is the table view derived
+from those fields.
 Every check (the reusable ones live in checks.py) says what it accepts
 (``Setting.valid``, e.g. the range of a number); the docs show it and a
 refused value's error quotes it.
@@ -18,7 +19,7 @@ refused value's error quotes it.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 from llmkv_fs.checks import (
@@ -33,30 +34,10 @@ from llmkv_fs.checks import (
     percent,
     seconds,
 )
+from llmkv_fs.declared import Setting, declare, table_of
 from llmkv_fs.rootlist import split_root_list
 
 __all__ = ["SETTINGS", "Setting", "TierConfigError", "TierSettings"]
-
-
-@dataclasses.dataclass(frozen=True)
-class Setting:
-    key: str
-    default: Any
-    doc: str
-    check: Callable[[str, Any], Any]
-    required: bool = False
-    vllm_builtin: bool = False  # accepted by vLLM's own fs tier with the same meaning
-    valid: str = ""  # what the check accepts, in words (shown in the docs)
-
-
-_DECLARED = "llmkv_fs.setting"  # the metadata key of a TierSettings field
-
-
-@dataclasses.dataclass(frozen=True)
-class _Declared:
-    doc: str
-    check: Callable[[str, Any], Any]
-    vllm_builtin: bool
 
 
 @accepts("a non-empty directory path")
@@ -103,12 +84,6 @@ def _io_workers(key: str, value: Any) -> str | int:
     raise fail(key, value, f'"auto" or an integer in [0, {IO_WORKERS_MAX}]')
 
 
-def _declare(
-    doc: str, check: Callable[[str, Any], Any], *, vllm_builtin: bool = False
-) -> dict[str, _Declared]:
-    return {_DECLARED: _Declared(doc, check, vllm_builtin)}
-
-
 @dataclasses.dataclass(frozen=True)
 class TierSettings:
     """Validated settings of one llmkv_fs tier. Immutable; safe to share
@@ -119,13 +94,11 @@ class TierSettings:
     table view of these fields)."""
 
     root_dir: str = dataclasses.field(
-        metadata=_declare(
-            "Root directory of the shared cache volume.", _root_dir, vllm_builtin=True
-        )
+        metadata=declare("Root directory of the shared cache volume.", _root_dir, vllm_builtin=True)
     )
     path_sharding: str = dataclasses.field(
         default="none",
-        metadata=_declare(
+        metadata=declare(
             "none: root_dir is one directory (a comma in it is part of its name). "
             "by_block_hash: root_dir lists several roots separated by commas "
             '("/mnt/nvme0/kv,/mnt/nvme1/kv") and each block is stored whole on one '
@@ -140,7 +113,7 @@ class TierSettings:
     )
     require_mounted_root: bool = dataclasses.field(
         default=False,
-        metadata=_declare(
+        metadata=declare(
             "Refuse to start when root_dir is not on a mounted volume (its mount "
             "point is '/', the container's own disk), so an unmounted volume never "
             "becomes a cache on local disk. Off by default, as vLLM's built-in fs "
@@ -152,7 +125,7 @@ class TierSettings:
     )
     n_read_threads: int = dataclasses.field(
         default=16,
-        metadata=_declare(
+        metadata=declare(
             "Load-priority I/O threads (they also drain stores when idle).",
             int_between(1, 512),
             vllm_builtin=True,
@@ -160,7 +133,7 @@ class TierSettings:
     )
     n_write_threads: int = dataclasses.field(
         default=16,
-        metadata=_declare(
+        metadata=declare(
             "Store-priority I/O threads (they also drain loads when idle).",
             int_between(1, 512),
             vllm_builtin=True,
@@ -168,7 +141,7 @@ class TierSettings:
     )
     enable_kv_events: bool = dataclasses.field(
         default=False,
-        metadata=_declare(
+        metadata=declare(
             "Emit BlockStored KV events for blocks that landed in this tier, and "
             "BlockRemoved for files it quarantined (needs KV cache events enabled "
             "globally).",
@@ -178,7 +151,7 @@ class TierSettings:
     )
     locality: str | None = dataclasses.field(
         default=None,
-        metadata=_declare(
+        metadata=declare(
             "Whether the volume is LOCAL or REMOTE to this instance (KV events).",
             _locality,
             vllm_builtin=True,
@@ -186,7 +159,7 @@ class TierSettings:
     )
     durability: str = dataclasses.field(
         default="none",
-        metadata=_declare(
+        metadata=declare(
             "none: publish by rename only (a torn file after power loss is caught "
             "by the checksum and quarantined); file: fsync each block before the "
             "rename; full: also fsync the directory after the rename.",
@@ -195,7 +168,7 @@ class TierSettings:
     )
     checksum: bool = dataclasses.field(
         default=True,
-        metadata=_declare(
+        metadata=declare(
             "Write an xxh3-64 checksum of every block and verify it on load. "
             "Off: the trailer still carries length and key, which are verified; "
             "blocks are then counted unverified. A reader with checksum on never "
@@ -208,7 +181,7 @@ class TierSettings:
     )
     accept_trailerless: bool = dataclasses.field(
         default=False,
-        metadata=_declare(
+        metadata=declare(
             "Also load trailer-less files of exactly one chunk (what vLLM's built-in "
             "fs tier writes), as unverified. Off by default: such a file carries no "
             "key or checksum, so a torn or damaged one would reach the CPU tier "
@@ -220,7 +193,7 @@ class TierSettings:
     )
     io_mode: str = dataclasses.field(
         default="auto",
-        metadata=_declare(
+        metadata=declare(
             "auto: O_DIRECT where the volume accepts it (probed once), else "
             "buffered; direct: require O_DIRECT; buffered: never use it.",
             one_of("auto", "direct", "buffered"),
@@ -228,7 +201,7 @@ class TierSettings:
     )
     numa_node: str | int = dataclasses.field(
         default="auto",
-        metadata=_declare(
+        metadata=declare(
             "auto: pin I/O threads to the CPUs of the NUMA node holding the "
             "primary buffer (multi-node machines only); an integer: that node; "
             '"off": never pin.',
@@ -237,7 +210,7 @@ class TierSettings:
     )
     io_workers: str | int = dataclasses.field(
         default="auto",
-        metadata=_declare(
+        metadata=declare(
             "Where blocks are moved. 0: on n_read_threads + n_write_threads threads "
             "inside vLLM's engine-core process (sharing its GIL). N: in N worker "
             "processes that map the CPU tier themselves (half of them load-first, "
@@ -255,7 +228,7 @@ class TierSettings:
     )
     io_workers_nice: int = dataclasses.field(
         default=0,
-        metadata=_declare(
+        metadata=declare(
             "Added to the nice value of each I/O worker process (0: as vLLM's "
             "engine-core process; 19: run only on CPU time nothing else wants). "
             "With it, io_workers may be the CPU count: on the 16-core benchmark "
@@ -270,7 +243,7 @@ class TierSettings:
     )
     max_pending_store_blocks: int = dataclasses.field(
         default=1024,
-        metadata=_declare(
+        metadata=declare(
             "Store blocks allowed to wait for an I/O thread. A store job that "
             "would exceed it fails at once (the block stays in the CPU tier); a "
             "single job larger than the bound is accepted only into an empty queue.",
@@ -279,7 +252,7 @@ class TierSettings:
     )
     lookup_threads: int = dataclasses.field(
         default=4,
-        metadata=_declare(
+        metadata=declare(
             "Threads that run one step's batched existence checks in parallel "
             "(each check is one metadata round trip on a network filesystem).",
             int_between(1, 256),
@@ -287,7 +260,7 @@ class TierSettings:
     )
     job_timeout_s: float = dataclasses.field(
         default=30.0,
-        metadata=_declare(
+        metadata=declare(
             "Deadline of one transfer job. A store past it fails (blocks in flight "
             "are abandoned and never published). A load past it fails its queued "
             "blocks at once; a load whose read is still inside the kernel is "
@@ -301,7 +274,7 @@ class TierSettings:
     )
     max_usage_percent: float = dataclasses.field(
         default=95.0,
-        metadata=_declare(
+        metadata=declare(
             "Space guard: when the volume (statvfs, sampled about once a second "
             "off the scheduler thread) is fuller than this, new stores are dropped "
             "(reported failed, counted) and loads continue.",
@@ -310,7 +283,7 @@ class TierSettings:
     )
     min_free_bytes: int = dataclasses.field(
         default=0,
-        metadata=_declare(
+        metadata=declare(
             "Space guard: drop new stores while fewer bytes than this are free: an "
             "integer, or a size with a decimal or binary suffix (see Sizes below): "
             '"20GB" or "20G" is 20 * 10^9 bytes, "20GiB" or "20Gi" 20 * 2^30. '
@@ -323,7 +296,7 @@ class TierSettings:
     )
     file_mode: int = dataclasses.field(
         default=0o640,
-        metadata=_declare(
+        metadata=declare(
             'Mode of block and config files ("0640"). KV bytes reveal prompt '
             "content, so others get nothing; the group may read, which is how "
             "replicas running as different users in one fsGroup share.",
@@ -332,7 +305,7 @@ class TierSettings:
     )
     dir_mode: int = dataclasses.field(
         default=0o770,
-        metadata=_declare(
+        metadata=declare(
             'Mode of directories this tier creates ("0770"). Group write lets '
             "replicas and gc running as other users of the group add, "
             "quarantine and remove files.",
@@ -341,7 +314,7 @@ class TierSettings:
     )
     lease_interval_s: float = dataclasses.field(
         default=30.0,
-        metadata=_declare(
+        metadata=declare(
             "How often the tier refreshes its lease file under the digest "
             "directory; gc treats a lease older than 4 intervals as dead. The "
             "housekeeping thread wakes twice per interval (at least once a "
@@ -351,7 +324,7 @@ class TierSettings:
     )
     failed_load_miss_s: float = dataclasses.field(
         default=60.0,
-        metadata=_declare(
+        metadata=declare(
             "How long a block whose load failed in a way that would repeat -- an "
             "I/O error (EIO), a bad file that could not be moved to .quarantine/, "
             "a file without the checksum this reader wants -- answers miss to new "
@@ -396,25 +369,5 @@ class TierSettings:
         return dataclasses.asdict(self)
 
 
-def _table() -> tuple[Setting, ...]:
-    table = []
-    for f in dataclasses.fields(TierSettings):
-        declared: _Declared = f.metadata[_DECLARED]  # KeyError: a field without _declare()
-        required = f.default is dataclasses.MISSING
-        valid = declared.check.valid  # type: ignore[attr-defined]  # see accepts
-        table.append(
-            Setting(
-                f.name,
-                None if required else f.default,
-                f"{declared.doc} Valid: {valid}.",
-                declared.check,
-                required=required,
-                vllm_builtin=declared.vllm_builtin,
-                valid=valid,
-            )
-        )
-    return tuple(table)
-
-
-SETTINGS: tuple[Setting, ...] = _table()
+SETTINGS: tuple[Setting, ...] = table_of(TierSettings)
 _BY_KEY = {s.key: s for s in SETTINGS}
