@@ -7,6 +7,7 @@ benchmarked on its own.
 Its public names are here: construct ``FsEngine`` (it prepares the volume
 itself), read its ``counters`` (keyed by the types of ``outcomes``)."""
 
+from llmkv_fs.engine.block.hash_path import xxh3_path
 from llmkv_fs.engine.engine import FinishedJob, FsEngine
 from llmkv_fs.engine.outcomes import (
     CANCELLED,
@@ -51,4 +52,5 @@ __all__ = [
     "VolumeFailed",
     "all_counter_keys",
     "prepare_volume",
+    "xxh3_path",
 ]

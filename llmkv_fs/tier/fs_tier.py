@@ -28,7 +28,7 @@ from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, Tra
 
 from llmkv_fs import __version__
 from llmkv_fs.config import TierSettings
-from llmkv_fs.engine import FsEngine
+from llmkv_fs.engine import FsEngine, xxh3_path
 from llmkv_fs.layout.leases import lease_for
 from llmkv_fs.layout.paths import CacheLayout, RunIdentity
 from llmkv_fs.tier.hashing import hashing_identity
@@ -245,6 +245,7 @@ class FsTier(SecondaryTierManager):
             "llmkv_fs_roots": len(engine.roots),
             "llmkv_fs_durability": s.durability,
             "llmkv_fs_checksum": s.checksum,
+            "llmkv_fs_checksum_xxh3": xxh3_path(),
             "llmkv_fs_job_timeout_s": s.job_timeout_s,
         }
 
@@ -259,6 +260,7 @@ _CONFIG_INFO_KEYS = (
     "llmkv_fs_roots",
     "llmkv_fs_durability",
     "llmkv_fs_checksum",
+    "llmkv_fs_checksum_xxh3",
     "llmkv_fs_job_timeout_s",
 )
 

@@ -1,4 +1,5 @@
-"""Which xxh3 code the checksum runs on this machine, for the start-up log.
+"""Which xxh3 code the checksum runs on this machine, for the start-up log
+and the ``llmkv_fs_checksum_xxh3`` label of vLLM's config-info gauge.
 
 python-xxhash 4.1 links xxHash's x86 dispatcher, which picks the widest of
 SSE2, AVX2 and AVX-512 that the CPU and the kernel support when the module
@@ -22,15 +23,17 @@ _DISPATCH_SINCE = (4, 1)
 
 
 def xxh3_path_for(machine: str, cpu_flags: frozenset[str], xxhash_version: str) -> str:
-    """The vector path of xxh3 for a CPU architecture, its flags and an xxhash version."""
+    """The vector path of xxh3 for a CPU architecture, its flags and an
+    xxhash version: ``avx512``, ``avx2``, ``sse2``, ``sse2-only`` (an xxhash
+    without dispatch) or ``<machine>-build`` (what the wheel was built for)."""
     if machine not in ("x86_64", "AMD64", "i686", "i386"):
-        return f"built for {machine}"
+        return f"{machine}-build"
     try:
         version = tuple(int(part) for part in xxhash_version.split(".")[:2])
     except ValueError:
         version = (0, 0)
     if version < _DISPATCH_SINCE:
-        return f"sse2 (python-xxhash {xxhash_version} has no run-time dispatch; 4.1 has)"
+        return "sse2-only"
     if "avx512f" in cpu_flags:
         return "avx512"
     if "avx2" in cpu_flags:
