@@ -233,8 +233,8 @@ class TierSettings:
             "engine-core process; 19: run only on CPU time nothing else wants). "
             "With it, io_workers may be the CPU count: on the 16-core benchmark "
             "machine 16 workers at 19 stored 6-11 % more than auto's 14 while a "
-            "scheduler stand-in was busy (no more when it was idle), and the stand-in "
-            "kept 95-101 % of its rate (docs/benchmarks.md). "
+            "scheduler stand-in was busy (-2 to +10 % while it was idle), and the "
+            "stand-in kept 95-101 % of its rate (docs/benchmarks.md). "
             "Worker processes only: an I/O thread (io_workers 0) shares the GIL "
             "with vLLM's scheduler, which would wait for a starved thread holding "
             "it, so threads always keep the engine's priority.",

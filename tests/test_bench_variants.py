@@ -4,6 +4,7 @@ benchmark (tools/bench_hash.py) do what the docs' figures say they did: a
 variant's engine starts, a bad key is refused by name, and bench_hash prints
 one JSON line per case with the xxhash it measured. No timing is asserted."""
 
+import importlib
 import json
 import os
 import subprocess
@@ -14,23 +15,27 @@ import pytest
 import xxhash
 
 TOOLS = Path(__file__).parent.parent / "tools"
-sys.path.insert(0, str(TOOLS))
-
-from bench_variants import applied, parse_variant  # noqa: E402
 
 
-def test_a_site_variant_is_first_on_pythonpath_only_inside(tmp_path, monkeypatch):
+@pytest.fixture
+def variants(monkeypatch):
+    """tools/bench_variants.py, importable for this test only."""
+    monkeypatch.syspath_prepend(str(TOOLS))
+    return importlib.import_module("bench_variants")
+
+
+def test_a_site_variant_is_first_on_pythonpath_only_inside(variants, tmp_path, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", "/before")
-    variant = parse_variant(f"x41:site={tmp_path},nice=19,io_workers=16")
+    variant = variants.parse_variant(f"x41:site={tmp_path},nice=19,io_workers=16")
     assert variant.name == "x41" and variant["nice"] == "19"
-    with applied(variant):
+    with variants.applied(variant):
         assert os.environ["PYTHONPATH"].split(os.pathsep) == [str(tmp_path), "/before"]
     assert os.environ["PYTHONPATH"] == "/before"
 
 
-def test_an_unknown_variant_key_is_refused_by_name():
+def test_an_unknown_variant_key_is_refused_by_name(variants):
     with pytest.raises(ValueError, match="'colour=red' is not one of"):
-        parse_variant("x:colour=red")
+        variants.parse_variant("x:colour=red")
 
 
 def test_bench_hash_reports_each_case_with_its_xxhash():

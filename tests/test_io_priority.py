@@ -10,10 +10,9 @@ import os
 import re
 import threading
 
-import pytest
 import xxhash
 
-from llmkv_fs.engine.block.hash_path import xxh3_path_for
+from llmkv_fs.engine import xxh3_path
 
 from engine_kit import round_trip, wait_until
 
@@ -37,7 +36,8 @@ def test_io_workers_nice_lowers_worker_processes_and_spares_io_threads(engines, 
     with caplog.at_level(logging.INFO, logger="vllm.llmkv_fs"):
         engine, _, primary = engines(str(tmp_path / "root"), io_workers_nice=NICER_BY)
     started = [r.getMessage() for r in caplog.records if "llmkv_fs engine: " in r.getMessage()]
-    assert len(started) == 1 and f"xxh3 of python-xxhash {xxhash.VERSION}: " in started[0]
+    assert len(started) == 1
+    assert f"(xxh3 of python-xxhash {xxhash.VERSION}: {xxh3_path()})" in started[0]
     round_trip(engine, primary, 8)
     if engines.mode.workers:
         assert f"4 worker processes (nice +{NICER_BY})" in started[0]
@@ -50,26 +50,8 @@ def test_io_workers_nice_lowers_worker_processes_and_spares_io_threads(engines, 
         wait_until(all_nicer, f"every thread of every worker at nice {wanted}")
         assert os.getpriority(os.PRIO_PROCESS, 0) == base, "the engine's own priority moved"
     else:
+        assert "io_workers_nice applies to worker processes only: not used" in started[0]
         io_threads = [t for t in threading.enumerate() if re.fullmatch(r"llmkv_fs_[rw]\d+", t.name)]
         assert len(io_threads) == 4
         assert {os.getpriority(os.PRIO_PROCESS, t.native_id) for t in io_threads} == {base}
     round_trip(engine, primary, 8)  # and at that priority every byte still comes back
-
-
-X86_AVX512 = frozenset({"sse2", "avx2", "avx512f"})
-
-
-@pytest.mark.parametrize(
-    "machine,flags,version,path",
-    [
-        ("x86_64", X86_AVX512, "4.1.0", "avx512"),
-        ("x86_64", frozenset({"sse2", "avx2"}), "4.1.0", "avx2"),
-        ("x86_64", frozenset({"sse2"}), "4.2", "sse2"),
-        ("x86_64", X86_AVX512, "4.0.1", "sse2-only"),
-        ("x86_64", X86_AVX512, "3.6.0", "sse2-only"),
-        ("x86_64", X86_AVX512, "dev", "sse2-only"),
-        ("aarch64", frozenset({"asimd"}), "4.1.0", "aarch64-build"),
-    ],
-)
-def test_the_start_up_line_says_which_xxh3_runs(machine, flags, version, path):
-    assert xxh3_path_for(machine, flags, version) == path

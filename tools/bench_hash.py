@@ -12,23 +12,30 @@ only) against 4.1 (SSE2 / AVX2 / AVX-512 chosen at run time):
     PYTHONPATH=/path/to/xxhash-4.1 python3 tools/bench_hash.py --procs 1 --procs 14
 
 Prints one JSON line per (processes, kind): the xxhash version, GB/s per
-process (median of --rounds) and in all. Imports nothing but xxhash and the
-stdlib, so it runs on the lent machine as it is.
+process (median of --rounds) and in all. Imports xxhash, the stdlib and the
+engine's piece size (from a checkout too), so it runs on the lent machine as
+it is.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import multiprocessing
 import os
 import statistics
+import sys
 import time
 
 import xxhash
 
+if importlib.util.find_spec("llmkv_fs") is None:  # a checkout, not installed
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from llmkv_fs.engine.block.io_setup import _HASH_CHUNK_WORKERS as PIECE
+
 BLOCK = 2 << 20
-PIECE = 256 << 10
 
 
 def _hash_rate(kind: str, region_mib: int, seconds: float) -> float:

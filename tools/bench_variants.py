@@ -16,7 +16,10 @@ A variant is ``NAME:key=value,...`` with keys
 * ``site`` -- a directory put first on the workers' PYTHONPATH, e.g. an
   unpacked wheel of another xxhash, so two builds of a dependency are
   compared in one run (workers mode: I/O threads hash in the benchmark's
-  own process, which has imported its xxhash already).
+  own process, which has imported its xxhash already). Run from a checkout:
+  a worker's path starts with the package's own root (engine/workers/
+  crew.py), which for an installed package is site-packages, holding the
+  installed xxhash.
 
 Threading: applied on the benchmark's main thread around an engine's
 start-up (workers inherit the environment at spawn).

@@ -9,7 +9,7 @@ run of ours, store and load side by side, the 1.0 line marked.
 Each ``--run LABEL=FILE[:PREFIX]`` takes the ratio rows of FILE whose
 configuration starts with PREFIX (default: every row of ours); a label given
 more than once gathers the rows of all its files, and a bar is then the
-median of its files' ratios (each file one run on one lease). Needs
+median of its files' ratios (each file one run). Needs
 matplotlib (vLLM installs it).
 """
 

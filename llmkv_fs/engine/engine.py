@@ -157,11 +157,12 @@ class FsEngine:
 
     def _log_start(self) -> None:
         settings = self.settings
-        workers = (
-            f"{self.io_workers} worker processes (nice +{settings.io_workers_nice})"
-            if self.io_workers
-            else f"{settings.n_read_threads} read + {settings.n_write_threads} write threads"
-        )
+        if self.io_workers:
+            workers = f"{self.io_workers} worker processes (nice +{settings.io_workers_nice})"
+        else:
+            workers = f"{settings.n_read_threads} read + {settings.n_write_threads} write threads"
+            if settings.io_workers_nice:
+                workers += " (io_workers_nice applies to worker processes only: not used)"
         logger.info(
             "llmkv_fs engine: %s, durability=%s, checksum=%s (xxh3 of python-xxhash %s: %s), "
             "numa: %s",

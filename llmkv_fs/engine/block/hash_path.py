@@ -7,7 +7,12 @@ loads; 4.0 and older run SSE2 on x86-64 whatever the CPU (docs/benchmarks.md,
 "Issue 20, second round": 10.6 against 28.9 GB/s hot on the 16-core
 machine). The dispatcher does not report its choice, so it is inferred here
 from the CPU flags the kernel publishes (which already leave out what the
-kernel does not enable). Reads /proc/cpuinfo once; any thread may call it.
+kernel does not enable). Two blind spots, both outside what pip installs: a
+python-xxhash built against a system libxxhash (``XXHASH_LINK_SO``) runs
+whatever that library was built with; and the answer is the engine-core
+process's, which worker processes share (same interpreter, same path) unless
+a benchmark puts another xxhash on their PYTHONPATH (tools/bench_variants.py,
+``site=``). Reads /proc/cpuinfo once; any thread may call it.
 """
 
 from __future__ import annotations

@@ -118,8 +118,8 @@ def serve(spec: dict[str, Any]) -> None:
     _die_with_parent(spec["parent"])
     if spec["cpus"]:
         os.sched_setaffinity(0, spec["cpus"])
-    # Before any thread of ours starts (the prefault filler): they inherit it.
-    # A positive increment is always permitted.
+    # A worker is one thread (the prefault runs between jobs on it), so this is
+    # the whole worker. A positive increment is always permitted.
     os.nice(spec["nice"])
     jobs_fd, results_fd = spec["jobs_fd"], spec["results_fd"]
     step, prefault = _block_step(spec)
