@@ -12,7 +12,7 @@ import os
 
 from llmkv_fs import __version__
 from llmkv_fs.config import SETTINGS
-from llmkv_fs.harness import bench, demo, e2e
+from llmkv_fs.harness import bench, demo
 from llmkv_fs.ops import gc, stats, verify
 
 
@@ -91,14 +91,6 @@ def build_parser(prog: str = "llmkv-fs") -> argparse.ArgumentParser:
     )
     bench.add_arguments(bench_parser)
     bench_parser.set_defaults(func=_bench)
-
-    e2e_parser = sub.add_parser(
-        "bench-e2e",
-        help="TTFT of a real vllm serve (CPU): cold vs from llmkv_fs vs from vLLM's fs tier",
-        description=e2e.__doc__.split("\n\n")[0],
-    )
-    e2e.add_arguments(e2e_parser)
-    e2e_parser.set_defaults(func=e2e.run)
 
     doc = sub.add_parser("config-doc", help="print the settings table (docs/configuration.md)")
     doc.set_defaults(func=_config_doc)

@@ -1,11 +1,16 @@
 """The list of roots of a sharded tier (``path_sharding: "by_block_hash"``,
 the keys of vLLM's open multi-root PR): ``root_dir`` as directories
-separated by commas. Checked by spelling here, before anything exists on
-disk; ``layout.roots`` adds the checks that need the filesystem (the same
-directory through a symlink or a bind mount). The tier, the engine and the
-volume tools all split the list here, so they agree on it.
+separated by commas, split and checked here -- first by spelling
+(``split_root_list``: empty, repeated or nested entries, too many), then
+against the filesystem (``check_roots_distinct``: two entries that are one
+directory through a symlink or a bind mount, or nested once links are
+resolved; an entry that does not exist yet is judged by its nearest existing
+ancestor). Both run before anything is created. The tier, the engine and the
+volume tools all split and check the list here, so they agree on it; the
+name a root is placed by is ``root_identity``.
 
-Pure functions: safe from any thread.
+Stateless: safe from any thread. ``check_roots_distinct`` stats and
+resolves paths (start-up only, never on the scheduler thread).
 """
 
 from __future__ import annotations
@@ -15,7 +20,14 @@ from collections.abc import Callable, Sequence
 
 from llmkv_fs.checks import TierConfigError
 
-__all__ = ["MAX_ROOTS", "RootListError", "first_overlap", "root_identity", "split_root_list"]
+__all__ = [
+    "MAX_ROOTS",
+    "RootListError",
+    "check_roots_distinct",
+    "first_overlap",
+    "root_identity",
+    "split_root_list",
+]
 
 # Every root costs a housekeeping thread, a shared page and a lease; 64 is
 # far past any server's count of drives or exports.
@@ -83,3 +95,58 @@ def first_overlap(
                 if paths[inner].startswith(paths[outer].rstrip("/") + "/"):
                     return ("inside", inner, outer)
     return None
+
+
+def _nearest_existing(path: str) -> str:
+    path = os.path.abspath(path)
+    while not os.path.lexists(path):
+        parent = os.path.dirname(path)
+        if parent == path:
+            break
+        path = parent
+    return path
+
+
+def _resolved(path: str) -> str:
+    """``path`` with its links resolved as far as it exists, the rest (what
+    start-up would create) appended as spelled."""
+    path = os.path.abspath(path)
+    existing = _nearest_existing(path)
+    rest = os.path.relpath(path, existing)
+    real = os.path.realpath(existing)
+    return real if rest == "." else os.path.join(real, rest)
+
+
+def _identity(path: str) -> tuple[int, int] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino)
+
+
+def check_roots_distinct(key: str, roots: Sequence[str]) -> None:
+    """Raise RootListError naming the entries when two roots are one
+    directory (same device and inode: a symlink or bind mount) or one lies
+    inside another after resolving links."""
+    identities = [_identity(root) for root in roots]
+    resolved = [_resolved(root) for root in roots]
+
+    def same_inode(later: int, earlier: int) -> bool:
+        return identities[later] is not None and identities[later] == identities[earlier]
+
+    overlap = first_overlap(resolved, same_inode)
+    if overlap is None:
+        return
+    kind, first, second = overlap
+    if kind == "same":
+        raise RootListError(
+            f"llmkv_fs: {key}: entry {first + 1} {roots[first]!r} and entry {second + 1} "
+            f"{roots[second]!r} are the same directory (a symlink or bind mount); list "
+            f"each root once"
+        )
+    raise RootListError(
+        f"llmkv_fs: {key}: entry {first + 1} {roots[first]!r} lies inside entry "
+        f"{second + 1} {roots[second]!r} (resolved: {resolved[first]!r} in "
+        f"{resolved[second]!r}); roots must be separate directory trees"
+    )

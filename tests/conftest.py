@@ -7,7 +7,7 @@ from typing import NamedTuple
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(__file__))  # tests/harness.py, tests/engine_kit.py
+sys.path.insert(0, os.path.dirname(__file__))  # tests/tier_kit.py, tests/engine_kit.py
 
 from nfs_kit import MOUNT_A_ENV, MOUNT_B_ENV, NO_VLLM_ENV, in_guest
 

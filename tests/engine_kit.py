@@ -17,6 +17,7 @@ import pytest
 from llmkv_fs.config import TierSettings
 from llmkv_fs.engine import FinishedJob, FsEngine, prepare_volume
 from llmkv_fs.engine.block.blockio import BlockIO, IoOptions
+from llmkv_fs.engine.block.bytepath import VectoredBytes
 from llmkv_fs.engine.block.pause import PAUSE_DIR_ENV
 from llmkv_fs.layout.paths import CacheLayout, RunIdentity
 
@@ -106,7 +107,7 @@ class Gate:
         kinds: tuple[str, ...] = (),
         point: str = "enter",
     ):
-        assert engine.step._pause is not None, "the engine started without a pause directory"
+        assert engine.pause is not None, "the engine started without a pause directory"
         self.dir = pause_dir
         self.point = point
         self.opened = _FileFlag(os.path.join(pause_dir, "open"))
@@ -169,7 +170,7 @@ def memfd_primary(size: int) -> mmap.mmap:
     return primary
 
 
-# Read by tests/harness.py (tiers started through vLLM's stack): the io_mode
+# Read by tests/tier_kit.py (tiers started through vLLM's stack): the io_mode
 # fixture's choice; unset means threads.
 IO_WORKERS_ENV = "LLMKV_FS_TEST_IO_WORKERS"
 
@@ -184,7 +185,7 @@ def _workers_for(settings: dict) -> int:
 def io_mode(request, tmp_path_factory, monkeypatch):
     """The engine's executor for this test: I/O threads (``io_workers: 0``)
     or worker processes. Every engine the test starts -- through ``engines``
-    or vLLM's stack (tests/harness.py) -- gets it, and a pause directory for
+    or vLLM's stack (tests/tier_kit.py) -- gets it, and a pause directory for
     ``Gate``. A module that drives the engine without ``engines`` opts in
     with ``pytestmark = pytest.mark.usefixtures("io_mode")``."""
     pause_dir = str(tmp_path_factory.mktemp("pause"))
@@ -207,9 +208,10 @@ def engines(io_mode):
     made: list[FsEngine] = []
     gates: list[Gate] = []
 
-    def make(root, n_blocks: int = 16, block_size: int = BS, **settings):
+    def make(root, n_blocks: int = 16, block_size: int = BS, byte_path=VectoredBytes, **settings):
         """``root`` may list several roots (with path_sharding="by_block_hash");
-        the layout returned is the first root's."""
+        the layout returned is the first root's. ``byte_path``: what moves
+        the bytes (engine/block/bytepath.py)."""
         primary = memfd_primary(n_blocks * block_size)
         if io_mode.workers:
             settings.setdefault("io_workers", _workers_for(settings))
@@ -219,7 +221,7 @@ def engines(io_mode):
         tier_settings = TierSettings(root_dir=root, **settings)
         layouts = [CacheLayout.for_identity(r, IDENTITY) for r in tier_settings.root_dirs]
         layout = layouts[0]
-        engine = FsEngine(tier_settings, layouts, primary, block_size)
+        engine = FsEngine(tier_settings, layouts, primary, block_size, byte_path)
         made.append(engine)
         if io_mode.workers and settings.get("io_workers", 0):
             assert engine.io_workers == settings["io_workers"], "worker mode fell back to threads"

@@ -20,10 +20,10 @@ from nfs_kit import in_guest
 
 from llmkv_fs.cli import main as cli_main
 from llmkv_fs.layout.blockfile import TRAILER_SIZE, pack_trailer, payload_checksum
-from llmkv_fs.layout.leases import Lease, write_lease
 from llmkv_fs.layout.names import temp_path
 from llmkv_fs.layout.paths import CacheLayout, RunIdentity
-from llmkv_fs.layout.run_config import ensure_run_config
+from llmkv_fs.volume.leases import Lease, write_lease
+from llmkv_fs.volume.run_config import ensure_run_config
 
 HOST = socket.gethostname()
 DAY = 86400.0

@@ -34,7 +34,7 @@ import uuid
 
 import pytest
 
-from llmkv_fs.layout.fsinfo import read_mounts
+from llmkv_fs.volume.fsinfo import read_mounts
 
 REQUIRE_ENV = "LLMKV_FS_REQUIRE_GLUSTER"
 PREFIX = "llmkvtest"

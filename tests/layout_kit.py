@@ -12,10 +12,10 @@ from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 from llmkv_fs.layout.paths import (
     CacheLayout,
 )
-from llmkv_fs.layout.run_config import render_run_config
 from llmkv_fs.tier.fs_tier import identity_from_spec
+from llmkv_fs.volume.run_config import render_run_config
 
-from harness import offloading_config
+from tier_kit import offloading_config
 
 ROOT = "/mnt/kvcache"
 ONE_GROUP = ((16, ("model.layers.0.self_attn", "model.layers.1.self_attn")),)

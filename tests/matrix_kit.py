@@ -36,7 +36,7 @@ from vllm.v1.kv_offload.base import LookupResult
 from llmkv_fs.layout.blockfile import FORMAT_VERSION, TRAILER_SIZE, BlockFileError, verify_block
 from llmkv_fs.layout.names import parse_temp_name
 
-from harness import MiB, payload_for, wait_until
+from tier_kit import MiB, payload_for, wait_until
 
 HIT, MISS, RETRY, HIT_PENDING = (
     LookupResult.HIT,

@@ -2,7 +2,7 @@
 
 Most shared volumes replicas really use are NFS, but the machines the suite
 runs on may have no NFS client or server in their kernel (no modules at all
-here). ``tools/nfs_loopback.sh`` boots Debian's stock kernel (fetched with
+here). ``tools/nfs/loopback.sh`` boots Debian's stock kernel (fetched with
 ``apt-get download``, unpacked, never installed) under QEMU software
 emulation with the host's ``/`` shared read-only over 9p and ``/tmp`` plus
 the checkout read-write, so the host's venv runs unchanged inside. In the
@@ -38,7 +38,7 @@ import time
 
 import pytest
 
-from llmkv_fs.layout.leases import pid_alive
+from llmkv_fs.volume.leases import pid_alive
 
 OPT_IN_ENV = "LLMKV_FS_NFS"
 REQUIRE_ENV = "LLMKV_FS_REQUIRE_NFS"
@@ -47,7 +47,7 @@ MOUNT_B_ENV = "LLMKV_FS_NFS_B"
 VERSION_ENV = "LLMKV_FS_NFS_VERS"
 NO_VLLM_ENV = "LLMKV_FS_NO_VLLM"  # set in the guest's CI batch (tests/conftest.py)
 SCRIPT = os.path.join(
-    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools", "nfs_loopback.sh"
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools", "nfs", "loopback.sh"
 )
 STATE_ROOT = "/run/llmkv-fs-nfs"
 # First start installs qemu + nfs userspace and fetches a 70 MB kernel package.

@@ -3,7 +3,7 @@ and exact file/directory modes whatever the process umask.
 
 Stamps are checked on a tmpfs mounted ``noatime``: the kernel then never
 touches atime by itself, so any change is ours. Modes are checked in a
-subprocess, because the umask is read once, when layout/files.py is imported.
+subprocess, because the umask is read once, when volume/files.py is imported.
 """
 
 from __future__ import annotations
@@ -177,8 +177,8 @@ _MODES_SCRIPT = textwrap.dedent("""
     os.umask(args["umask"])
     from llmkv_fs.config import TierSettings
     from llmkv_fs.engine import FsEngine
-    from llmkv_fs.layout import files
-    from llmkv_fs.layout.leases import lease_for, read_leases
+    from llmkv_fs.volume import files
+    from llmkv_fs.volume.leases import lease_for, read_leases
     from llmkv_fs.layout.paths import CacheLayout, RunIdentity
 
     BS = 64 * 1024

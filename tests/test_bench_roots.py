@@ -1,10 +1,8 @@
 """Several roots in the benchmarks (issue 19): how ``llmkv-fs bench`` and
-``tools/bench_engine.py`` read a comma list of roots, and the table of a
+``tools/bench/engine.py`` read a comma list of roots, and the table of a
 saved multi-root result. No vLLM, no I/O."""
 
 import json
-import os
-import sys
 from pathlib import Path
 
 import pytest
@@ -12,10 +10,9 @@ import pytest
 from llmkv_fs.harness import bench_report
 from llmkv_fs.harness.bench import add_root_scaling
 from llmkv_fs.harness.bench_media import roots_of
+from tools.bench.engine_cli import media_of
 
 DOCS = Path(__file__).parent.parent / "docs" / "bench"
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "tools"))
-from bench_engine_cli import media_of  # noqa: E402
 
 
 def test_a_comma_list_is_one_medium_of_several_roots():

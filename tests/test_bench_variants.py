@@ -1,5 +1,5 @@
-"""The engine benchmark's variants (tools/bench_variants.py) and the hash
-benchmark (tools/bench_hash.py) do what the docs' figures say they did: a
+"""The engine benchmark's variants (tools/bench/variants.py) and the hash
+benchmark (tools/bench/hash.py) do what the docs' figures say they did: a
 ``site`` directory comes first on the workers' PYTHONPATH only while the
 variant's engine starts, a bad key is refused by name, and bench_hash prints
 one JSON line per case with the xxhash it measured. No timing is asserted."""
@@ -14,14 +14,12 @@ from pathlib import Path
 import pytest
 import xxhash
 
-TOOLS = Path(__file__).parent.parent / "tools"
+REPO = Path(__file__).parent.parent
 
 
 @pytest.fixture
-def variants(monkeypatch):
-    """tools/bench_variants.py, importable for this test only."""
-    monkeypatch.syspath_prepend(str(TOOLS))
-    return importlib.import_module("bench_variants")
+def variants():
+    return importlib.import_module("tools.bench.variants")
 
 
 def test_a_site_variant_is_first_on_pythonpath_only_inside(variants, tmp_path, monkeypatch):
@@ -42,7 +40,8 @@ def test_bench_hash_reports_each_case_with_its_xxhash():
     out = subprocess.run(
         [
             sys.executable,
-            str(TOOLS / "bench_hash.py"),
+            "-m",
+            "tools.bench.hash",
             "--procs",
             "1",
             "--procs",

@@ -2,7 +2,7 @@
 tree -- ``<hhh>``, ``<hh>_g<g>``, the rank directory, the digest directory,
 ``leases`` -- replaced by a symlink to a directory elsewhere on the same
 filesystem must cost a miss or a refused store, never a directory, file,
-rename, unlink or stamp outside the root (layout.beneath resolves every name
+rename, unlink or stamp outside the root (volume.beneath resolves every name
 component by component from the root's descriptor, without following a
 link). Through the engine with I/O threads and with worker processes, on a
 real tmpfs and on the disk under tmp_path (ext4); prepare_volume and the
@@ -32,13 +32,13 @@ from llmkv_fs.engine import (
     VolumeError,
     prepare_volume,
 )
-from llmkv_fs.engine.block.io_setup import choose_o_direct
+from llmkv_fs.engine.startup.io_setup import choose_o_direct
 from llmkv_fs.layout.blockfile import TRAILER_SIZE
-from llmkv_fs.layout.files import PinnedRoot
-from llmkv_fs.layout.leases import lease_for, read_leases, refresh_lease, remove_lease, write_lease
 from llmkv_fs.layout.names import lease_dir, quarantine_dir, trash_path
 from llmkv_fs.layout.paths import CacheLayout
 from llmkv_fs.ops.gc.actions import delete_tree
+from llmkv_fs.volume.leases import lease_for, read_leases, refresh_lease, remove_lease, write_lease
+from llmkv_fs.volume.root import PinnedRoot
 
 from engine_kit import BS, IDENTITY, fill, make_key, pattern, row, settle, wait_jobs, write_blocks
 

@@ -16,7 +16,7 @@ from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 from llmkv_fs.config import SETTINGS, TierConfigError, TierSettings
 from llmkv_fs.engine import EngineError
 
-from harness import Replica, offloading_config, ours
+from tier_kit import Replica, offloading_config, ours
 
 VALID_KEYS = sorted(s.key for s in SETTINGS)
 DEFAULTS = {s.key: s.default for s in SETTINGS if not s.required}

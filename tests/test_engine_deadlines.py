@@ -337,7 +337,7 @@ def test_stuck_store_through_vllm_fails_cleanly_and_reset_completes(
 ):
     from vllm.v1.kv_offload.base import LookupResult
 
-    from harness import Replica, make_keys, offloading_config, ours, payload_for
+    from tier_kit import Replica, make_keys, offloading_config, ours, payload_for
 
     replica = Replica(offloading_config(tiers=[ours(disk_root, job_timeout_s=TIMEOUT_S)]))
     replicas.append(replica)
@@ -389,7 +389,7 @@ def test_stuck_store_through_vllm_fails_cleanly_and_reset_completes(
         return not engine.stalled()
 
     wait_until(recovered, "the stuck writes to return")
-    assert all(not os.path.lexists(replica.tier.layout.block_path(k)) for k in keys)
+    assert all(not os.path.lexists(replica.tier.engine.roots[0].layout.block_path(k)) for k in keys)
     assert temp_files(disk_root) == []
     assert len(results) == 1  # the abandoned writes were not reported again
 
@@ -397,5 +397,5 @@ def test_stuck_store_through_vllm_fails_cleanly_and_reset_completes(
     replica.store(fresh)
     assert results[-1].success
     for key in fresh:
-        with open(replica.tier.layout.block_path(key), "rb") as f:
+        with open(replica.tier.engine.roots[0].layout.block_path(key), "rb") as f:
             assert f.read(replica.row_bytes) == payload_for(key, replica.row_bytes)

@@ -74,14 +74,14 @@ def test_store_then_load_round_trip(volume, engines):
 
 def test_o_direct_chosen_on_tmpfs_and_ext4(volume, engines):
     engine, _, _ = engines(volume, n_blocks=2)
-    assert engine.use_o_direct is True
-    assert engine.blockio.options.use_o_direct is True
+    assert engine.roots[0].use_o_direct is True
+    assert engine.roots[0].blockio.options.use_o_direct is True
 
 
 def test_buffered_mode_never_uses_o_direct(volume, engines):
     engine, _, primary = engines(volume, n_blocks=2, io_mode="buffered")
-    assert engine.use_o_direct is False
-    assert engine.blockio.options.use_o_direct is False
+    assert engine.roots[0].use_o_direct is False
+    assert engine.roots[0].blockio.options.use_o_direct is False
     store_blocks(engine, primary, 1, [0], [0])
 
 
@@ -103,7 +103,7 @@ def test_direct_mode_with_unaligned_block_size_raises(disk_root):
 def test_auto_mode_with_unaligned_block_size_falls_back(disk_root, engines):
     block_size = 4096 + 512
     engine, _, primary = engines(disk_root, n_blocks=4, block_size=block_size)
-    assert engine.use_o_direct is False
+    assert engine.roots[0].use_o_direct is False
     data = pattern("odd", block_size)
     primary[block_size : 2 * block_size] = data
     assert engine.submit_store(1, [make_key("odd")], [1])
@@ -147,7 +147,7 @@ def test_engine_prepares_its_volume(tmp_path):
             BS,
         )
         try:
-            assert engine.run_config_state == expected
+            assert engine.roots[0].run_config_state == expected
             assert os.path.isfile(layout.config_path) and os.path.isdir(layout.rank_dir)
         finally:
             engine.shutdown()
@@ -420,7 +420,7 @@ def test_repeated_block_errors_are_logged_once_per_interval(disk_root, engines, 
     def failing_store(key, row_view, still_wanted=None):
         raise OSError(5, "Input/output error")  # not ENOSPC: that trips the space guard
 
-    engine.blockio.store = failing_store
+    engine.roots[0].blockio.store = failing_store
     with caplog.at_level(logging.WARNING, logger="vllm.llmkv_fs.engine"):
         for job_id in range(3):
             assert engine.submit_store(job_id, [make_key(job_id)], [job_id])

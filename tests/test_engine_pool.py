@@ -244,7 +244,7 @@ def test_io_threads_pin_to_the_node_holding_the_primary_buffer(disk_root, engine
     owns one real CPU; the buffer is reported on node 1. Every I/O thread
     (or worker process) must then run on exactly that CPU."""
     from llmkv_fs.engine import engine as engine_module
-    from llmkv_fs.engine.volume import numa
+    from llmkv_fs.engine.startup import numa
 
     cpus = sorted(os.sched_getaffinity(0))
     node1 = frozenset(cpus[-1:])
@@ -261,13 +261,13 @@ def test_io_threads_pin_to_the_node_holding_the_primary_buffer(disk_root, engine
         store_blocks(engine, primary, 1, range(8), range(8))
         return
     seen = []
-    real_store = engine.blockio.store
+    real_store = engine.roots[0].blockio.store
 
     def record(key, row_view, *rest):
         seen.append(frozenset(os.sched_getaffinity(0)))
         return real_store(key, row_view, *rest)
 
-    monkeypatch.setattr(engine.blockio, "store", record)
+    monkeypatch.setattr(engine.roots[0].blockio, "store", record)
     store_blocks(engine, primary, 1, range(8), range(8))
     assert seen and set(seen) == {node1}
     assert frozenset(os.sched_getaffinity(0)) == frozenset(cpus)  # the caller is untouched
@@ -288,3 +288,31 @@ def test_a_second_shutdown_closes_no_one_elses_descriptors(disk_root, engines):
     finally:
         for fd in others:
             os.close(fd)
+
+
+def _engine_memfds() -> int:
+    """Descriptors of this process on the engine's memfds (volume signals,
+    the workers' cancel board)."""
+    count = 0
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:
+            continue  # the listing's own fd, closed by now
+        count += target.startswith("/memfd:llmkv_fs_")
+    return count
+
+
+def test_a_shut_down_engine_holds_no_descriptor_and_still_answers(disk_root, engines):
+    """Issue 25: Python's mmap keeps a duplicate of the fd it maps, so the
+    volume-signals page held one descriptor per root after shutdown, until
+    the engine object was collected. What a shut-down engine is still asked
+    (its roots' state) is answered without one."""
+    before = _engine_memfds()
+    engine, _, _ = engines(f"{disk_root}/a,{disk_root}/b", path_sharding="by_block_hash")
+    assert _engine_memfds() > before
+    engine.shutdown()
+    assert _engine_memfds() == before
+    gauges = engine.root_gauges()
+    assert [g["volume_failed"] for g in gauges.values()] == [0, 0]
+    assert [g["space_guard_tripped"] for g in gauges.values()] == [0, 0]

@@ -9,7 +9,7 @@ import os
 import threading
 
 from llmkv_fs.engine import Direction, Failure, Outcome
-from llmkv_fs.engine.volume import space as space_module
+from llmkv_fs.engine.upkeep import space as space_module
 
 from engine_kit import fill, held_by_executor, make_key, pattern, wait_jobs, wait_until
 
@@ -66,6 +66,6 @@ def test_enospc_trips_the_guard_where_the_write_failed(mount_tmpfs, engines, mon
     assert engine.counters[Direction.STORE, Failure.ERROR] + engine.counters[
         Direction.STORE, Failure.SPACE
     ] == len(job.failed)
-    assert not engine.guard.allows_store() and engine.guard.reason == "ENOSPC"
-    assert engine.signals.free_at_enospc() is not None  # measured right then
+    assert not engine.roots[0].guard.allows_store() and engine.roots[0].guard.reason == "ENOSPC"
+    assert engine.roots[0].signals.free_at_enospc() is not None  # measured right then
     assert not [name for name in measured_on if name.endswith("_conductor")], measured_on

@@ -9,7 +9,7 @@ from vllm.v1.kv_offload.base import LookupResult
 
 from llmkv_fs.engine import Direction, Failure
 
-from harness import Replica, make_keys, offloading_config, ours, payload_for
+from tier_kit import Replica, make_keys, offloading_config, ours, payload_for
 from volume_kit import block_files, temp_files
 
 # Our tier through vLLM's stack, in both io modes (I/O threads, worker processes).
@@ -31,7 +31,7 @@ def test_full_disk_fails_stores_cleanly_and_reads_continue(mount_tmpfs, io_mode)
         errors = counters[Direction.STORE, Failure.ERROR]
         assert errors >= 1
         assert errors + counters[Direction.STORE, Failure.SPACE] == 10 - len(files)
-        assert not replica.tier.engine.guard.allows_store()
+        assert not replica.tier.engine.roots[0].guard.allows_store()
         # Nothing torn under a final name, no temp file left behind.
         assert {os.path.getsize(f) for f in files} == {replica.row_bytes + 4096}
         assert not temp_files(small_tmpfs)
@@ -40,7 +40,9 @@ def test_full_disk_fails_stores_cleanly_and_reads_continue(mount_tmpfs, io_mode)
         try:
             ctx = reader.new_request()
             final, _ = reader.find(keys, ctx)
-            stored = {k for k in keys if os.path.exists(reader.tier.layout.block_path(k))}
+            stored = {
+                k for k in keys if os.path.exists(reader.tier.engine.roots[0].layout.block_path(k))
+            }
             assert {k for k, v in final.items() if v is LookupResult.HIT} == stored
             for key in stored:
                 assert reader.read_primary(key, ctx) == payload_for(key, reader.row_bytes)

@@ -1,5 +1,5 @@
 """gc evicting blocks while a real tier (vLLM 0.33's TieringOffloadingManager
-on CPU, through tests/harness.py) loads the same blocks. A load of an
+on CPU, through tests/tier_kit.py) loads the same blocks. A load of an
 evicted block fails cleanly for that key -- MISS, never wrong bytes, never an
 exception -- and a fresh store of it works."""
 
@@ -10,7 +10,7 @@ import pytest
 from vllm.v1.kv_offload.base import LookupResult
 
 from gc_kit import age, cache_entries, gc_process, gc_run, running, stop_watch
-from harness import make_keys, ours, payload_for, start, wait_until
+from tier_kit import make_keys, ours, payload_for, start, wait_until
 
 HIT, MISS, RETRY, HIT_PENDING = (
     LookupResult.HIT,
@@ -58,7 +58,7 @@ def test_evicted_between_lookup_and_load_is_a_clean_miss(volume, replicas):
     writer = start(replicas, ours(volume))
     keys = make_keys(6, seed="gc-evict")
     writer.store(keys)
-    paths = [writer.tier.layout.block_path(k) for k in keys]
+    paths = [writer.tier.engine.roots[0].layout.block_path(k) for k in keys]
     # The later half is older: --max-bytes asks for exactly those to go. (A
     # load keeps only the prefix before its first failed block, as vLLM's
     # built-in does, so the evicted blocks are the suffix of the request.)

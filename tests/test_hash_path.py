@@ -1,11 +1,11 @@
-"""Which xxh3 code the checksum runs (engine/block/hash_path.py), as the
+"""Which xxh3 code the checksum runs (engine/startup/hash_path.py), as the
 start-up line and the ``llmkv_fs_checksum_xxh3`` config-info label say it:
 from the architecture, the CPU flags and the xxhash version. The line itself
 is checked in tests/test_io_priority.py, in both io modes."""
 
 import pytest
 
-from llmkv_fs.engine.block.hash_path import xxh3_path_for
+from llmkv_fs.engine.startup.hash_path import xxh3_path_for
 
 X86_AVX512 = frozenset({"sse2", "avx2", "avx512f"})
 

@@ -2,7 +2,7 @@
 each read or write, and the piece depends on who moves the bytes -- 1 MiB
 for I/O threads in vLLM's process (each piece is one more GIL hand-off),
 256 KiB for worker processes (no GIL; 14 busy workers evict a 1 MiB piece
-before it is hashed). Both measured: engine/block/io_setup.py.
+before it is hashed). Both measured: engine/startup/io_setup.py.
 
 What a worker process moves blocks with is what it was started with: the
 JSON spec on its command line, read here from /proc. Real tmpfs and ext4,
@@ -31,7 +31,7 @@ def test_workers_hash_in_smaller_pieces_than_threads(medium, mount_tmpfs, tmp_pa
     # 2 MiB blocks: larger than either piece, so both paths hash in pieces.
     engine, primary = worker_engine(f"{base}/kv", 8, 2 << 20)
     try:
-        threads_piece = engine.blockio.options.hash_chunk
+        threads_piece = engine.roots[0].blockio.options.hash_chunk
         pieces = [worker_options(pid)["hash_chunk"] for pid in engine.executor.worker_pids()]
         if medium == "tmpfs":
             assert threads_piece == 1 << 20

@@ -17,7 +17,7 @@ from vllm.v1.kv_offload.base import Locality, LookupResult, Medium
 
 from llmkv_fs.engine import Direction, Failure, Tally
 
-from harness import (
+from tier_kit import (
     make_keys,
     ours,
     resolve,
@@ -84,7 +84,7 @@ def test_stores_dropped_by_the_queue_bound_yield_no_event(disk_root, replicas):
     keys = make_keys(30, seed="events-burst")
     store_burst_while_stalled(a, keys)
 
-    landed = {k for k in keys if os.path.exists(a.tier.layout.block_path(k))}
+    landed = {k for k in keys if os.path.exists(a.tier.engine.roots[0].layout.block_path(k))}
     dropped = a.tier.engine.counters[Direction.STORE, Failure.QUEUE_FULL]
     assert dropped > 0 and len(landed) == 30 - dropped
     events = tier_events(a)
@@ -98,11 +98,11 @@ def test_stores_refused_by_the_space_guard_yield_no_event(disk_root, replicas):
         ours(disk_root, enable_kv_events=True, min_free_bytes=1 << 60),
         enable_kv_events=True,
     )
-    wait_until(lambda: not a.tier.engine.guard.allows_store(), "the space guard to trip")
+    wait_until(lambda: not a.tier.engine.roots[0].guard.allows_store(), "the space guard to trip")
     keys = make_keys(3, seed="events-full")
     a.store(keys)
     assert a.tier.engine.counters[Direction.STORE, Failure.SPACE] == 3
-    assert not any(os.path.exists(a.tier.layout.block_path(k)) for k in keys)
+    assert not any(os.path.exists(a.tier.engine.roots[0].layout.block_path(k)) for k in keys)
     assert tier_events(a) == []
 
 
@@ -111,13 +111,13 @@ def test_quarantined_load_yields_block_removed(disk_root, replicas):
     keys = make_keys(4, seed="events-flip")
     a.store(keys)
     assert keys_of(tier_events(a), removed=False) == set(keys)
-    flip_a_bit(a.tier.layout.block_path(keys[1]))
+    flip_a_bit(a.tier.engine.roots[0].layout.block_path(keys[1]))
 
     b = start(replicas, ours(disk_root, enable_kv_events=True), enable_kv_events=True)
 
     def vanish(key):  # found by the lookup, gone before the load runs: not ours to announce
         if key == keys[2]:
-            os.unlink(b.tier.layout.block_path(key))
+            os.unlink(b.tier.engine.roots[0].layout.block_path(key))
 
     # Two requests, two load jobs: a job stops at its first failed block.
     final = resolve(b, [keys[0], keys[3], keys[1]])
@@ -139,7 +139,7 @@ def _store_and_corrupt_load(root, replicas, tier_events_on, global_events_on):
     )
     keys = make_keys(3, seed=f"events-off-{tier_events_on}-{global_events_on}")
     a.store(keys)
-    flip_a_bit(a.tier.layout.block_path(keys[0]))
+    flip_a_bit(a.tier.engine.roots[0].layout.block_path(keys[0]))
     b = start(
         replicas, ours(root, enable_kv_events=tier_events_on), enable_kv_events=global_events_on
     )

@@ -21,7 +21,6 @@ from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 from llmkv_fs.layout.names import parse_temp_name, safe_model_component, temp_path
 from llmkv_fs.layout.paths import CacheLayout, LayoutError, RunIdentity
 
-from harness import offloading_config
 from layout_kit import (
     KEYS,
     ONE_GROUP,
@@ -32,6 +31,7 @@ from layout_kit import (
     spec_for,
     vllm_mapper,
 )
+from tier_kit import offloading_config
 
 
 def _matrix():
@@ -296,7 +296,7 @@ def test_a_pid_started_after_its_lease_is_a_reused_pid():
     import sys
     import time
 
-    from llmkv_fs.layout.leases import pid_alive
+    from llmkv_fs.volume.leases import pid_alive
 
     assert pid_alive(os.getpid())
     assert pid_alive(os.getpid(), started_by_ns=time.time_ns())

@@ -21,18 +21,18 @@ import pytest
 
 import llmkv_fs
 from llmkv_fs.engine import Outcome
-from llmkv_fs.engine.volume.space import SpaceGuard
-from llmkv_fs.layout.leases import STALE_AFTER_INTERVALS, Lease, lease_dir, read_leases
+from llmkv_fs.engine.upkeep.space import SpaceGuard
+from llmkv_fs.volume.leases import STALE_AFTER_INTERVALS, Lease, lease_dir, read_leases
 
 from engine_kit import IO_WORKERS_ENV
-from harness import Replica, assert_io_mode, offloading_config, ours, payload_for, wait_until
+from tier_kit import Replica, assert_io_mode, offloading_config, ours, payload_for, wait_until
 
 WARNING = "will not share cache"
 TOKENS = list(range(1000, 1016))  # one full 16-token block
 
 
 def leases_of(replica) -> list:
-    return read_leases(replica.tier.layout.base_path)
+    return read_leases(replica.tier.engine.roots[0].layout.base_path)
 
 
 def own_leases(replica) -> list:
@@ -74,8 +74,8 @@ def test_lease_lifecycle(disk_root):
         engine = replica.tier.engine
         # Before the first step the hash seed is not known yet: no lease, even
         # after the housekeeping thread has been round once.
-        seen = engine.guard.usage
-        wait_until(lambda: engine.guard.usage is not seen, "a housekeeping round")
+        seen = engine.roots[0].guard.usage
+        wait_until(lambda: engine.roots[0].guard.usage is not seen, "a housekeeping round")
         assert leases_of(replica) == []
 
         replica.step()
@@ -88,7 +88,9 @@ def test_lease_lifecycle(disk_root):
         assert lease.llmkv_fs_version == llmkv_fs.__version__
         assert lease.interval_s == 0.5
         assert started <= lease.started_ns <= time.time_ns()
-        assert os.path.dirname(lease.path) == lease_dir(replica.tier.layout.base_path)
+        assert os.path.dirname(lease.path) == lease_dir(
+            replica.tier.engine.roots[0].layout.base_path
+        )
         assert os.path.basename(lease.path) == lease.file_name
         with open(lease.path, "rb") as f:
             on_disk = json.loads(f.read())
@@ -113,7 +115,7 @@ def test_lease_lifecycle(disk_root):
         replica.close()
         closed = True
         assert leases_of(replica) == []
-        assert os.listdir(lease_dir(replica.tier.layout.base_path)) == []
+        assert os.listdir(lease_dir(replica.tier.engine.roots[0].layout.base_path)) == []
     finally:
         if not closed:
             replica.close()
@@ -272,7 +274,7 @@ def _replica_process(role: str, root: str, control: str) -> None:
     replica = Replica(
         offloading_config(tiers=[ours(root, lease_interval_s=1.0)], cpu_bytes=16 << 20)
     )
-    housekeeping = replica.tier.engine.housekeeping
+    housekeeping = replica.tier.engine.roots[0].housekeeping
     replica.step()
     lease = wait_for_lease(replica)
     # The peer check runs right after each write or refresh of our lease:
@@ -283,13 +285,13 @@ def _replica_process(role: str, root: str, control: str) -> None:
         "fingerprint": lease.seed_fingerprint,
         "hash_algo": lease.hash_algo,
         "key": key.hex(),
-        "path": replica.tier.layout.block_path(key),
-        "base": replica.tier.layout.base_path,
+        "path": replica.tier.engine.roots[0].layout.block_path(key),
+        "base": replica.tier.engine.roots[0].layout.base_path,
         "io_workers": replica.tier.engine.io_workers,
         "other_fingerprints": sorted(housekeeping.other_fingerprints),
         "peers_seen": sum(
             x.is_live(this_host=socket.gethostname())
-            for x in read_leases(replica.tier.layout.base_path)
+            for x in read_leases(replica.tier.engine.roots[0].layout.base_path)
             if x.path != lease.path
         ),
     }
@@ -318,7 +320,7 @@ def test_housekeeping_survives_a_failed_first_lease_write(tmp_path, monkeypatch)
     """The first write of the lease fails (EIO): the thread stays up, keeps
     sampling space and writes the lease on a later round -- it must not
     "refresh" a lease file that was never written."""
-    from llmkv_fs.engine.volume import housekeeping as housekeeping_module
+    from llmkv_fs.engine.upkeep import housekeeping as housekeeping_module
 
     real_write = housekeeping_module.write_lease
     calls = []
@@ -356,7 +358,7 @@ def test_a_zombie_writer_is_not_alive():
     """A SIGKILLed process nobody has reaped yet is dead for gc and leases."""
     import signal
 
-    from llmkv_fs.layout.leases import pid_alive
+    from llmkv_fs.volume.leases import pid_alive
 
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:

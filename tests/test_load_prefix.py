@@ -23,8 +23,8 @@ from engine_kit import (
     wait_until,
 )
 from engine_kit import make_key as engine_key
-from harness import Replica, builtin, make_keys, offloading_config, ours, payload_for
 from matrix_kit import lookup_until, served
+from tier_kit import Replica, builtin, make_keys, offloading_config, ours, payload_for
 from volume_kit import flip_a_bit
 
 HIT, MISS, HIT_PENDING = LookupResult.HIT, LookupResult.MISS, LookupResult.HIT_PENDING
@@ -146,7 +146,7 @@ def test_bit_flip_mid_job_through_vllm_keeps_the_prefix(disk_root, replicas):
     writer = _start(replicas, ours(disk_root))
     keys = make_keys(4, seed="prefix-flip")
     writer.store(keys)
-    flip_a_bit(writer.tier.layout.block_path(keys[1]))
+    flip_a_bit(writer.tier.engine.roots[0].layout.block_path(keys[1]))
     reader = _start(replicas, ours(disk_root))
     ctx = reader.new_request()
     final, _ = reader.find(keys, ctx)

@@ -20,18 +20,9 @@ import pytest
 
 from llmkv_fs.config import TierSettings
 from llmkv_fs.engine import FsEngine, Outcome
-from llmkv_fs.layout.leases import pid_alive
+from llmkv_fs.volume.leases import pid_alive
 
 from engine_kit import IO_WORKERS_ENV, memfd_primary
-from harness import (
-    Replica,
-    assert_io_mode,
-    make_keys,
-    offloading_config,
-    ours,
-    payload_for,
-    wait_until,
-)
 from matrix_kit import (
     BLOCK,
     HIT,
@@ -41,6 +32,15 @@ from matrix_kit import (
     record,
     served,
     temp_owner,
+)
+from tier_kit import (
+    Replica,
+    assert_io_mode,
+    make_keys,
+    offloading_config,
+    ours,
+    payload_for,
+    wait_until,
 )
 from volume_kit import block_files, files_under
 
@@ -128,8 +128,10 @@ def test_sigkill_mid_write_never_publishes_a_torn_file(shared_volume, replicas):
     replicas.append(reader)
     assert_io_mode(reader)
     clock = TierClock(reader.tier)
-    writer_layout = dataclasses.replace(reader.tier.layout, root_dir=shared_volume.a)
-    rank_dir = reader.tier.layout.rank_dir
+    writer_layout = dataclasses.replace(
+        reader.tier.engine.roots[0].layout, root_dir=shared_volume.a
+    )
+    rank_dir = reader.tier.engine.roots[0].layout.rank_dir
     rng = random.Random(f"{SEED}-{shared_volume.fs}")
 
     # Calibration: writers run to the end; kills then land anywhere in the
@@ -160,7 +162,7 @@ def test_sigkill_mid_write_never_publishes_a_torn_file(shared_volume, replicas):
     }
     for trial in range(TRIALS):
         keys = make_keys(KEYS_PER_TRIAL, seed=f"kill-{shared_volume.fs}-{trial}")
-        paths = {reader.tier.layout.block_path(k): k for k in keys}
+        paths = {reader.tier.engine.roots[0].layout.block_path(k): k for k in keys}
         writer = _start_writer(writer_layout, keys)
         time.sleep(max(0.0, writer.started + rng.uniform(0, span) - time.monotonic()))
         figures["killed_alive"] += writer.child.kill()

@@ -19,7 +19,6 @@ from llmkv_fs.engine import Direction, EngineError, Failure, Outcome, Tally
 from llmkv_fs.layout.blockfile import Corruption
 
 from engine_kit import Gate
-from harness import Replica, make_keys, offloading_config, ours, start, wait_until
 from matrix_kit import (
     DAMAGES,
     HIT,
@@ -39,6 +38,7 @@ from matrix_kit import (
     served,
     temp_owner,
 )
+from tier_kit import Replica, make_keys, offloading_config, ours, start, wait_until
 from volume_kit import block_files, temp_files
 
 # Our tier in both io modes (I/O threads, worker processes).
@@ -91,11 +91,11 @@ def test_damaged_files_are_never_served(shared_volume, replicas, when, io_mode):
     bad = dict(zip(DAMAGES, make_keys(len(DAMAGES), seed=f"bad-{when}")))
     keys = good + list(bad.values())
     writer.store(keys)
-    donor = writer.tier.layout.block_path(good[0])
+    donor = writer.tier.engine.roots[0].layout.block_path(good[0])
 
     def damage():
         for name, key in bad.items():
-            DAMAGES[name][0](writer.tier.layout.block_path(key), donor)
+            DAMAGES[name][0](writer.tier.engine.roots[0].layout.block_path(key), donor)
 
     reader, clock = start_clocked(replicas, shared_volume.b)
     # A request per damaged block: a load job stops at its first bad block
@@ -149,15 +149,15 @@ def test_damaged_files_are_never_served(shared_volume, replicas, when, io_mode):
         f"load_corrupt_{k}": v for k, v in counters.items() if isinstance(k, Corruption)
     } == expected
     assert counters[Tally.QUARANTINED] == len(loaded_bad)
-    quarantine = sorted(os.listdir(reader.tier.layout.quarantine_dir))
+    quarantine = sorted(os.listdir(reader.tier.engine.roots[0].layout.quarantine_dir))
     assert len(quarantine) == len(loaded_bad)
     for name in loaded_bad:  # each moved aside, named by its reason, gone from its path
-        path = reader.tier.layout.block_path(bad[name])
+        path = reader.tier.engine.roots[0].layout.block_path(bad[name])
         assert not os.path.lexists(path)
         reason = DAMAGES[name][1].removeprefix("load_corrupt_")
         assert any(q.startswith(os.path.basename(path)) and f".{reason}." in q for q in quarantine)
     for name in set(DAMAGES) - set(loaded_bad):  # odd sizes never pass the lookup
-        assert os.path.exists(reader.tier.layout.block_path(bad[name]))
+        assert os.path.exists(reader.tier.engine.roots[0].layout.block_path(bad[name]))
 
     # A fresh request: MISS at once, no second load, no livelock.
     for ctx, _ in requests:
@@ -184,7 +184,7 @@ def test_file_deleted_between_hit_and_load_fails_only_that_key(shared_volume, re
     reader, clock = start_clocked(replicas, shared_volume.b)
     ctx = reader.new_request()
     assert set(lookup_until(reader, keys, ctx).values()) == {HIT_PENDING}
-    os.unlink(writer.tier.layout.block_path(keys[1]))  # another replica's gc, say
+    os.unlink(writer.tier.engine.roots[0].layout.block_path(keys[1]))  # another replica's gc, say
 
     final, _ = reader.find(keys, ctx)
     hits, wrong = served(reader, keys, final, ctx)
@@ -243,14 +243,14 @@ def test_eio_fails_loads_and_stores_cleanly(tmp_path, replicas):
         reader.store(fresh)  # settles; the primary keeps them, the tier fails them
         assert counters[Direction.STORE, Failure.ERROR] == len(fresh)
         assert counters[Outcome.WRITTEN] == 0
-        assert reader.tier.engine.guard.allows_store()  # EIO is not a full volume
+        assert reader.tier.engine.roots[0].guard.allows_store()  # EIO is not a full volume
         final, _ = reader.find(fresh)
         assert final == dict.fromkeys(fresh, HIT)  # served from the CPU tier
         assert clock.errors == []
         for replica in (reader, writer):
             # Removing the lease would raise EIO out of shutdown: that bug has
             # its own test below; here the replicas just have to go.
-            replica.tier.engine.housekeeping.lease_path = None
+            replica.tier.engine.roots[0].housekeeping.lease_path = None
             replicas.remove(replica)
             replica.close()
     record(
@@ -267,7 +267,9 @@ def test_shutdown_on_a_failed_volume_does_not_raise(tmp_path):
     with loop_ext4(tmp_path / "eio-shutdown") as root:
         replica = Replica(offloading_config(tiers=[ours(root)]))
         replica.step()  # the first step publishes this tier's lease
-        wait_until(lambda: replica.tier.engine.housekeeping.lease_path is not None, "the lease")
+        wait_until(
+            lambda: replica.tier.engine.roots[0].housekeeping.lease_path is not None, "the lease"
+        )
         ext4_shutdown(root)
         try:
             replica.close()
@@ -324,7 +326,7 @@ def test_eacces_as_nobody_fails_loads_and_stores_cleanly(open_root, replicas):
     keys = make_keys(4, seed="eacces")
     owner.store(keys)
     os.chmod(root, 0o777)  # nobody may start a tier here...
-    os.chmod(owner.tier.layout.config_path, 0o644)  # ...and read the run config
+    os.chmod(owner.tier.engine.roots[0].layout.config_path, 0o644)  # ...and read the run config
     fresh = make_keys(3, seed="eacces-fresh")
 
     got = Forked(
@@ -343,8 +345,8 @@ def test_eacces_as_nobody_fails_loads_and_stores_cleanly(open_root, replicas):
     assert counters["load_errors"] + counters["load_skipped"] == len(keys)
     assert counters["store_errors"] == len(fresh)
     assert counters["quarantined"] == 0
-    assert sorted(block_files(owner.tier.layout.rank_dir)) == sorted(
-        owner.tier.layout.block_path(k) for k in keys
+    assert sorted(block_files(owner.tier.engine.roots[0].layout.rank_dir)) == sorted(
+        owner.tier.engine.roots[0].layout.block_path(k) for k in keys
     )
     assert temp_files(root) == []
     record(
@@ -389,7 +391,11 @@ def test_read_only_remount_mid_run_fails_stores_loads_continue(
         assert final == {**dict.fromkeys(before, HIT), **dict.fromkeys(after, MISS)}
         assert wrong == 0 and reader.tier.engine.counters[Outcome.VERIFIED] == len(before)
         for path in block_files(root):  # what was published before the remount is whole
-            key = next(k for k in before + racing if writer.tier.layout.block_path(k) == path)
+            key = next(
+                k
+                for k in before + racing
+                if writer.tier.engine.roots[0].layout.block_path(k) == path
+            )
             assert block_problem(path, key) is None
         # A store caught between its write and its rename cannot remove its
         # temp file on a read-only volume; it is ours -- this process's or

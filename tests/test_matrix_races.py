@@ -22,7 +22,6 @@ from llmkv_fs.engine.block.blockio import BlockIO, IoOptions
 from llmkv_fs.layout.paths import CacheLayout
 
 from engine_kit import IDENTITY
-from harness import Replica, make_keys, offloading_config, ours, payload_for
 from matrix_kit import (
     BLOCK,
     Forked,
@@ -33,6 +32,7 @@ from matrix_kit import (
     record,
     served,
 )
+from tier_kit import Replica, make_keys, offloading_config, ours, payload_for
 from volume_kit import files_under
 
 SEED = int(os.environ.get("LLMKV_FS_MATRIX_SEED", "5"))
@@ -135,7 +135,7 @@ def _check_volume(reader, keys: set[bytes], store_errors: int) -> dict:
     """At most one file per key, each complete and correct, nothing else
     (no temp file, no stray); a key may be missing only if a store failed.
     A vLLM reader on mount B serves every present key byte exact."""
-    layout = reader.tier.layout
+    layout = reader.tier.engine.roots[0].layout
     expected = {layout.block_path(k): k for k in keys}
     on_disk = files_under(layout.rank_dir)
     assert set(on_disk) <= set(expected), f"stray: {sorted(set(on_disk) - set(expected))[:5]}"

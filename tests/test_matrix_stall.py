@@ -14,7 +14,6 @@ import pytest
 from llmkv_fs.engine import Direction, Failure, Outcome
 
 from gluster_kit import _gluster
-from harness import MiB, Replica, assert_io_mode, make_keys, offloading_config, ours, payload_for
 from matrix_kit import (
     HIT,
     HIT_PENDING,
@@ -27,6 +26,7 @@ from matrix_kit import (
     served,
     stopped,
 )
+from tier_kit import MiB, Replica, assert_io_mode, make_keys, offloading_config, ours, payload_for
 from volume_kit import block_files, temp_files
 
 # Our tier in both io modes (I/O threads, worker processes).
@@ -119,9 +119,11 @@ def test_stalled_brick_never_blocks_the_scheduler(gluster, replicas):
     hits, wrong = served(reader, loads, final, ctx)
     assert wrong == 0
     assert set(final.values()) <= {HIT, MISS}
-    assert temp_files(reader.tier.layout.rank_dir) == []  # abandoned stores cleaned up
-    assert block_files(reader.tier.layout.rank_dir) == sorted(
-        reader.tier.layout.block_path(k) for k in loads
+    assert (
+        temp_files(reader.tier.engine.roots[0].layout.rank_dir) == []
+    )  # abandoned stores cleaned up
+    assert block_files(reader.tier.engine.roots[0].layout.rank_dir) == sorted(
+        reader.tier.engine.roots[0].layout.block_path(k) for k in loads
     )  # nothing published past its deadline
 
     # A full round trip works again: B stores, A (the other client) loads.
@@ -228,7 +230,8 @@ def test_write_burst_drops_stores_and_loads_stay_fast(volume, replicas, request)
     assert counters[Outcome.WRITTEN] + dropped == len(burst)
     assert deepest <= QUEUE_BOUND
     assert (
-        len(block_files(replica.tier.layout.rank_dir)) == len(load_keys) + counters[Outcome.WRITTEN]
+        len(block_files(replica.tier.engine.roots[0].layout.rank_dir))
+        == len(load_keys) + counters[Outcome.WRITTEN]
     )
     assert clock.errors == []
     idle_p99, burst_p99 = _p99(idle), _p99(during)

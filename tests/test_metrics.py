@@ -56,7 +56,7 @@ from llmkv_fs.layout.blockfile import Corruption
 from llmkv_fs.tier.metrics import METRICS, PREFIX, counter_series
 
 from engine_kit import IO_WORKERS_ENV
-from harness import Replica, make_keys, offloading_config, ours, resolve, wait_until
+from tier_kit import Replica, make_keys, offloading_config, ours, resolve, wait_until
 from volume_kit import flip_a_bit
 
 HIT, MISS = LookupResult.HIT, LookupResult.MISS
@@ -159,7 +159,7 @@ def scenario(tmp_path_factory, request):
         keys = make_keys(6, seed="metrics")
         a.store(keys[:4])
         a.store(keys[4:])
-        flip_a_bit(a.tier.layout.block_path(keys[1]))
+        flip_a_bit(a.tier.engine.roots[0].layout.block_path(keys[1]))
         b.store(keys[4:])  # A already wrote them: outcome "present"
 
         vanishing = keys[2]
@@ -167,20 +167,22 @@ def scenario(tmp_path_factory, request):
 
         def remove_before_load(key):
             if key == vanishing:  # found by the lookup, gone before the load runs
-                os.unlink(b.tier.layout.block_path(key))
+                os.unlink(b.tier.engine.roots[0].layout.block_path(key))
 
         # Two requests, so two load jobs: a job stops at its first failed
         # block (vLLM's prefix rule), and each failure should be seen.
         final = resolve(b, [keys[0], keys[3], keys[1], *absent])
         final.update(resolve(b, [vanishing], remove_before_load))
-        wait_until(lambda: not c.tier.engine.guard.allows_store(), "C's space guard to trip")
+        wait_until(
+            lambda: not c.tier.engine.roots[0].guard.allows_store(), "C's space guard to trip"
+        )
         c.store(make_keys(2, seed="metrics-refused"))
         replicas = (a, b, c)
         for replica in replicas:
             replica.settle()
             # Gauges carry statvfs samples: wait for the first one.
             wait_until(
-                lambda r=replica: r.tier.engine.guard.usage is not None,
+                lambda r=replica: r.tier.engine.roots[0].guard.usage is not None,
                 "the space guard's first sample",
             )
 
@@ -584,12 +586,7 @@ def test_metrics_doc_lists_every_metric_with_type_and_labels():
 
 
 def _load_checker():
-    spec = importlib.util.spec_from_file_location(
-        "check_dashboard", REPO / "tools/check_dashboard.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return importlib.import_module("tools.dashboard.check")
 
 
 def _declared() -> tuple[dict[str, str], dict[str, tuple[str, ...]]]:

@@ -11,7 +11,6 @@ import os
 import pytest
 
 from llmkv_fs.layout import names
-from llmkv_fs.layout.leases import Lease
 from llmkv_fs.layout.names import (
     GC_LOCK_NAME,
     DigestDirName,
@@ -22,6 +21,7 @@ from llmkv_fs.layout.names import (
     WriterTag,
 )
 from llmkv_fs.layout.paths import CacheLayout, RunIdentity
+from llmkv_fs.volume.leases import Lease
 
 from engine_kit import make_key
 

@@ -4,8 +4,8 @@ import threading
 
 import pytest
 
-from llmkv_fs.engine.volume import numa
-from llmkv_fs.engine.volume.numa import (
+from llmkv_fs.engine.startup import numa
+from llmkv_fs.engine.startup.numa import (
     NumaTopology,
     PinningPlan,
     format_cpulist,

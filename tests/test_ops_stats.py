@@ -14,9 +14,9 @@ import pytest
 
 from llmkv_fs import cli
 from llmkv_fs.layout.blockfile import TRAILER_SIZE, BlockFileError
-from llmkv_fs.layout.leases import Lease, seed_fingerprint, write_lease
 from llmkv_fs.layout.names import temp_path
 from llmkv_fs.layout.paths import CacheLayout
+from llmkv_fs.volume.leases import Lease, seed_fingerprint, write_lease
 
 from engine_kit import BS, make_key, write_blocks
 

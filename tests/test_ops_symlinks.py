@@ -14,7 +14,7 @@ import pytest
 
 from llmkv_fs.layout.names import block_rel_path
 from llmkv_fs.layout.paths import CacheLayout
-from llmkv_fs.layout.run_config import ensure_run_config
+from llmkv_fs.volume.run_config import ensure_run_config
 
 from gc_kit import (
     DAY,

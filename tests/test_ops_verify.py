@@ -19,10 +19,10 @@ import xxhash
 
 from llmkv_fs import cli
 from llmkv_fs.engine import prepare_volume
-from llmkv_fs.layout import quarantine as quarantine_module
 from llmkv_fs.layout.blockfile import TRAILER_SIZE
 from llmkv_fs.layout.paths import CacheLayout
 from llmkv_fs.ops import verify
+from llmkv_fs.volume import quarantine as quarantine_module
 
 from engine_kit import BS, make_key, pattern, write_blocks
 from volume_kit import quarantined
@@ -174,7 +174,7 @@ def test_trailerless_files_are_unverified_not_bad(volume, capsys):
 
 def test_blocks_written_by_vllm_builtin_tier(volume, capsys, replicas):
     pytest.importorskip("vllm")
-    from harness import Replica, builtin, make_keys, offloading_config, ours
+    from tier_kit import Replica, builtin, make_keys, offloading_config, ours
 
     writer = Replica(offloading_config(tiers=[builtin(volume)]))
     replicas.append(writer)

@@ -1,42 +1,84 @@
-"""Issue 20: a store on a memory filesystem writes the payload in pieces and
-hashes each piece right after its write (the kernel's copy has just brought
-it into cache), then writes the trailer. The file is the payload plus a
-trailer whose checksum is the whole payload's, whatever the piece."""
+"""Issue 20: on a memory filesystem the default byte path (VectoredBytes)
+writes the payload in pieces and hashes each piece right after its write
+(the kernel's copy has just brought it into cache), then seals and writes
+the trailer. The file is the payload plus a trailer whose checksum is the
+whole payload's, whatever the piece; a load hashes the same way."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
 import xxhash
 
-from llmkv_fs.engine.block import piecewise
-from llmkv_fs.layout.blockfile import TRAILER_SIZE, verify_block
+from llmkv_fs.engine.block import bytepath
+from llmkv_fs.engine.block.bytepath import VectoredBytes
+from llmkv_fs.engine.block.options import IoOptions
+from llmkv_fs.layout.blockfile import TRAILER_SIZE, file_sizes, pack_trailer, verify_block
 
 KEY = bytes(range(36))
 
 
-@pytest.mark.parametrize(("block", "piece"), [(64 << 10, 16 << 10), (64 << 10, 24 << 10)])
+def _options(block: int, piece: int) -> IoOptions:
+    return IoOptions(block, False, False, False, True, hash_chunk=piece)
+
+
+def _seal(trailer: memoryview, row: memoryview, seen: list[int | None]):
+    def seal(digest: int | None) -> None:
+        seen.append(digest)
+        pack_trailer(trailer, KEY, row.nbytes, digest, 123)
+
+    return seal
+
+
+@pytest.mark.parametrize(("block", "piece"), [(64 << 10, 16 << 10), (64 << 10, 32 << 10)])
 def test_file_is_payload_then_trailer_with_the_whole_payload_hash(tmp_path, block, piece):
     payload = os.urandom(block)
     row = memoryview(bytearray(payload))
     trailer = memoryview(bytearray(TRAILER_SIZE))
     path = tmp_path / "b"
+    digests: list[int | None] = []
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     try:
-        piecewise.write_hashing(fd, row, piece, trailer, KEY, 123)
+        VectoredBytes(_options(block, piece)).write(fd, row, trailer, _seal(trailer, row, digests))
     finally:
         os.close(fd)
+    assert digests == [xxhash.xxh3_64_intdigest(payload)]  # sealed once, with the hash
     data = path.read_bytes()
     assert len(data) == block + TRAILER_SIZE
     assert data[:block] == payload
     got = verify_block(data[:block], data[block:], KEY, True)
     assert got.has_checksum and got.payload_xxh3 == xxhash.xxh3_64_intdigest(payload)
+    # Read back in pieces: the same bytes, the digest computed on the way.
+    back, tail = memoryview(bytearray(block)), memoryview(bytearray(2 * TRAILER_SIZE))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        n, digest = VectoredBytes(_options(block, piece)).read(
+            fd, back, tail, file_sizes(block, False)
+        )
+    finally:
+        os.close(fd)
+    assert (n, digest) == (block + TRAILER_SIZE, xxhash.xxh3_64_intdigest(payload))
+    assert bytes(back) == payload
+
+
+def test_whole_blocks_move_in_one_call_and_leave_the_hash_to_the_caller(tmp_path):
+    options = dataclasses.replace(_options(64 << 10, 0))
+    row = memoryview(bytearray(os.urandom(64 << 10)))
+    trailer = memoryview(bytearray(TRAILER_SIZE))
+    digests: list[int | None] = []
+    fd = os.open(tmp_path / "b", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        VectoredBytes(options).write(fd, row, trailer, _seal(trailer, row, digests))
+    finally:
+        os.close(fd)
+    assert digests == [None]
 
 
 def test_each_piece_is_hashed_after_its_write(tmp_path, monkeypatch):
     events: list[tuple[str, int]] = []
-    real_write_all, real_hasher = piecewise.write_all, xxhash.xxh3_64
+    real_write_all, real_hasher = bytepath.write_all, xxhash.xxh3_64
 
     def write_all(fd, buffers, offset=0):
         events.append(("write", sum(memoryview(b).nbytes for b in buffers)))
@@ -53,12 +95,13 @@ def test_each_piece_is_hashed_after_its_write(tmp_path, monkeypatch):
         def intdigest(self) -> int:
             return self._h.intdigest()
 
-    monkeypatch.setattr(piecewise, "write_all", write_all)
-    monkeypatch.setattr(piecewise.xxhash, "xxh3_64", Hasher)
+    monkeypatch.setattr(bytepath, "write_all", write_all)
+    monkeypatch.setattr(bytepath.xxhash, "xxh3_64", Hasher)
     row = memoryview(bytearray(os.urandom(4 * 4096)))
+    trailer = memoryview(bytearray(TRAILER_SIZE))
     fd = os.open(tmp_path / "b", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     try:
-        piecewise.write_hashing(fd, row, 8192, memoryview(bytearray(TRAILER_SIZE)), KEY, 1)
+        VectoredBytes(_options(4 * 4096, 8192)).write(fd, row, trailer, _seal(trailer, row, []))
     finally:
         os.close(fd)
     piece = [("write", 8192), ("hash", 8192)]

@@ -23,10 +23,11 @@ PACKAGE = REPO / "llmkv_fs"
 # top-level modules other than the command line: config.py, units.py, ...).
 MAY_IMPORT = {
     "layout": set(),
-    "engine": {"layout"},
-    "tier": {"engine", "layout"},
-    "ops": {"layout"},
-    "harness": {"tier", "engine", "layout", "ops"},
+    "volume": {"layout"},
+    "engine": {"layout", "volume"},
+    "tier": {"engine", "layout", "volume"},
+    "ops": {"layout", "volume"},
+    "harness": {"tier", "engine", "layout", "volume", "ops"},
 }
 ROOMS = set(MAY_IMPORT)
 HEAVY = ("vllm", "torch")
@@ -147,6 +148,27 @@ def arrows(path: Path) -> set[tuple[str, int]]:
     return found
 
 
+def test_the_product_never_imports_what_tests_or_measures_it():
+    """tools/ (and tests/) are outside the wheel: no module of llmkv_fs may
+    name them in an import statement, lazy ones included."""
+    wrong = []
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            else:
+                continue
+            wrong += [
+                f"{path.relative_to(REPO)}:{node.lineno} imports {name}"
+                for name in names
+                if name.split(".")[0] in ("tools", "tests", "conftest")
+                or name.split(".")[0].endswith("_kit")
+            ]
+    assert not wrong, "\n".join(wrong)
+
+
 def test_no_lazy_import_crosses_the_rule_either():
     wrong = []
     for room in ROOMS:
@@ -178,10 +200,11 @@ def test_no_lazy_import_crosses_the_rule_either():
 ENGINE = PACKAGE / "engine"
 ENGINE_MAY_IMPORT = {
     "scheduling": {"outcomes"},
-    "volume": {"outcomes"},
-    "block": {"outcomes", "volume"},
-    "threads": {"outcomes", "scheduling", "block", "volume"},
-    "workers": {"outcomes", "scheduling", "block", "volume"},
+    "upkeep": {"outcomes"},
+    "block": {"outcomes", "upkeep"},
+    "startup": {"outcomes", "block", "upkeep"},
+    "threads": {"outcomes", "scheduling", "block", "startup"},
+    "workers": {"outcomes", "scheduling", "block", "startup", "upkeep"},
 }
 ENGINE_PARTS = {*ENGINE_MAY_IMPORT, *(p.stem for p in ENGINE.glob("*.py") if p.stem != "__init__")}
 

@@ -19,10 +19,20 @@ import pytest
 
 from llmkv_fs.config import TierConfigError, TierSettings
 from llmkv_fs.engine import Direction, Failure, FsEngine, LookupAnswer, VolumeError, prepare_volume
-from llmkv_fs.layout.files import PinnedRoot, RootGone, make_dirs
 from llmkv_fs.layout.paths import CacheLayout
+from llmkv_fs.volume.root import PinnedRoot, RootGone
 
-from engine_kit import BS, IDENTITY, fill, make_key, pattern, settle, wait_jobs, wait_until
+from engine_kit import (
+    BS,
+    IDENTITY,
+    fill,
+    make_key,
+    pattern,
+    settle,
+    wait_jobs,
+    wait_until,
+    write_blocks,
+)
 from volume_kit import BindVolume
 
 SMALL = {"n_read_threads": 1, "n_write_threads": 1, "lookup_threads": 1}
@@ -41,9 +51,9 @@ def _engine(engines, root: str, **settings) -> FsEngine:
 def test_missing_root_is_created_with_parents(tmp_path, engines):
     root = str(tmp_path / "volume" / "team-a" / "kv")
     engine = _engine(engines, root)
-    assert engine.run_config_state == "created"
-    assert os.path.isfile(engine.layout.config_path)
-    assert os.path.isdir(engine.layout.rank_dir)
+    assert engine.roots[0].run_config_state == "created"
+    assert os.path.isfile(engine.roots[0].layout.config_path)
+    assert os.path.isdir(engine.roots[0].layout.rank_dir)
 
 
 def test_require_mounted_root_refuses_the_containers_own_disk(tmp_path, engines):
@@ -59,7 +69,7 @@ def test_require_mounted_root_refuses_the_containers_own_disk(tmp_path, engines)
 def test_require_mounted_root_accepts_a_mounted_volume(mount_tmpfs, engines):
     root = os.path.join(mount_tmpfs(), "sub", "kv")  # missing: created on the mount
     engine = _engine(engines, root, require_mounted_root=True)
-    assert os.path.isfile(engine.layout.config_path)
+    assert os.path.isfile(engine.roots[0].layout.config_path)
 
 
 def test_require_mounted_root_is_declared_once_and_off_by_default():
@@ -134,31 +144,34 @@ def test_root_below_a_symlinked_parent_is_accepted(tmp_path):
 # -- defect 5: directory creation never recreates the root ----------------------------------
 
 
-def test_make_dirs_creates_below_the_root_only(tmp_path):
+def test_creating_beneath_a_pinned_root_makes_directories_below_it_only(tmp_path):
+    from llmkv_fs.volume.beneath import Beneath
+
     root_path = tmp_path / "kv"
     root_path.mkdir()
     root = PinnedRoot.pin(str(root_path))
-    make_dirs(f"{root.path}/a/b/c", 0o770, root)
+    os.close(Beneath(root.path, root).open_dir("a/b/c", create=True, dir_mode=0o770))
     assert (root_path / "a" / "b" / "c").is_dir()
     # The root removed: nothing is created, the error says so and is no
-    # FileNotFoundError (callers retry those).
+    # FileNotFoundError (callers retry those). A fresh Beneath: a thread
+    # that has not opened the root yet.
     os.rename(root_path, tmp_path / "moved")
     with pytest.raises(RootGone) as info:
-        make_dirs(f"{root.path}/a/x", 0o770, root)
+        Beneath(root.path, root).open_dir("a/x", create=True, dir_mode=0o770)
     assert not isinstance(info.value, FileNotFoundError)
     assert not root_path.exists()
     # Another directory in its place: not ours either.
     root_path.mkdir()
     with pytest.raises(RootGone):
-        make_dirs(f"{root.path}/a/x", 0o770, root)
+        Beneath(root.path, root).open_dir("a/x", create=True, dir_mode=0o770)
     assert os.listdir(root_path) == []
 
 
-# -- resolving beneath the root (layout.beneath, issue 21) --------------------------------
+# -- resolving beneath the root (volume.beneath, issue 21) --------------------------------
 
 
 def test_beneath_refuses_links_and_dotdot_and_a_replaced_root(tmp_path):
-    from llmkv_fs.layout.beneath import Beneath, LinkInTree
+    from llmkv_fs.volume.beneath import Beneath, LinkInTree
 
     root = tmp_path / "kv"
     (root / "a" / "b").mkdir(parents=True)
@@ -170,8 +183,6 @@ def test_beneath_refuses_links_and_dotdot_and_a_replaced_root(tmp_path):
         below.open_dir("a/link")
     with pytest.raises(LinkInTree):
         below.open_dir("a/link/c", create=True, dir_mode=0o750)
-    with pytest.raises(LinkInTree):
-        make_dirs(f"{root}/a/link/x", 0o770, below.pin)  # the path API too
     assert os.listdir(tmp_path / "outside") == []
     with pytest.raises(ValueError):
         below.open_dir("a/../..")
@@ -197,7 +208,7 @@ def bind_volume(tmp_path):
 
 
 def _failed_gauge(engine) -> float:
-    return engine.root_gauges()[engine.layout.root_dir]["volume_failed"]
+    return engine.root_gauges()[engine.roots[0].layout.root_dir]["volume_failed"]
 
 
 @pytest.mark.parametrize("where", ["mount-point", "subdirectory"])
@@ -230,7 +241,7 @@ def test_unmount_while_running_fails_the_volume_and_recovers(where, bind_volume,
         assert engine.lookup(make_key(0), "during") is False
         assert engine.counters[LookupAnswer.MISS] == misses + 1
         # Housekeeping keeps running (leases, stamps) but writes nothing.
-        engine.housekeeping._wake.set()
+        engine.roots[0].housekeeping._wake.set()
         wait_until(lambda: _failed_gauge(engine) == 1, "another housekeeping round")
         # Nothing was created on the disk underneath the mount point.
         assert os.listdir(bind_volume.mountpoint) == []
@@ -246,7 +257,7 @@ def test_unmount_while_running_fails_the_volume_and_recovers(where, bind_volume,
     assert settle(engine, make_key(1), "after") is True
     assert engine.submit_store(4, [make_key(2)], [2])
     assert wait_jobs(engine, [4])[4].success
-    assert os.path.exists(engine.layout.block_path(make_key(2)))
+    assert os.path.exists(engine.roots[0].layout.block_path(make_key(2)))
     assert engine.submit_load(5, [make_key(0)], [3])
     assert wait_jobs(engine, [5])[5].success
     assert bytes(primary[3 * BS : 4 * BS]) == pattern(0)
@@ -276,14 +287,42 @@ def test_a_replaced_root_is_not_written_to(tmp_path, engines, gate_for):
     os.rmdir(root_path)
     os.rename(tmp_path / "old", root_path)
     wait_until(lambda: _failed_gauge(engine) == 0, "the original root to be back")
-    assert not os.path.exists(engine.layout.block_path(make_key(1)))
+    assert not os.path.exists(engine.roots[0].layout.block_path(make_key(1)))
+
+
+def test_a_load_that_meets_a_replaced_root_is_a_lost_root_not_a_bad_file(
+    tmp_path, engines, gate_for
+):
+    """Issue 25: a load past its lost-root check (held at the gate) that then
+    finds the root replaced fails volume_failed -- not error -- so the key
+    is not remembered as a bad file: it hits as soon as the root is back,
+    not failed_load_miss_s later."""
+    root_path = tmp_path / "kv"
+    write_blocks(str(root_path), [0])
+    engine, _layout, _primary = engines(str(root_path), n_blocks=4, **SMALL)
+    gate = gate_for(engine, kinds=("load",), point="read")
+    assert engine.submit_load(1, [make_key(0)], [0])
+    gate.wait_entered(1)
+    os.rename(root_path, tmp_path / "old")  # the volume swapped underneath
+    root_path.mkdir()
+    gate.open()
+    job = wait_jobs(engine, [1])[1]
+    assert job.failed == [make_key(0)]
+    assert engine.counters[Direction.LOAD, Failure.VOLUME_FAILED] == 1
+    assert engine.counters[Direction.LOAD, Failure.ERROR] == 0
+    wait_until(lambda: _failed_gauge(engine) == 1, "the tier to notice the new root")
+    os.rmdir(root_path)
+    os.rename(tmp_path / "old", root_path)
+    wait_until(lambda: _failed_gauge(engine) == 0, "the original root to be back")
+    assert engine.lookups.remembered_misses() == 0
+    assert settle(engine, make_key(0), "after")
 
 
 # -- parity through vLLM's real tiering stack ------------------------------------------------
 
 
 def _start(tier: dict) -> None:
-    from harness import Replica, offloading_config
+    from tier_kit import Replica, offloading_config
 
     Replica(offloading_config(tiers=[tier])).close()
 
@@ -295,7 +334,7 @@ def _skip_builtin_in_workers_mode(kind: str, io_mode) -> None:
 
 @pytest.mark.parametrize("kind", ["builtin", "ours"])
 def test_missing_root_starts_like_vllms_builtin(kind, tmp_path, io_mode):
-    from harness import builtin, ours
+    from tier_kit import builtin, ours
 
     _skip_builtin_in_workers_mode(kind, io_mode)
     root = str(tmp_path / "volume" / "sub" / "kv")
@@ -306,7 +345,7 @@ def test_missing_root_starts_like_vllms_builtin(kind, tmp_path, io_mode):
 
 @pytest.mark.parametrize("kind", ["builtin", "ours"])
 def test_unusable_root_raises_oserror_like_vllms_builtin(kind, tmp_path, io_mode):
-    from harness import builtin, ours
+    from tier_kit import builtin, ours
 
     _skip_builtin_in_workers_mode(kind, io_mode)
     blocker = tmp_path / "kvfile"
@@ -317,7 +356,7 @@ def test_unusable_root_raises_oserror_like_vllms_builtin(kind, tmp_path, io_mode
 
 @pytest.mark.parametrize("kind", ["builtin", "ours"])
 def test_lowercase_locality_is_refused_like_vllms_builtin(kind, tmp_path, io_mode):
-    from harness import builtin, ours
+    from tier_kit import builtin, ours
 
     _skip_builtin_in_workers_mode(kind, io_mode)
     with pytest.raises(ValueError):

@@ -26,6 +26,7 @@ from engine_kit import (
     store_blocks,
     wait_jobs,
     wait_until,
+    write_blocks,
 )
 from volume_kit import BindVolume, block_files, write_filler
 
@@ -60,7 +61,7 @@ def test_each_block_is_stored_whole_on_its_home_root_and_loads_back(mount_tmpfs,
         assert os.path.isfile(engine.roots[roots.index(root)].layout.config_path)
     on_disk = {root: block_names(root) for root in roots}
     for i in range(N):
-        name = os.path.basename(engine.layout.block_path(make_key(i)))
+        name = os.path.basename(engine.roots[0].layout.block_path(make_key(i)))
         home = home_of(roots, i)
         assert name in on_disk[home] and all(name not in on_disk[r] for r in roots if r != home)
     assert all(on_disk[root] for root in roots), "24 blocks all placed on one root"
@@ -90,8 +91,28 @@ def test_a_root_added_later_still_finds_the_blocks_written_before(mount_tmpfs, e
     fill(primary, 0, pattern(moved[0]))
     assert engine.submit_store(3, [make_key(moved[0])], [0])
     assert wait_jobs(engine, [3])[3].success
-    name = os.path.basename(engine.layout.block_path(make_key(moved[0])))
+    name = os.path.basename(engine.roots[0].layout.block_path(make_key(moved[0])))
     assert name in block_names(added)
+
+
+def test_a_load_whose_home_root_is_replaced_midway_reads_its_second_choice(
+    tmp_path, engines, gate_for
+):
+    """Issue 25: a load past the lost-root checks (held at its read) whose
+    home root is then replaced goes on to the block's second choice, where
+    the block was written before the home root was added."""
+    roots = [str(tmp_path / "home"), str(tmp_path / "second")]
+    ids = [i for i in range(40) if home_of(roots, i) == roots[0]][:1]
+    write_blocks(roots[1], ids)  # written while "second" was the only root
+    engine, _, primary = engines(",".join(roots), n_blocks=4, **SHARDED)
+    gate = gate_for(engine, kinds=("load",), point="read")
+    assert engine.submit_load(1, [make_key(ids[0])], [0])
+    gate.wait_entered(1)
+    os.rename(roots[0], tmp_path / "old-home")
+    os.mkdir(roots[0])
+    gate.open()
+    assert wait_jobs(engine, [1])[1].success
+    assert bytes(primary[:BS]) == pattern(ids[0])
 
 
 def test_a_jobs_blocks_on_both_roots_move_at_the_same_time(mount_tmpfs, engines, gate_for):
@@ -226,6 +247,31 @@ def test_one_directory_listed_twice_is_refused_before_anything_is_created(
     assert os.listdir(real) == []
     if case == "bind":
         os.system(f"umount -l {tmp_path / 'twin'}")
+
+
+@pytest.mark.parametrize("bad", ["a-file", "a-symlink", "proc", "below-a-file"])
+def test_a_bad_later_entry_is_refused_before_the_first_is_touched(bad, tmp_path, engines):
+    """Issue 25: every entry of the list is checked -- spelling and
+    filesystem -- before anything is created in any of them (a refused list
+    once left the good first root with a new digest directory)."""
+    good = tmp_path / "good"
+    good.mkdir()
+    blocker = tmp_path / "file"
+    blocker.write_bytes(b"not a directory")
+    (tmp_path / "real").mkdir()
+    os.symlink(tmp_path / "real", tmp_path / "link")
+    entry = {
+        "a-file": str(blocker),
+        "a-symlink": str(tmp_path / "link"),
+        "proc": "/proc/llmkv_fs_kv",
+        "below-a-file": str(blocker / "kv"),
+    }[bad]
+    with pytest.raises(OSError, match="root_dir") as info:
+        engines(f"{good},{entry}", **SHARDED)
+    assert entry in str(info.value)
+    assert os.listdir(good) == []
+    assert os.listdir(tmp_path / "real") == []
+    assert blocker.read_bytes() == b"not a directory"
 
 
 # Replica B, in a mount namespace of its own where client B's view of the

@@ -12,7 +12,7 @@ from vllm.v1.kv_offload.base import LookupResult
 
 from llmkv_fs.rootlist import RootListError
 
-from harness import make_keys, ours, payload_for, resolve, start
+from tier_kit import make_keys, ours, payload_for, resolve, start
 from volume_kit import block_files
 
 pytestmark = pytest.mark.usefixtures("io_mode")

@@ -13,13 +13,13 @@ import pytest
 from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
 from vllm.v1.kv_offload.tiering.fs.manager import FileSystemTierManager
 
-from llmkv_fs.layout import files as files_module  # run_config publishes through it
 from llmkv_fs.layout.names import parse_temp_name
 from llmkv_fs.layout.paths import CacheLayout
-from llmkv_fs.layout.run_config import RunConfigMismatch, ensure_run_config, render_run_config
+from llmkv_fs.volume import files as files_module  # run_config publishes through it
+from llmkv_fs.volume.run_config import RunConfigMismatch, ensure_run_config, render_run_config
 
-from harness import Replica, builtin, offloading_config, ours
 from layout_kit import TWO_GROUPS, our_layout, spec_for, vllm_mapper
+from tier_kit import Replica, builtin, offloading_config, ours
 
 # -- config.json ---------------------------------------------------------------------
 
@@ -236,7 +236,7 @@ def test_our_tier_starts_on_a_matching_root(disk_root):
     assert ensure_run_config(layout) == "created"
     replica = Replica(offloading_config(tiers=[ours(disk_root)], engine_id=engine_id))
     try:
-        assert replica.tier.layout == layout
+        assert replica.tier.engine.roots[0].layout == layout
         assert os.path.isdir(layout.rank_dir)
     finally:
         replica.close()

@@ -1,9 +1,9 @@
-"""A CI-sized soak (llmkv_fs/harness/soak.py): our tier inside vLLM 0.33's real
+"""A CI-sized soak (tools/soak/workload.py): our tier inside vLLM 0.33's real
 TieringOffloadingManager for 100,000 small jobs per engine mode (200,000 in
 all), on tmpfs. It asserts what a long run must keep -- every load byte exact,
 no HIT for a key never stored, no failed job, no open fd, thread or worker
 process more at the end than after warm-up, RSS growth within the bound of
-llmkv_fs/harness/soak_probe.py -- and nothing about speed (tools/soak.py
+tools/soak/probe.py -- and nothing about speed (tools/soak/run.py
 runs the million-job soak and reports jobs/s; docs/benchmarks.md, "Soak").
 """
 
@@ -13,10 +13,10 @@ import uuid
 
 import pytest
 
-from llmkv_fs.harness.soak import SoakPlan, run_soak
-from llmkv_fs.harness.soak_probe import growth_problems
+from tools.soak.probe import growth_problems
+from tools.soak.workload import SoakPlan, run_soak
 
-from harness import ours
+from tier_kit import ours
 
 # Per mode: 42-50 s with threads, 46-54 s with 2 worker processes on the
 # shared 2-core machine (load average 3.0-5.5, three runs), after vLLM's

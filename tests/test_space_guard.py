@@ -18,10 +18,10 @@ import pytest
 
 from llmkv_fs.config import TierSettings
 from llmkv_fs.engine import Direction, Failure, Outcome
-from llmkv_fs.engine.volume import space
-from llmkv_fs.engine.volume.space import SpaceGuard
+from llmkv_fs.engine.upkeep import space
+from llmkv_fs.engine.upkeep.space import SpaceGuard
 from llmkv_fs.layout.blockfile import TRAILER_SIZE
-from llmkv_fs.layout.fsinfo import VolumeUsage, volume_usage
+from llmkv_fs.volume.fsinfo import VolumeUsage, volume_usage
 
 from engine_kit import BS, fill, make_key, pattern, row, store_blocks, wait_jobs, wait_until
 from volume_kit import block_files, temp_files, write_filler
@@ -38,8 +38,8 @@ def small_tmpfs(mount_tmpfs):
 def wait_samples(engine, n: int = 1) -> None:
     """Wait until the housekeeping thread has sampled the volume n more times."""
     for _ in range(n):
-        seen = engine.guard.usage
-        wait_until(lambda seen=seen: engine.guard.usage is not seen, "a space sample")
+        seen = engine.roots[0].guard.usage
+        wait_until(lambda seen=seen: engine.roots[0].guard.usage is not seen, "a space sample")
 
 
 def tripped(engine) -> bool:
@@ -47,7 +47,7 @@ def tripped(engine) -> bool:
 
 
 def root_gauges(engine) -> dict[str, float]:
-    return engine.root_gauges()[engine.layout.root_dir]
+    return engine.root_gauges()[engine.roots[0].layout.root_dir]
 
 
 # -- the arithmetic, with real statvfs ------------------------------------------------------
@@ -183,7 +183,7 @@ def test_engine_resumes_stores_when_room_is_made_right_after_enospc(small_tmpfs,
     keys = [make_key(f"full{i}") for i in range(24)]
     assert engine.submit_store(1, keys, [i % 2 for i in range(24)])
     assert not wait_jobs(engine, [1])[1].success
-    assert engine.guard.reason == "ENOSPC"
+    assert engine.roots[0].guard.reason == "ENOSPC"
     for path in block_files(small_tmpfs):  # gc empties the volume at once
         os.unlink(path)
     wait_until(lambda: not tripped(engine), "the guard to lift", deadline_s=5.0)
@@ -201,7 +201,7 @@ def test_watermark_drops_stores_loads_continue_and_gc_lifts_it(small_tmpfs, engi
     gauges = root_gauges(engine)
     assert gauges["volume_used_bytes"] >= 10 * MiB
     assert gauges["volume_free_bytes"] < 6 * MiB
-    assert engine.guard.reason == "watermark"
+    assert engine.roots[0].guard.reason == "watermark"
 
     dropped = [make_key(i) for i in (10, 11, 12)]
     for chunk, i in zip((4, 5, 6), (10, 11, 12)):
@@ -296,7 +296,7 @@ def test_enospc_trips_the_guard_until_gc_frees_more_than_the_headroom(small_tmpf
         n_write_threads=1,
         max_usage_percent=100,
     )
-    headroom = engine.guard.headroom_bytes
+    headroom = engine.roots[0].guard.headroom_bytes
     # One block per place the executor has (both kinds store), plus one:
     # 2 threads, or 2 workers holding 2 blocks each.
     assert headroom == (engine.executor.capacity() + 1) * bs
@@ -317,10 +317,10 @@ def test_enospc_trips_the_guard_until_gc_frees_more_than_the_headroom(small_tmpf
     assert c[Direction.STORE, Failure.SPACE] >= 1  # later blocks were not even tried
     assert {os.path.getsize(f) for f in files} == {bs + TRAILER_SIZE}  # nothing torn
     assert temp_files(small_tmpfs) == []
-    assert engine.guard.reason == "ENOSPC" and tripped(engine)
+    assert engine.roots[0].guard.reason == "ENOSPC" and tripped(engine)
 
     wait_samples(engine, 2)  # the guard has its post-ENOSPC baseline
-    baseline = engine.guard.usage.free_bytes
+    baseline = engine.roots[0].guard.usage.free_bytes
     assert engine.submit_store(2, [make_key("x")], [0]) is False
 
     # gc frees two blocks: less than the headroom -- still tripped.
@@ -329,16 +329,18 @@ def test_enospc_trips_the_guard_until_gc_frees_more_than_the_headroom(small_tmpf
     assert len(written) >= more_than_headroom
     for path in written[:2]:
         os.unlink(path)
-    wait_until(lambda: engine.guard.usage.free_bytes >= baseline + 2 * bs, "a sample after gc")
+    wait_until(
+        lambda: engine.roots[0].guard.usage.free_bytes >= baseline + 2 * bs, "a sample after gc"
+    )
     wait_samples(engine)
-    assert tripped(engine) and engine.guard.reason == "ENOSPC"
+    assert tripped(engine) and engine.roots[0].guard.reason == "ENOSPC"
     assert engine.submit_store(3, [make_key("x")], [0]) is False
 
     # The rest of more than the headroom: now more than it is free.
     for path in written[2:more_than_headroom]:
         os.unlink(path)
     wait_until(lambda: not tripped(engine), "the guard to lift", deadline_s=5.0)
-    assert engine.guard.usage.free_bytes >= baseline + headroom
+    assert engine.roots[0].guard.usage.free_bytes >= baseline + headroom
     assert engine.submit_store(4, [make_key("x")], [0])
     assert wait_jobs(engine, [2, 3, 4])[4].success
     with open(layout.block_path(make_key("x")), "rb") as f:

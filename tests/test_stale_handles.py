@@ -7,7 +7,7 @@ walk must then retry with real opens and land; it gave up after eight
 identical ``O_PATH`` walks.
 
 A local filesystem cannot stage a stale handle, so this is the one thing
-imitated: ``os.open``/``os.mkdir`` as ``layout.beneath`` sees them answer
+imitated: ``os.open``/``os.mkdir`` as ``volume.beneath`` sees them answer
 ESTALE for a lookup relative to an ``O_PATH`` descriptor of the chosen
 directory, as the network clients did. Everything else is real: BlockIO,
 tmpfs-or-disk files, the bytes read back. The real races run in
@@ -26,9 +26,9 @@ from llmkv_fs.engine.block import blockio as blockio_module
 from llmkv_fs.engine.block.blockio import BlockIO
 from llmkv_fs.engine.block.options import IoOptions
 from llmkv_fs.engine.outcomes import Outcome
-from llmkv_fs.layout import beneath
-from llmkv_fs.layout.files import SHARED_FS_ATTEMPTS
 from llmkv_fs.layout.paths import CacheLayout
+from llmkv_fs.volume import beneath
+from llmkv_fs.volume.files import SHARED_FS_ATTEMPTS
 
 from engine_kit import BS, IDENTITY, make_key, pattern
 

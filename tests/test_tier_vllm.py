@@ -17,7 +17,7 @@ from llmkv_fs import FsTier
 from llmkv_fs.engine import Direction, Failure, Outcome, Tally
 from llmkv_fs.layout.blockfile import Corruption
 
-from harness import (
+from tier_kit import (
     Replica,
     builtin,
     make_keys,
@@ -103,7 +103,7 @@ def test_bit_flip_is_never_loaded_and_is_quarantined(shared_volume, replicas):
     a = start(replicas, ours(shared_volume.a))
     keys = make_keys(3, seed="flip")
     a.store(keys)
-    bad = a.tier.layout.block_path(keys[1])
+    bad = a.tier.engine.roots[0].layout.block_path(keys[1])
     with open(bad, "r+b") as f:  # same size, one bit flipped in the payload
         f.seek(12345)
         byte = f.read(1)[0]
@@ -120,12 +120,14 @@ def test_bit_flip_is_never_loaded_and_is_quarantined(shared_volume, replicas):
     assert b.read_primary(keys[0], ctx) == payload_for(keys[0], b.row_bytes)
     with b.manager.lock:
         assert b.manager.primary_tier.lookup(keys[1], ctx) is MISS
-    assert not os.path.lexists(b.tier.layout.block_path(keys[1]))  # B moved it: B's view
+    assert not os.path.lexists(
+        b.tier.engine.roots[0].layout.block_path(keys[1])
+    )  # B moved it: B's view
     # A's client may keep answering from its entry/attribute cache (GlusterFS
     # FUSE: 1 s by default) after B renamed the file away, so A's view is
     # polled -- it must converge, well within the deadline.
     wait_until(lambda: not os.path.lexists(bad), "replica A to see the bad file gone")
-    (moved,) = glob.glob(f"{b.tier.layout.quarantine_dir}/*")
+    (moved,) = glob.glob(f"{b.tier.engine.roots[0].layout.quarantine_dir}/*")
     assert ".bad-checksum." in moved
     assert b.tier.engine.counters[Corruption.BAD_CHECKSUM] == 1
 
@@ -139,7 +141,7 @@ def test_truncated_and_wrong_key_files_are_rejected(shared_volume, replicas):
     a = start(replicas, ours(shared_volume.a))
     keys = make_keys(3, seed="damage")
     a.store(keys)
-    layout = a.tier.layout
+    layout = a.tier.engine.roots[0].layout
     os.truncate(layout.block_path(keys[0]), a.row_bytes // 2)
     # keys[1]'s file replaced by keys[2]'s (a valid file under the wrong name)
     os.replace(layout.block_path(keys[2]), layout.block_path(keys[1]))
@@ -223,8 +225,8 @@ def test_shutdown_after_a_failed_load_releases_the_primary_mapping(shared_volume
     a = start(replicas, ours(shared_volume.a))
     keys = make_keys(2, seed="release")
     a.store(keys)
-    os.truncate(a.tier.layout.block_path(keys[0]), 10)  # lookup says MISS
-    with open(a.tier.layout.block_path(keys[1]), "r+b") as f:
+    os.truncate(a.tier.engine.roots[0].layout.block_path(keys[0]), 10)  # lookup says MISS
+    with open(a.tier.engine.roots[0].layout.block_path(keys[1]), "r+b") as f:
         f.write(b"\xff" * 64)  # same size, bad checksum: the load fails
     b = Replica(offloading_config(tiers=[ours(shared_volume.b)]))
     b.find(keys)

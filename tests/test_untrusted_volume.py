@@ -27,12 +27,10 @@ import time
 import pytest
 
 from llmkv_fs.engine import prepare_volume
-from llmkv_fs.engine.block.blockio import probe_o_direct
-from llmkv_fs.engine.volume.housekeeping import Housekeeping
-from llmkv_fs.engine.volume.space import SpaceGuard
+from llmkv_fs.engine.startup.probe import probe_o_direct
+from llmkv_fs.engine.upkeep.housekeeping import Housekeeping
+from llmkv_fs.engine.upkeep.space import SpaceGuard
 from llmkv_fs.layout.blockfile import BlockFileError
-from llmkv_fs.layout.files import create_in_dir
-from llmkv_fs.layout.leases import lease_for, refresh_lease, write_lease
 from llmkv_fs.layout.names import (
     config_path,
     gc_lock_path,
@@ -42,7 +40,9 @@ from llmkv_fs.layout.names import (
     quarantine_dir,
 )
 from llmkv_fs.layout.paths import CacheLayout
-from llmkv_fs.layout.run_config import ensure_run_config
+from llmkv_fs.volume.files import create_in_dir
+from llmkv_fs.volume.leases import lease_for, refresh_lease, write_lease
+from llmkv_fs.volume.run_config import ensure_run_config
 
 from engine_kit import BS, IDENTITY, make_key, write_blocks
 from gc_kit import DAY, age, gc_env, gc_run, key, make_digest, put_block
@@ -266,7 +266,7 @@ def test_quarantine_does_not_move_a_block_through_a_planted_link(root, tmp_path)
 
 @pytest.mark.parametrize("body", list(MALFORMED_LEASES.values()), ids=list(MALFORMED_LEASES))
 def test_read_lease_dir_reports_malformed_leases(root, body):
-    from llmkv_fs.layout.leases import read_lease_dir
+    from llmkv_fs.volume.leases import read_lease_dir
 
     digest_dir = f"{root}/m_0123456789ab"
     bad = plant_lease(digest_dir, body)
@@ -357,7 +357,7 @@ def test_gc_and_stats_report_a_malformed_lease(root, body):
 
 
 def test_read_small_regular_file_refuses_specials(root, tmp_path):
-    from llmkv_fs.layout.files import read_small_regular_file
+    from llmkv_fs.volume.files import read_small_regular_file
 
     victim = Victim(str(tmp_path / "outside"))
     fifo = plant_fifo(f"{root}/fifo.json")

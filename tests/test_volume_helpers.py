@@ -9,10 +9,10 @@ import os
 
 import pytest
 
-from llmkv_fs.layout import fsinfo
-from llmkv_fs.layout.files import SHARED_FS_ATTEMPTS, retry_transient
-from llmkv_fs.layout.fsinfo import Mount, VolumeUsage, mount_of, parse_mounts
-from llmkv_fs.layout.vectored import read_all, write_all
+from llmkv_fs.volume import fsinfo
+from llmkv_fs.volume.files import SHARED_FS_ATTEMPTS, retry_transient
+from llmkv_fs.volume.fsinfo import Mount, VolumeUsage, mount_of, parse_mounts
+from llmkv_fs.volume.vectored import read_all, write_all
 
 # As /proc/self/mounts writes them: a space is \040, a backslash \134, a tab \011.
 MOUNTS = """\

@@ -23,8 +23,8 @@ from llmkv_fs.engine.workers.crew import DEPTH, resolve_io_workers
 from llmkv_fs.engine.workers.executor import ProcessExecutor
 from llmkv_fs.engine.workers.region import NoHandover, find_handover
 from llmkv_fs.layout.blockfile import verify_block
-from llmkv_fs.layout.leases import pid_alive
 from llmkv_fs.layout.paths import CacheLayout
+from llmkv_fs.volume.leases import pid_alive
 from tests.engine_kit import (
     BS,
     IDENTITY,
@@ -203,7 +203,7 @@ def test_sigkill_fails_exactly_the_killed_workers_blocks_and_is_replaced(root):
         assert engine.counters[Tally.WORKER_DEATHS] == 1
         assert engine.gauges()["io_workers"] == 2
         # ENOSPC's headroom covers every block the workers can hold.
-        assert engine.guard.headroom_bytes == (2 * DEPTH + 1) * BS
+        assert engine.roots[0].guard.headroom_bytes == (2 * DEPTH + 1) * BS
         # The tier keeps serving.
         engine.submit_load(3, keys, list(range(4)))
         assert not wait_jobs(engine, [3])[3].failed
@@ -224,7 +224,7 @@ def test_sigkill_under_load_never_publishes_a_bad_file_or_hangs(root):
         while killed < 3 and jobs < 200:
             ids = [(jobs * 5 + i) % CHUNKS for i in range(5)]
             keys = [make_key((jobs, i)) for i in range(5)]
-            keys_of.update({engine.layout.block_path(k): k for k in keys})
+            keys_of.update({engine.roots[0].layout.block_path(k): k for k in keys})
             engine.submit_store(jobs, keys, ids)
             jobs += 1
             victim = None
@@ -239,7 +239,7 @@ def test_sigkill_under_load_never_publishes_a_bad_file_or_hangs(root):
         failures = [k for j in finished.values() for k in j.failed]
         assert len(failures) <= killed * 2  # at most what the victims held
         assert engine.counters[Direction.STORE, Failure.WORKER_DIED] == len(failures)
-        for path in glob.glob(f"{engine.layout.rank_dir}/*/*/*.bin"):
+        for path in glob.glob(f"{engine.roots[0].layout.rank_dir}/*/*/*.bin"):
             with open(path, "rb") as f:
                 data = memoryview(f.read())
             verify_block(data[:BS], data[BS:], keys_of[path], True)
@@ -263,8 +263,8 @@ def test_a_store_past_its_deadline_is_never_published(root):
         _resume(pids)
         wait_until(lambda: in_flight(engine) == 0, "the cancelled blocks came back")
         assert not engine.stalled()
-        assert not any(os.path.exists(engine.layout.block_path(k)) for k in keys)
-        assert not glob.glob(f"{engine.layout.rank_dir}/*/*/.*.tmp")
+        assert not any(os.path.exists(engine.roots[0].layout.block_path(k)) for k in keys)
+        assert not glob.glob(f"{engine.roots[0].layout.rank_dir}/*/*/.*.tmp")
     finally:
         _resume(pids)
         engine.shutdown()
@@ -400,7 +400,7 @@ def test_shutdown_kills_a_stopped_worker_holding_a_block(root, monkeypatch):
         job = wait_jobs(engine, [1])[1]
         assert len(job.failed) == 2  # given back cancelled, never published
         assert engine.counters[Direction.STORE, Failure.CANCELLED] == 2
-        assert not glob.glob(f"{engine.layout.rank_dir}/*/*/*.bin")
+        assert not glob.glob(f"{engine.roots[0].layout.rank_dir}/*/*/*.bin")
     finally:
         _resume(pids)
 

@@ -7,7 +7,6 @@ benchmarked on its own.
 Its public names are here: construct ``FsEngine`` (it prepares the volume
 itself), read its ``counters`` (keyed by the types of ``outcomes``)."""
 
-from llmkv_fs.engine.block.hash_path import xxh3_path
 from llmkv_fs.engine.engine import FinishedJob, FsEngine
 from llmkv_fs.engine.outcomes import (
     CANCELLED,
@@ -27,7 +26,8 @@ from llmkv_fs.engine.outcomes import (
     VolumeFailed,
     all_counter_keys,
 )
-from llmkv_fs.engine.volume.prepare import EngineError, PreparedVolume, VolumeError, prepare_volume
+from llmkv_fs.engine.startup.hash_path import xxh3_path
+from llmkv_fs.engine.upkeep.prepare import EngineError, PreparedVolume, VolumeError, prepare_volume
 
 __all__ = [
     "CANCELLED",

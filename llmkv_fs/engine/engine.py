@@ -29,10 +29,9 @@ from collections.abc import Sequence
 import xxhash
 
 from llmkv_fs.config import TierSettings
-from llmkv_fs.engine.block.hash_path import xxh3_path
-from llmkv_fs.engine.block.io_setup import rows_view
+from llmkv_fs.engine.block.bytepath import BytePathKind, VectoredBytes
 from llmkv_fs.engine.block.pause import PausePoints
-from llmkv_fs.engine.block.step import BlockStep
+from llmkv_fs.engine.block.spec import StepSpec, build_step
 from llmkv_fs.engine.lookup import AsyncExistence
 from llmkv_fs.engine.outcomes import CounterKey, Direction, Failure, LookupAnswer, Tally
 from llmkv_fs.engine.roots import EngineRoot, open_roots
@@ -40,16 +39,19 @@ from llmkv_fs.engine.scheduling.accounting import FinishedJob, JobAccountant, Th
 from llmkv_fs.engine.scheduling.executor import Executor
 from llmkv_fs.engine.scheduling.jobs import IoJob, QueueFull
 from llmkv_fs.engine.scheduling.scheduler import BlockScheduler
+from llmkv_fs.engine.startup.hash_path import xxh3_path
+from llmkv_fs.engine.startup.io_setup import for_worker_processes, rows_view
+from llmkv_fs.engine.startup.numa import PinningPlan, plan_pinning, read_topology
 from llmkv_fs.engine.threads.executor import ThreadExecutor
-from llmkv_fs.engine.volume.numa import PinningPlan, plan_pinning, read_topology
-from llmkv_fs.engine.volume.prepare import EngineError
+from llmkv_fs.engine.upkeep.prepare import EngineError
 from llmkv_fs.engine.workers.crew import WorkerSpec, resolve_io_workers
 from llmkv_fs.engine.workers.executor import ProcessExecutor
 from llmkv_fs.engine.workers.region import NoHandover, RegionHandover, find_handover
 from llmkv_fs.layout.blockfile import Buffer
-from llmkv_fs.layout.leases import Lease
 from llmkv_fs.layout.paths import CacheLayout
 from llmkv_fs.layout.placement import RootPlacement
+from llmkv_fs.volume.leases import Lease
+from llmkv_fs.volume.root import RootGone
 
 __all__ = ["EngineError", "FinishedJob", "FsEngine"]
 
@@ -79,8 +81,11 @@ class FsEngine:
     blocks placed on it fail ``Failure.VOLUME_FAILED``, lookups of its keys
     answer miss and nothing is created there; once every root is lost, jobs
     are refused at submit. It clears by itself when the directory is back.
-    ``layout``, ``blockio``, ``guard``, ``signals``, ``housekeeping``,
-    ``use_o_direct`` and ``run_config_state`` are the first root's.
+    Each root's parts are in ``roots`` (``EngineRoot``).
+
+    ``byte_path`` moves a block's bytes once its file is open (the seam for
+    another implementation, block/bytepath.py); it reaches I/O threads and
+    worker processes alike through the step spec (``step_spec``).
     """
 
     def __init__(
@@ -89,6 +94,7 @@ class FsEngine:
         layouts: CacheLayout | Sequence[CacheLayout],
         primary: Buffer,
         block_size: int,
+        byte_path: BytePathKind = VectoredBytes,
     ):
         self.settings = settings
         self.block_size = block_size
@@ -98,13 +104,13 @@ class FsEngine:
             layouts = (layouts,)
         # Every root prepared (and its housekeeping started) before any I/O
         # thread or worker exists.
-        self.roots: list[EngineRoot] = open_roots(settings, layouts, self._flat, block_size)
+        self.roots: list[EngineRoot] = open_roots(
+            settings, layouts, self._flat, block_size, byte_path
+        )
         self.placement = RootPlacement([root.root_dir for root in self.roots])
-        first = self.roots[0]
-        # The first root's parts, under the names a one-root engine always had.
-        self.layout, self.blockio, self.guard = first.layout, first.blockio, first.guard
-        self.signals, self.housekeeping = first.signals, first.housekeeping
-        self.use_o_direct, self.run_config_state = first.use_o_direct, first.run_config_state
+        # What every block step is built from, in threads and workers alike.
+        self.step_spec = StepSpec(tuple(r.spec for r in self.roots), self.placement, byte_path)
+        self.pause = PausePoints.from_environment()  # tests only (block/pause.py)
         self.pinning: PinningPlan = plan_pinning(read_topology(), settings.numa_node, self._flat)
         # Cumulative, updated by the owner only; tier/metrics.py publishes them.
         self.counters: collections.Counter[CounterKey] = collections.Counter()
@@ -116,12 +122,6 @@ class FsEngine:
         # Lost roots by index, as of the last end_step() (lookups read this).
         self._lost_roots: frozenset[int] = frozenset()
         self._handover: RegionHandover | None = None
-        self.step = BlockStep(
-            [root.step_root() for root in self.roots],
-            self._flat,
-            self.placement,
-            PausePoints.from_environment(),
-        )
         self._scheduler = BlockScheduler(settings.max_pending_store_blocks)
         self.io_workers = self._start_executor()  # worker processes in use (0: I/O threads)
         self._executor: Executor = self._scheduler.executor
@@ -151,8 +151,13 @@ class FsEngine:
         answers no without being touched."""
         for index in self.placement.choices(key):
             root = self.roots[index]
-            if not root.signals.root_lost and root.blockio.exists(key):
-                return True
+            if root.signals.root_lost:
+                continue
+            try:
+                if root.blockio.exists(key):
+                    return True
+            except RootGone:  # lost since its housekeeping last looked: as if lost
+                continue
         return False
 
     def _log_start(self) -> None:
@@ -190,9 +195,11 @@ class FsEngine:
         if wanted:
             try:
                 self._handover = handover = find_handover(self._flat)
+                options = [for_worker_processes(r.spec.options) for r in self.roots]
                 spec = WorkerSpec(
+                    self.step_spec.with_options(options),
                     handover,
-                    [(r.layout, r.blockio.options, r.signals) for r in self.roots],
+                    tuple(r.signals for r in self.roots),
                     self.pinning.cpus,
                     self.settings.io_workers_nice,
                 )
@@ -204,9 +211,16 @@ class FsEngine:
                     self._handover = None
                 logger.warning("llmkv_fs: I/O worker processes not used (%s); using threads", exc)
         settings = self.settings
+        step = build_step(
+            self.step_spec,
+            self._flat,
+            [r.blockio for r in self.roots],
+            [r.signals for r in self.roots],
+            self.pause,
+        )
         self._scheduler.start(
             ThreadExecutor(
-                self.step,
+                step,
                 settings.n_read_threads,
                 settings.n_write_threads,
                 pin_cpus=self.pinning.cpus,

@@ -96,7 +96,7 @@ class Failure(_CounterKeyEnum):
     # is not read, or, if already in flight on another thread, not delivered
     SKIPPED = "skipped"
     # a directory on the block's path below root_dir is a symlink: never
-    # followed (layout.beneath), so nothing is stored or read through it
+    # followed (volume.beneath), so nothing is stored or read through it
     LINK_IN_TREE = "link_in_tree"
 
 
@@ -165,7 +165,7 @@ def failed(exc: Exception) -> Failed:
         return Failed(Failure.CORRUPT, exc)
     if isinstance(exc, OSError) and exc.errno == errno.ELOOP:
         # Only a walk beneath the root that met a symlink raises ELOOP
-        # (layout.beneath.LinkInTree; a link at the block's own name is a
+        # (volume.beneath.LinkInTree; a link at the block's own name is a
         # BlockFileError or is replaced by the store's rename). Matched by
         # errno: from a worker process it arrives as a bare OSError.
         return Failed(Failure.LINK_IN_TREE, exc)

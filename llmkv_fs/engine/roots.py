@@ -18,15 +18,16 @@ from collections.abc import Sequence
 
 from llmkv_fs.config import TierSettings
 from llmkv_fs.engine.block.blockio import BlockIO
-from llmkv_fs.engine.block.io_setup import choose_o_direct, io_options
-from llmkv_fs.engine.block.step import StepRoot
-from llmkv_fs.engine.volume.housekeeping import Housekeeping
-from llmkv_fs.engine.volume.prepare import prepare_volume
-from llmkv_fs.engine.volume.signals import VolumeSignals
-from llmkv_fs.engine.volume.space import SpaceGuard
-from llmkv_fs.layout.fsinfo import filesystem_type
+from llmkv_fs.engine.block.bytepath import BytePathKind
+from llmkv_fs.engine.block.spec import RootSpec
+from llmkv_fs.engine.startup.io_setup import choose_o_direct, io_options
+from llmkv_fs.engine.upkeep.housekeeping import Housekeeping
+from llmkv_fs.engine.upkeep.prepare import check_root, prepare_volume
+from llmkv_fs.engine.upkeep.signals import VolumeSignals
+from llmkv_fs.engine.upkeep.space import SpaceGuard
 from llmkv_fs.layout.paths import CacheLayout
-from llmkv_fs.layout.roots import check_roots_distinct
+from llmkv_fs.rootlist import check_roots_distinct
+from llmkv_fs.volume.fsinfo import filesystem_type
 
 __all__ = ["EngineRoot", "open_roots"]
 
@@ -35,20 +36,24 @@ __all__ = ["EngineRoot", "open_roots"]
 class EngineRoot:
     """One root of the engine and everything that is its own."""
 
-    layout: CacheLayout
+    spec: RootSpec  # its layout and I/O options, as every block step gets them
     run_config_state: str  # "created", "matched" or "repaired": what became of config.json
-    use_o_direct: bool
-    blockio: BlockIO
+    blockio: BlockIO  # the engine's own: I/O threads, lookups, access stamps
     signals: VolumeSignals
     guard: SpaceGuard
     housekeeping: Housekeeping
 
     @property
-    def root_dir(self) -> str:
-        return self.layout.root_dir
+    def layout(self) -> CacheLayout:
+        return self.spec.layout
 
-    def step_root(self) -> StepRoot:
-        return StepRoot(self.blockio, self.guard)
+    @property
+    def root_dir(self) -> str:
+        return self.spec.layout.root_dir
+
+    @property
+    def use_o_direct(self) -> bool:
+        return self.spec.options.use_o_direct
 
     def close(self) -> None:
         """Stop the housekeeping thread (removes the lease) and close the
@@ -58,18 +63,26 @@ class EngineRoot:
 
 
 def open_roots(
-    settings: TierSettings, layouts: Sequence[CacheLayout], flat: memoryview, block_size: int
+    settings: TierSettings,
+    layouts: Sequence[CacheLayout],
+    flat: memoryview,
+    block_size: int,
+    byte_path: BytePathKind,
 ) -> list[EngineRoot]:
     """Prepare every root and start its housekeeping, in list order. Raises
-    RootListError when two roots are one directory or nested (checked before
-    anything is created), VolumeError/EngineError/RunConfigMismatch naming the
-    root that cannot be used (roots opened before it are closed again)."""
+    RootListError when two roots are one directory or nested, VolumeError
+    naming an entry that cannot be a root (a file, a symlink, /proc, ...):
+    both checked for every entry before anything is created in any of them.
+    Then VolumeError/EngineError/RunConfigMismatch naming the root that
+    cannot be used (roots opened before it are closed again)."""
     if len(layouts) > 1:
         check_roots_distinct("root_dir", [layout.root_dir for layout in layouts])
+    for layout in layouts:
+        check_root(layout.root_dir, settings.require_mounted_root)
     roots: list[EngineRoot] = []
     try:
         for layout in layouts:
-            roots.append(_open_root(settings, layout, flat, block_size))
+            roots.append(_open_root(settings, layout, flat, block_size, byte_path))
     except BaseException:
         for root in roots:
             root.close()
@@ -78,14 +91,19 @@ def open_roots(
 
 
 def _open_root(
-    settings: TierSettings, layout: CacheLayout, flat: memoryview, block_size: int
+    settings: TierSettings,
+    layout: CacheLayout,
+    flat: memoryview,
+    block_size: int,
+    byte_path: BytePathKind,
 ) -> EngineRoot:
     prepared = prepare_volume(
         layout, settings.file_mode, settings.dir_mode, settings.require_mounted_root
     )
     use_o_direct = choose_o_direct(settings.io_mode, flat, block_size, layout.rank_dir)
     fstype = filesystem_type(layout.root_dir)
-    blockio = BlockIO(layout, io_options(settings, block_size, use_o_direct, fstype, prepared.root))
+    options = io_options(settings, block_size, use_o_direct, fstype, prepared.root)
+    blockio = BlockIO(layout, options, byte_path(options))
     signals = VolumeSignals.create()
     guard = SpaceGuard(
         layout.root_dir,
@@ -104,9 +122,8 @@ def _open_root(
         root=prepared.root,
     )
     return EngineRoot(
-        layout,
+        RootSpec(layout, options),
         prepared.run_config_state,
-        use_o_direct,
         blockio,
         signals,
         guard,

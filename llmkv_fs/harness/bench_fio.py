@@ -27,7 +27,7 @@ import subprocess
 import threading
 import time
 
-from llmkv_fs.engine.block.blockio import probe_o_direct
+from llmkv_fs.engine.startup.probe import probe_o_direct
 
 __all__ = ["fio_path", "physical_reference", "supports_o_direct"]
 

@@ -17,7 +17,7 @@ import re
 import sys
 from typing import Any
 
-from llmkv_fs.layout.fsinfo import mount_of
+from llmkv_fs.volume.fsinfo import mount_of
 
 __all__ = [
     "fs_of",
@@ -79,7 +79,7 @@ def _ram_gib() -> float | None:
 def machine_info(dirs: list[str]) -> dict:
     from importlib.metadata import PackageNotFoundError, version
 
-    from llmkv_fs.engine.volume.numa import read_topology
+    from llmkv_fs.engine.startup.numa import read_topology
 
     try:
         vllm_version = version("vllm")

@@ -288,7 +288,7 @@ class ReplicaServer:
         return len(to_store), time.perf_counter() - started
 
     def block_paths(self, tokens: list[int]) -> list[str]:
-        return [self.replica.tier.layout.block_path(k) for k in self.keys_for(tokens)]
+        return [self.replica.tier.engine.roots[0].layout.block_path(k) for k in self.keys_for(tokens)]
 
     def close(self) -> None:
         self.replica.close()
@@ -326,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
                 "start_s": time.perf_counter() - started,
                 "hash_algo": server.hash_algo,
                 "fingerprint": server.fingerprint,
-                "layout": server.replica.tier.layout.rank_dir,
+                "layout": server.replica.tier.engine.roots[0].layout.rank_dir,
             }
         )
         for line in sys.stdin:

@@ -1,10 +1,10 @@
-"""Layout room: where blocks live and what a block file holds. No vLLM, no
-threads; the engine, the tier and the ops tools all read the volume through
-these definitions."""
+"""Layout room: what is on the volume, as pure definitions -- every name,
+the run-config digest (vLLM's FileMapper), the block file format, which root
+a block lives on. No I/O, no vLLM, no threads; the engine, the tier and the
+ops tools all name and read the volume through these."""
 
 from llmkv_fs.layout.blockfile import TRAILER_SIZE, BlockFileError, Corruption, Trailer
 from llmkv_fs.layout.paths import CacheLayout, LayoutError, RunIdentity
-from llmkv_fs.layout.run_config import RunConfigMismatch, ensure_run_config
 
 __all__ = [
     "TRAILER_SIZE",
@@ -12,8 +12,6 @@ __all__ = [
     "CacheLayout",
     "Corruption",
     "LayoutError",
-    "RunConfigMismatch",
     "RunIdentity",
     "Trailer",
-    "ensure_run_config",
 ]

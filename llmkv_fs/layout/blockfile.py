@@ -48,6 +48,8 @@ __all__ = [
     "BlockFileError",
     "Corruption",
     "Trailer",
+    "file_sizes",
+    "length_fault",
     "pack_trailer",
     "payload_checksum",
     "unpack_trailer",
@@ -200,6 +202,22 @@ def verify_block(
         if actual != trailer.payload_xxh3:
             raise BlockFileError(Corruption.BAD_CHECKSUM, "payload xxh3 mismatch")
     return trailer
+
+
+def file_sizes(payload_len: int, trailerless: bool) -> frozenset[int]:
+    """The lengths a block file of ``payload_len`` payload bytes may have:
+    payload and trailer, and with ``trailerless`` the bare payload that
+    vLLM's built-in tier writes."""
+    return frozenset((payload_len + TRAILER_SIZE, *((payload_len,) if trailerless else ())))
+
+
+def length_fault(n: int, payload_len: int, trailerless: bool) -> BlockFileError:
+    """Why a block file of ``n`` bytes is bad (``n`` not in ``file_sizes``):
+    truncated when shorter than the payload, else a bad length."""
+    reason = Corruption.TRUNCATED if n < payload_len else Corruption.BAD_LENGTH
+    empty = " (empty)" if n == 0 else ""
+    also = f" (or {payload_len} without trailer)" if trailerless else ""
+    return BlockFileError(reason, f"{n} bytes{empty}, expected {payload_len + TRAILER_SIZE}{also}")
 
 
 # The tier stamps a block's atime explicitly when it loads it (relatime and

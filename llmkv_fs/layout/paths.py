@@ -127,7 +127,7 @@ class CacheLayout:
     @functools.cached_property
     def rank_dir_rel(self) -> str:
         """The rank directory relative to the root: one component, a
-        sibling of the digest directory (``layout.beneath`` resolves it)."""
+        sibling of the digest directory (``volume.beneath`` resolves it)."""
         return names.rank_dir_name(self.digest_dir_name, self.rank)
 
     @functools.cached_property

@@ -24,14 +24,16 @@ from collections.abc import Iterable
 from llmkv_fs.layout.blockfile import (
     TRAILER_SIZE,
     BlockFileError,
+    file_sizes,
+    length_fault,
     unpack_trailer,
     verify_block,
 )
 from llmkv_fs.layout.names import parse_block_path
-from llmkv_fs.layout.quarantine import file_ident
-from llmkv_fs.layout.vectored import read_all
-from llmkv_fs.ops.beneath import open_beneath
 from llmkv_fs.ops.problems import kind_of
+from llmkv_fs.volume.beneath import open_path_beneath
+from llmkv_fs.volume.quarantine import file_ident
+from llmkv_fs.volume.vectored import read_all
 
 __all__ = [
     "BAD",
@@ -75,7 +77,7 @@ def _open_block(rank_dir: str, path: str) -> tuple[int, bool]:
     """``open_for_check`` of a block below ``rank_dir``, its directories
     opened name by name: a directory swapped for a symlink since the walk
     is ELOOP or ENOTDIR, never a way off the volume."""
-    dir_fd = open_beneath(rank_dir, os.path.dirname(path))
+    dir_fd = open_path_beneath(rank_dir, os.path.dirname(path))
     try:
         return open_for_check(os.path.basename(path), dir_fd)
     finally:
@@ -181,9 +183,9 @@ def _bad(path: str, reason: str, detail: str, st: os.stat_result) -> Result:
 
 
 def _size_reason(n: int, chunk: int) -> tuple[str, str]:
-    reason = "truncated" if n < chunk else "bad-length"
-    empty = " (empty)" if n == 0 else ""
-    return reason, f"{n} bytes{empty}, expected {chunk + TRAILER_SIZE} (or {chunk} without trailer)"
+    # verify reads what either tier wrote: a bare payload is unverified, not bad.
+    fault = length_fault(n, chunk, trailerless=True)
+    return str(fault.reason), str(fault).split(": ", 1)[1]
 
 
 def check_block(rank_dir: str, path: str, lst: os.stat_result, chunk: int) -> Result:
@@ -223,7 +225,7 @@ def check_block(rank_dir: str, path: str, lst: os.stat_result, chunk: int) -> Re
             return result
         if chunk <= 0:  # appeared after the listing found no sized block file
             return Result(path, ERROR, 0, "unknown-size", "no chunk size known for this digest")
-        if st.st_size not in (chunk, chunk + TRAILER_SIZE):
+        if st.st_size not in file_sizes(chunk, trailerless=True):
             result.reason, result.detail = _size_reason(st.st_size, chunk)
             return result
         payload, scratch = _BUFFERS.get(chunk)

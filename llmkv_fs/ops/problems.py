@@ -19,6 +19,7 @@ from typing import Any
 
 __all__ = [
     "EXAMPLES_PER_KIND",
+    "MAX_DEPTH",
     "TOO_DEEP",
     "Problem",
     "Problems",
@@ -30,6 +31,11 @@ __all__ = [
 
 EXAMPLES_PER_KIND = 5
 TOO_DEEP = "too-deep"
+
+# How deep below a top the tools descend. The layout goes 2 levels down
+# (<hhh>/<hh>_g<g>); anything deeper is foreign, and each level read costs an
+# open fd while its children are read.
+MAX_DEPTH = 32
 
 
 class TooDeep(OSError):

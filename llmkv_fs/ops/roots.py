@@ -10,8 +10,8 @@ lists them exactly as the tier's ``root_dir`` does (comma-separated:
 ``/mnt/a/kv,/mnt/b/kv``), or both. They are split and checked here -- an
 empty entry, the same directory twice (by spelling, through a symlink or a
 bind mount), a root inside another: exit status 2 naming the entry, before
-any root is touched -- with the tier's own functions (``rootlist``,
-``layout.roots``), so the tools and the tier agree on a list.
+any root is touched -- with the tier's own checks (``rootlist``), so the
+tools and the tier agree on a list.
 
 One root prints exactly what the tool always printed. Several: a section
 per root headed by its path, then a section over all of them (totals where
@@ -31,8 +31,7 @@ import traceback
 from collections.abc import Callable, Sequence
 from typing import Any, TextIO
 
-from llmkv_fs.layout.roots import check_roots_distinct
-from llmkv_fs.rootlist import MAX_ROOTS, RootListError, split_root_list
+from llmkv_fs.rootlist import MAX_ROOTS, RootListError, check_roots_distinct, split_root_list
 
 __all__ = [
     "EXIT_BAD_ROOT",

@@ -16,8 +16,6 @@ import errno
 import os
 import stat
 
-from llmkv_fs.layout.fsinfo import filesystem_type
-from llmkv_fs.layout.leases import Lease, LeaseDir, read_lease_dir
 from llmkv_fs.layout.names import (
     config_path,
     is_trash_name,
@@ -26,7 +24,6 @@ from llmkv_fs.layout.names import (
     temp_writer,
 )
 from llmkv_fs.layout.names import lease_dir as lease_dir_path
-from llmkv_fs.layout.run_config import read_run_config, run_config_proves
 from llmkv_fs.ops.kinds import (
     BLOCK,
     CONFIG,
@@ -43,6 +40,9 @@ from llmkv_fs.ops.kinds import (
 )
 from llmkv_fs.ops.problems import Problems
 from llmkv_fs.ops.walker import Listing, walk
+from llmkv_fs.volume.fsinfo import filesystem_type
+from llmkv_fs.volume.leases import Lease, LeaseDir, read_lease_dir
+from llmkv_fs.volume.run_config import read_run_config, run_config_proves
 
 __all__ = [
     "BLOCK",

@@ -25,8 +25,6 @@ from collections.abc import Sequence
 from typing import Any
 
 from llmkv_fs.layout.blockfile import TRAILER_SIZE, last_used
-from llmkv_fs.layout.fsinfo import volume_usage
-from llmkv_fs.layout.leases import Lease, LeaseDir
 from llmkv_fs.layout.names import in_quarantine, is_block_name, parse_quarantine_name
 from llmkv_fs.layout.paths import run_config_digest
 from llmkv_fs.ops import scan
@@ -40,6 +38,8 @@ from llmkv_fs.ops.roots import (
 )
 from llmkv_fs.ops.stats_text import print_report
 from llmkv_fs.units import format_bytes
+from llmkv_fs.volume.fsinfo import volume_usage
+from llmkv_fs.volume.leases import Lease, LeaseDir
 
 __all__ = ["AGE_BUCKETS", "add_arguments", "run", "select_digests", "volume_stats"]
 

@@ -32,7 +32,6 @@ from typing import Any
 from tqdm import tqdm
 
 from llmkv_fs.layout.names import in_quarantine, is_block_name
-from llmkv_fs.layout.quarantine import move_to_quarantine
 from llmkv_fs.ops import scan
 from llmkv_fs.ops.blockcheck import (
     BAD,
@@ -54,6 +53,7 @@ from llmkv_fs.ops.roots import (
 from llmkv_fs.ops.stats import select_digests
 from llmkv_fs.ops.verify_text import print_report
 from llmkv_fs.units import format_bytes
+from llmkv_fs.volume.quarantine import move_to_quarantine
 
 __all__ = ["add_arguments", "quarantine", "run", "verify_volume"]
 

@@ -8,7 +8,7 @@ threads: every directory down to ``split_depth`` is its own work item, so
 that many round trips are in flight whatever the tree's shape.
 
 Every directory is opened relative to its parent's fd with ``O_NOFOLLOW``
-(``ops/beneath.py``): a symlink is never followed, whenever it was planted,
+(``volume/beneath.py``): a symlink is never followed, whenever it was planted,
 and a tree deeper than PATH_MAX reads like any other. An entry that cannot
 be read costs that entry only: it is recorded in its directory's listing
 (``problems``, or the listing's ``error`` for the directory itself) and the
@@ -27,9 +27,9 @@ from collections.abc import Generator, Iterable
 from typing import NamedTuple
 
 from llmkv_fs.layout.names import LEASES_DIRNAME, QUARANTINE_DIRNAME
-from llmkv_fs.ops.beneath import MAX_DEPTH, open_beneath, open_dir
 from llmkv_fs.ops.kinds import CONFIG_AREA, RANK_AREA, FileEntry, classify
-from llmkv_fs.ops.problems import TooDeep
+from llmkv_fs.ops.problems import MAX_DEPTH, TooDeep
+from llmkv_fs.volume.beneath import OPEN_DIR_FLAGS, open_child_dir, open_path_beneath
 
 __all__ = ["Listing", "walk"]
 
@@ -145,7 +145,7 @@ class _Walker:
         batch: list[Listing] = []
         queued: list[_Item] = []
         try:
-            fd = open_beneath(self.tops[item.top][0], item.path)
+            fd = open_path_beneath(self.tops[item.top][0], item.path)
         except OSError as exc:
             return [self.unread(item, exc)], []
         self.descend(item, fd, batch, queued)
@@ -168,7 +168,9 @@ class _Walker:
                     batch.append(self.unread(child, deep))
                     continue
                 try:
-                    child_fd = open_dir(os.path.basename(child.path), fd)
+                    child_fd = open_child_dir(
+                        fd, os.path.basename(child.path), OPEN_DIR_FLAGS, child.path, must_read=True
+                    )
                 except OSError as exc:
                     batch.append(self.unread(child, exc))
                     continue

@@ -29,10 +29,10 @@ from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, Tra
 from llmkv_fs import __version__
 from llmkv_fs.config import TierSettings
 from llmkv_fs.engine import FsEngine, xxh3_path
-from llmkv_fs.layout.leases import lease_for
 from llmkv_fs.layout.paths import CacheLayout, RunIdentity
 from llmkv_fs.tier.hashing import hashing_identity
 from llmkv_fs.tier.metrics import TierMetrics, metric_definitions
+from llmkv_fs.volume.leases import lease_for
 
 if TYPE_CHECKING:
     from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
@@ -115,7 +115,6 @@ class FsTier(SecondaryTierManager):
                 self.settings.root_dir,
             )
         self.engine = FsEngine(self.settings, layouts, primary_kv_view, self.block_size_bytes)
-        self.layout = self.engine.layout  # the first root's
         self._metrics = TierMetrics(
             self.engine, _tier_label(offloading_spec, tier_type, self.settings)
         )

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 
-from llmkv_fs.layout.leases import seed_fingerprint
+from llmkv_fs.volume.leases import seed_fingerprint
 
 _ALGOS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
 

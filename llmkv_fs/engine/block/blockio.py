@@ -5,7 +5,7 @@ immutable settings; the per-thread scratch pages and root descriptors live
 in ``threading.local``. Callers run ``store``/``load``/``exists`` on I/O
 threads only -- they block on the filesystem.
 
-Every name is resolved beneath the root (``layout.beneath``): the block's
+Every name is resolved beneath the root (``volume.beneath``): the block's
 directory ``<rank>/<hhh>/<hh>_g<g>`` is walked from the root's descriptor
 one component at a time without following a link, and the block and its
 temp file are then opened, renamed, stat'ed and unlinked relative to that
@@ -13,9 +13,13 @@ directory's descriptor. A symlink where a directory of the tree belongs
 makes a lookup a miss and a store or load fail (``LinkInTree``, counted
 ``link_in_tree``); nothing is ever made, written or moved through it.
 
-Zero copy: the payload goes straight between the caller's row (a slice of
-the page-aligned primary mmap) and the file with ``pwritev``/``preadv``;
-the trailer travels in the same syscall from a per-thread aligned page.
+How the bytes themselves move, once the file is open, is the byte path's
+(block/bytepath.py, the seam for another implementation): by default zero
+copy, the payload straight between the caller's row (a slice of the
+page-aligned primary mmap) and the file with ``pwritev``/``preadv``, the
+trailer in the same syscall from a per-thread aligned page. Everything
+around it -- resolving, creating, renaming, the trailer's contents, the
+checksum check, quarantine, stamps -- is here, whatever the byte path.
 """
 
 from __future__ import annotations
@@ -30,55 +34,50 @@ import threading
 import time
 from collections.abc import Callable
 
-from llmkv_fs.engine.block.options import IoOptions
-from llmkv_fs.engine.block.piecewise import read_hashing, write_hashing
-from llmkv_fs.engine.block.probe import O_DIRECT, probe_o_direct
+from llmkv_fs.engine.block.bytepath import BytePath, VectoredBytes
+from llmkv_fs.engine.block.options import O_DIRECT, IoOptions
 from llmkv_fs.engine.block.stamps import AccessStamps
 from llmkv_fs.engine.block.tempfiles import DirectoryGone, TempFiles
 from llmkv_fs.engine.outcomes import Abandoned, BlockMissing, NoChecksum, Outcome
-from llmkv_fs.layout.beneath import Beneath, LinkInTree
 from llmkv_fs.layout.blockfile import (
     TRAILER_SIZE,
     BlockFileError,
     Corruption,
+    file_sizes,
+    length_fault,
     pack_trailer,
     payload_checksum,
     verify_block,
 )
-from llmkv_fs.layout.files import SHARED_FS_ATTEMPTS, is_transient
 from llmkv_fs.layout.names import block_rel_parts, temp_name
 from llmkv_fs.layout.paths import CacheLayout
-from llmkv_fs.layout.quarantine import file_ident, quarantine_at
-from llmkv_fs.layout.vectored import read_all, write_all
+from llmkv_fs.volume.beneath import Beneath, LinkInTree
+from llmkv_fs.volume.files import SHARED_FS_ATTEMPTS, is_transient
+from llmkv_fs.volume.quarantine import file_ident, quarantine_at
 
-__all__ = ["Abandoned", "BlockIO", "BlockMissing", "IoOptions", "Outcome", "probe_o_direct"]
+__all__ = ["Abandoned", "BlockIO", "BlockMissing", "IoOptions", "Outcome"]
 
 _PAGE = mmap.PAGESIZE
 
 
 class BlockIO:
-    def __init__(self, layout: CacheLayout, options: IoOptions):
+    """One root's blocks, moved by ``byte_path`` (default: ``VectoredBytes``
+    of the options)."""
+
+    def __init__(self, layout: CacheLayout, options: IoOptions, byte_path: BytePath | None = None):
         self.layout = layout
         self.options = options
+        self._bytes = VectoredBytes(options) if byte_path is None else byte_path
         self._host = socket.gethostname()
         self._pid = os.getpid()
         self._local = threading.local()
-        trailerless = (options.block_size,) if options.accept_trailerless else ()
-        self._valid_sizes = frozenset((options.block_size + TRAILER_SIZE, *trailerless))
+        self._valid_sizes = file_sizes(options.block_size, options.accept_trailerless)
         # Every name below the root is resolved from the root's descriptor,
-        # one component at a time, never through a link (layout.beneath).
+        # one component at a time, never through a link (volume.beneath).
         # Each process that builds a BlockIO opens its own descriptors.
         self._below = Beneath(layout.root_dir, options.root)
         self._rank = layout.rank_dir_rel
         self._temps = TempFiles(options, self._open_flags(os.O_WRONLY | os.O_CREAT | os.O_EXCL))
-        # The same pieces serve stores: hashing a piece just after writing
-        # it (from cache) saves a second pass over the row from memory.
-        self._hash_in_pieces = bool(
-            options.checksum
-            and options.hash_chunk
-            and options.block_size % options.hash_chunk == 0
-            and options.block_size > options.hash_chunk
-        )
         self._stamps = AccessStamps(self._below)
 
     # -- per-thread scratch ------------------------------------------------
@@ -241,14 +240,15 @@ class BlockIO:
             os.close(dir_fd)
 
     def _write(self, fd: int, key: bytes, row: memoryview, trailer: memoryview) -> None:
-        opts = self.options
-        if self._hash_in_pieces:
-            write_hashing(fd, row, opts.hash_chunk, trailer, key, time.time_ns())
-        else:
-            checksum = payload_checksum(row) if opts.checksum else None
-            pack_trailer(trailer, key, row.nbytes, checksum, time.time_ns())
-            write_all(fd, [row, trailer])
-        if opts.fsync_file:
+        checksum = self.options.checksum
+
+        def seal(digest: int | None) -> None:
+            if checksum and digest is None:
+                digest = payload_checksum(row)
+            pack_trailer(trailer, key, row.nbytes, digest if checksum else None, time.time_ns())
+
+        self._bytes.write(fd, row, trailer, seal)
+        if self.options.fsync_file:
             os.fsync(fd)
 
     @staticmethod
@@ -311,7 +311,7 @@ class BlockIO:
             raise
         try:
             try:
-                n, digest = self._read(fd, row, scratch)
+                n, digest = self._bytes.read(fd, row, scratch, self._valid_sizes)
             except OSError as exc:
                 # The file (or a directory above it) was removed through
                 # another client -- gc on another node -- while this client
@@ -335,11 +335,6 @@ class BlockIO:
                 os.close(fd)
         self._set_aside(dir_fd, name, bad, ident)
         raise bad
-
-    def _read(self, fd: int, row: memoryview, scratch: memoryview) -> tuple[int, int | None]:
-        if self._hash_in_pieces:
-            return read_hashing(fd, row, scratch, self.options.hash_chunk)
-        return read_all(fd, [row, scratch], self._valid_sizes), None
 
     def _set_aside(
         self, dir_fd: int, name: str, bad: BlockFileError, ident: tuple[int, int]
@@ -373,8 +368,7 @@ class BlockIO:
             raise NoChecksum(self.layout.block_path(key))
         if n == opts.block_size and opts.accept_trailerless:
             return Outcome.UNVERIFIED
-        reason = Corruption.TRUNCATED if n < opts.block_size else Corruption.BAD_LENGTH
-        raise BlockFileError(reason, f"{n} bytes, expected {opts.block_size + TRAILER_SIZE}")
+        raise length_fault(n, opts.block_size, opts.accept_trailerless)
 
     def has_queued_stamps(self) -> bool:
         return self._stamps.pending()

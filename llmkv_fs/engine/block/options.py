@@ -6,11 +6,14 @@ dev, ino), workers/crew.py)."""
 from __future__ import annotations
 
 import dataclasses
+import os
 
-from llmkv_fs.layout.files import DEFAULT_DIR_MODE, DEFAULT_FILE_MODE
-from llmkv_fs.layout.root import PinnedRoot
+from llmkv_fs.volume.files import DEFAULT_DIR_MODE, DEFAULT_FILE_MODE
+from llmkv_fs.volume.root import PinnedRoot
 
-__all__ = ["IoOptions"]
+__all__ = ["O_DIRECT", "IoOptions"]
+
+O_DIRECT = getattr(os, "O_DIRECT", 0)
 
 
 @dataclasses.dataclass(frozen=True)

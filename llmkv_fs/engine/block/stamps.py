@@ -16,8 +16,8 @@ import contextlib
 import os
 import time
 
-from llmkv_fs.layout.beneath import Beneath
 from llmkv_fs.layout.blockfile import ACCESS_STAMP_INTERVAL_S
+from llmkv_fs.volume.beneath import Beneath
 
 __all__ = ["AccessStamps"]
 
@@ -50,7 +50,7 @@ class AccessStamps:
 
     def apply(self) -> int:
         """Set atime and mtime of every noted block to now, through its
-        directory resolved beneath the root (``layout.beneath``) and without
+        directory resolved beneath the root (``volume.beneath``) and without
         following a link at the name. atime under relatime/noatime says
         nothing, hence explicit. "Now" for both needs only write permission
         or ownership; a replica of another uid without it simply can't

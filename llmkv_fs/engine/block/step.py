@@ -7,11 +7,14 @@ The checks, in order: the job still wants the block (its deadline); the
 chunk index lies inside the primary buffer (a memoryview slice would clamp
 silently and copy the wrong bytes); root_dir is still the directory the tier
 started on (shared ``VolumeSignals``, one page per root); for a store, the
-space guard admits it. Then the block moves (``BlockIO``) on the root its
-key is placed on (a load also tries the key's second choice, see
-``RootPlacement``); a directory creation that finds the
-root gone (pinned root, ``RootGone``) fails it as VOLUME_FAILED, and ENOSPC
-trips the space guard right there, with the free space of that moment.
+space guard admits it (both read from the root's ``VolumeSignals``, the
+page the engine's housekeeping writes). Then the block moves (``BlockIO``)
+on the root its key is placed on (a load also tries the key's second
+choice, see ``RootPlacement``). A store or load that finds the root gone
+underneath it (pinned root, ``RootGone``: unmounted or replaced since the
+last housekeeping check) fails VOLUME_FAILED -- never remembered as a bad
+file, and a load then tries the key's next choice; ENOSPC trips the space
+guard right there, with the free space of that moment.
 
 Threading: a BlockStep is shared by the I/O threads of one process; it
 holds no mutable state of its own (BlockIO keeps per-thread scratch).
@@ -35,9 +38,10 @@ from llmkv_fs.engine.outcomes import (
     VolumeFailed,
     failed,
 )
-from llmkv_fs.engine.volume.space import SpaceGuard
-from llmkv_fs.layout.files import RootGone
+from llmkv_fs.engine.upkeep.signals import VolumeSignals
+from llmkv_fs.engine.upkeep.space import trip_on_enospc
 from llmkv_fs.layout.placement import RootPlacement
+from llmkv_fs.volume.root import RootGone
 
 __all__ = ["BlockStep", "StepRoot"]
 
@@ -60,16 +64,17 @@ def without_tracebacks(exc: _E) -> _E:
 
 class StepRoot(NamedTuple):
     """One root as a block step sees it: how blocks move there, and its
-    space guard (whose ``signals`` say whether the root is lost)."""
+    shared signals (lost? stores refused?)."""
 
     blockio: BlockIO
-    guard: SpaceGuard
+    signals: VolumeSignals
 
 
 class BlockStep:
     """See the module doc. ``rows`` is the primary buffer as one flat view
     of ``rows.nbytes // block_size`` rows; ``roots`` the engine's roots in
-    list order and ``placement`` where a key lives among them."""
+    list order and ``placement`` where a key lives among them. Built by
+    ``block.spec.build_step`` in I/O threads and worker processes alike."""
 
     def __init__(
         self,
@@ -115,25 +120,29 @@ class BlockStep:
         written before the home root was added); a lost root is skipped."""
         first_error: BlockNotMoved | None = None
         for index in self._placement.choices(key):
-            root = self.roots[index]
-            if root.guard.signals.root_lost:
-                first_error = first_error or VolumeFailed(root.blockio.layout.root_dir)
+            blockio, signals = self.roots[index]
+            if signals.root_lost:
+                first_error = first_error or VolumeFailed(blockio.layout.root_dir)
                 continue
             if self._pause is not None:  # tests: a read the volume has not answered yet
                 self._pause.reached("read", "load", key)
             try:
-                return root.blockio.load(key, row)
+                return blockio.load(key, row)
             except BlockMissing as exc:
                 first_error = first_error or exc
+            except RootGone as exc:  # lost since the last housekeeping check
+                lost = VolumeFailed(blockio.layout.root_dir)
+                lost.__cause__ = exc
+                first_error = first_error or lost
         assert first_error is not None
         raise first_error
 
     def _store(self, key: bytes, row: memoryview, still_wanted: Callable[[], bool]) -> BlockResult:
-        blockio, guard = self.roots[self._placement.home(key)]
-        if guard.signals.root_lost:
+        blockio, signals = self.roots[self._placement.home(key)]
+        if signals.root_lost:
             raise VolumeFailed(blockio.layout.root_dir)
-        if not guard.allows_store():
-            raise StoreRefused(guard.reason)
+        if signals.stores_refused:
+            raise StoreRefused(signals.refusal)
         if self._pause is not None:
             still_wanted = self._pausing_before_publish(self._pause, key, still_wanted)
         try:
@@ -142,7 +151,7 @@ class BlockStep:
             raise VolumeFailed(blockio.layout.root_dir) from exc
         except OSError as exc:
             if exc.errno in _SPACE_ERRNOS:
-                guard.saw_enospc()
+                trip_on_enospc(signals, blockio.layout.root_dir)
             raise
 
     @staticmethod

@@ -1,5 +1,5 @@
 """A store's temp file: one exclusive open relative to the block's directory
-(resolved and made beneath the root by the caller, ``layout.beneath``).
+(resolved and made beneath the root by the caller, ``volume.beneath``).
 
 Threading: one TempFiles per BlockIO, shared by its I/O threads (or one
 worker process); it holds only settings.
@@ -11,7 +11,7 @@ import errno
 import os
 from typing import TYPE_CHECKING
 
-from llmkv_fs.layout.files import create_exclusive, needs_chmod
+from llmkv_fs.volume.files import create_exclusive, needs_chmod
 
 if TYPE_CHECKING:
     from llmkv_fs.engine.block.options import IoOptions

@@ -10,7 +10,7 @@ the executor's condition, ask once more and sleep; ``work_arrived`` notifies
 under the same condition after the blocks were queued, so a wake-up is never
 lost. (A semaphore taken once per block -- Python code under the GIL --
 cost 57 to 63 % of the thread mode's throughput at 7+7 threads on 16 cores,
-measured with tools/bench_engine.py.)
+measured with tools/bench/engine.py.)
 
 Threading: ``start``, ``work_arrived``, ``job_expired`` and ``stop`` are the
 scheduler's calls (owner thread); the I/O threads run ``_serve`` and touch
@@ -26,7 +26,7 @@ import threading
 from llmkv_fs.engine.block.step import BlockStep
 from llmkv_fs.engine.scheduling.executor import BlockSource
 from llmkv_fs.engine.scheduling.jobs import BlockTicket, IoJob
-from llmkv_fs.engine.volume.numa import pin_current_thread
+from llmkv_fs.engine.startup.numa import pin_current_thread
 
 __all__ = ["ThreadExecutor"]
 

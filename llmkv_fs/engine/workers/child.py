@@ -4,7 +4,9 @@ engine-core interpreter (no shared GIL with vLLM's scheduler).
 Started by the worker executor's conductor (workers.Crew.spawn) as a fresh
 interpreter (never a fork of vLLM)::
 
-    python -c "<set umask 0>; from llmkv_fs.engine.workers.child import main; main()" SPEC_JSON
+    python -c "<set umask 0>; from llmkv_fs.engine.workers.child import main; main()" LAUNCH
+
+(``LAUNCH``: its ``crew.WorkerLaunch``, pickled, base64.)
 
 It imports only the engine room and the layout. Its life:
 
@@ -18,8 +20,9 @@ It imports only the engine room and the layout. Its life:
   fan-out directory fewer than in-process threads, which must not touch
   vLLM's umask);
 * then it serves job records (records.JOB) one at a time, runs each block
-  through the same BlockStep as an I/O thread of the engine (block/step.py:
-  every per-block check, the shared volume signals, the test pause points)
+  through a BlockStep built from the same spec as the engine's I/O threads'
+  (block/spec.py: every per-block check, the byte path, the shared volume
+  signals, the test pause points)
   and answers with a result record (records.RESULT) on its result pipe. The
   block's cancel byte in the shared cancel board is its ``still_wanted``: the
   owner sets it when the job's deadline passed, so an abandoned store is
@@ -36,7 +39,6 @@ Threading: single-threaded.
 from __future__ import annotations
 
 import ctypes
-import json
 import mmap
 import os
 import select
@@ -44,19 +46,16 @@ import signal
 import sys
 import time
 from collections.abc import Callable
-from typing import Any
 
-from llmkv_fs.engine.block.blockio import BlockIO, IoOptions
+from llmkv_fs.engine.block.blockio import BlockIO
 from llmkv_fs.engine.block.pause import PausePoints
-from llmkv_fs.engine.block.step import BlockStep, StepRoot
-from llmkv_fs.engine.volume.signals import VolumeSignals
-from llmkv_fs.engine.volume.space import SpaceGuard
+from llmkv_fs.engine.block.spec import build_step
+from llmkv_fs.engine.block.step import BlockStep
+from llmkv_fs.engine.upkeep.signals import VolumeSignals
+from llmkv_fs.engine.workers.crew import WorkerLaunch
 from llmkv_fs.engine.workers.prefault import RowPrefault
 from llmkv_fs.engine.workers.records import JOB, OP_LOAD, OP_STOP, encode_result, hello_record
 from llmkv_fs.engine.workers.region import map_region
-from llmkv_fs.layout.files import PinnedRoot
-from llmkv_fs.layout.paths import CacheLayout
-from llmkv_fs.layout.placement import RootPlacement
 
 _PR_SET_PDEATHSIG = 1
 _STAMP_EVERY_S = 1.0
@@ -69,31 +68,18 @@ def _die_with_parent(parent: int) -> None:
         os._exit(1)
 
 
-def _block_step(spec: dict[str, Any]) -> tuple[BlockStep, RowPrefault]:
-    """The worker's BlockStep: the region and shared pages mapped from the
-    inherited fds (closed once mapped), its own BlockIO per root; and the
-    region's page-table filler."""
-    rows = map_region(spec["size"], spec["segments"], spec["region_fds"])
-    for fd in spec["region_fds"]:
+def _block_step(launch: WorkerLaunch) -> tuple[BlockStep, RowPrefault]:
+    """The worker's BlockStep: the region and each root's signals page
+    mapped from the inherited fds (closed once mapped), its own BlockIO per
+    root, from the engine's step spec; and the region's page-table filler."""
+    rows = map_region(launch.region_size, launch.segments, launch.region_fds)
+    for fd in launch.region_fds:
         os.close(fd)
-    roots = [
-        _step_root(spec, root, signals_fd)
-        for root, signals_fd in zip(spec["roots"], spec["signals_fds"], strict=True)
-    ]
-    placement = RootPlacement([root.blockio.layout.root_dir for root in roots])
-    step = BlockStep(roots, rows, placement, PausePoints.from_environment())
+    spec = launch.step
+    blockios = [spec.blockio(index) for index in range(len(spec.roots))]
+    signals = [VolumeSignals.attach(fd) for fd in launch.signals_fds]
+    step = build_step(spec, rows, blockios, signals, PausePoints.from_environment())
     return step, RowPrefault(rows, step.block_size)
-
-
-def _step_root(spec: dict[str, Any], root: dict[str, Any], signals_fd: int) -> StepRoot:
-    layout = CacheLayout(root["root_dir"], spec["run_config"], spec["rank"])
-    pin = root["root"]
-    pinned = None if pin is None else PinnedRoot(pin[0], (pin[1], pin[2]))
-    blockio = BlockIO(layout, IoOptions(**root["options"], root=pinned))
-    # Only the guard's shared verdict and its ENOSPC trip are used here; the
-    # watermarks are sampled by the engine's housekeeping thread.
-    guard = SpaceGuard(layout.root_dir, 100.0, 0, 0, VolumeSignals.attach(signals_fd))
-    return StepRoot(blockio, guard)
 
 
 class _AccessStamps:
@@ -114,18 +100,18 @@ def _cancel_byte_clear(board: mmap.mmap, slot: int) -> Callable[[], bool]:
     return lambda: not board[slot]
 
 
-def serve(spec: dict[str, Any]) -> None:
-    _die_with_parent(spec["parent"])
-    if spec["cpus"]:
-        os.sched_setaffinity(0, spec["cpus"])
+def serve(launch: WorkerLaunch) -> None:
+    _die_with_parent(launch.parent)
+    if launch.cpus:
+        os.sched_setaffinity(0, launch.cpus)
     # A worker is one thread (the prefault runs between jobs on it), so this is
     # the whole worker. A positive increment is always permitted.
-    os.nice(spec["nice"])
-    jobs_fd, results_fd = spec["jobs_fd"], spec["results_fd"]
-    step, prefault = _block_step(spec)
+    os.nice(launch.nice)
+    jobs_fd, results_fd = launch.jobs_fd, launch.results_fd
+    step, prefault = _block_step(launch)
     stamps = _AccessStamps([root.blockio for root in step.roots])
-    board = mmap.mmap(spec["board_fd"], spec["board_size"])
-    os.close(spec["board_fd"])
+    board = mmap.mmap(launch.board_fd, launch.board_size)
+    os.close(launch.board_fd)
     os.write(results_fd, hello_record(os.getpid()))
     buf = bytearray()
     last_stamp = time.monotonic()
@@ -174,8 +160,8 @@ def serve(spec: dict[str, Any]) -> None:
 
 
 def main() -> None:
-    spec = json.loads(sys.argv[1])
+    launch = WorkerLaunch.decoded(sys.argv[1])
     try:
-        serve(spec)
+        serve(launch)
     except KeyboardInterrupt:
         pass

@@ -17,26 +17,25 @@ Threading rules
 
 from __future__ import annotations
 
+import base64
 import contextlib
-import json
+import dataclasses
 import logging
 import mmap
 import os
 import pathlib
+import pickle
 import selectors
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Collection, Sequence
-from typing import Any
+from collections.abc import Callable
 
-from llmkv_fs.engine.block.blockio import IoOptions
-from llmkv_fs.engine.block.io_setup import for_worker_processes
+from llmkv_fs.engine.block.spec import StepSpec
 from llmkv_fs.engine.scheduling.jobs import BlockTicket
-from llmkv_fs.engine.volume.signals import VolumeSignals
+from llmkv_fs.engine.upkeep.signals import VolumeSignals
 from llmkv_fs.engine.workers.records import JOB, OP_STOP
-from llmkv_fs.engine.workers.region import RegionHandover
-from llmkv_fs.layout.paths import CacheLayout
+from llmkv_fs.engine.workers.region import RegionHandover, Segment
 
 __all__ = [
     "DEPTH",
@@ -45,6 +44,7 @@ __all__ = [
     "Crew",
     "WorkerDied",
     "WorkerHandle",
+    "WorkerLaunch",
     "WorkerSpec",
     "resolve_io_workers",
 ]
@@ -64,45 +64,48 @@ class WorkerDied(Exception):
     """The worker process running this block ended before answering."""
 
 
+@dataclasses.dataclass(frozen=True)
 class WorkerSpec:
-    """What a worker needs besides its fds: JSON-able, built once."""
+    """What the workers of one executor are given, built once by the engine:
+    how their block step is built (``step``, with the workers' I/O options:
+    startup/io_setup.py), the primary region to map, each root's shared
+    signals page, the CPUs they run on and their nice increment."""
 
-    def __init__(
-        self,
-        handover: RegionHandover,
-        roots: Sequence[tuple[CacheLayout, IoOptions, VolumeSignals]],
-        cpus: Collection[int] | None,
-        nice: int = 0,
-    ):
-        self.handover = handover
-        self.signals = [signals for _, _, signals in roots]
-        layout = roots[0][0]  # every root holds the same run config and rank
-        self.common = {
-            "size": handover.size,
-            "segments": [
-                (s.offset, s.length, s.file_offset, s.fd_index) for s in handover.segments
-            ],
-            "run_config": layout.run_config,
-            "rank": layout.rank,
-            "roots": [_root_spec(layout, options) for layout, options, _ in roots],
-            "cpus": sorted(cpus) if cpus else None,
-            "nice": nice,
-        }
-
-    @property
-    def signals_fds(self) -> list[int]:
-        return [signals.fd for signals in self.signals]
+    step: StepSpec
+    handover: RegionHandover
+    signals: tuple[VolumeSignals, ...]
+    cpus: frozenset[int] | None = None
+    nice: int = 0
 
 
-def _root_spec(layout: CacheLayout, options: IoOptions) -> dict[str, Any]:
-    options = for_worker_processes(options)
-    return {
-        "root_dir": layout.root_dir,
-        "options": {k: getattr(options, k) for k in options.__dataclass_fields__ if k != "root"},
-        # The pinned root travels as (path, dev, ino): a worker refuses to
-        # create directories once the volume underneath is not that one.
-        "root": None if options.root is None else [options.root.path, *options.root.ident],
-    }
+@dataclasses.dataclass(frozen=True)
+class WorkerLaunch:
+    """Everything one worker process starts from (workers/child.py), typed
+    end to end: pickled onto its command line at spawn. The fds are the
+    numbers the worker inherits (``pass_fds`` keeps them)."""
+
+    step: StepSpec
+    region_size: int
+    segments: tuple[Segment, ...]
+    region_fds: tuple[int, ...]
+    signals_fds: tuple[int, ...]
+    board_fd: int
+    board_size: int
+    jobs_fd: int
+    results_fd: int
+    parent: int
+    cpus: tuple[int, ...] | None
+    nice: int
+
+    def encoded(self) -> str:
+        return base64.b64encode(pickle.dumps(self, pickle.HIGHEST_PROTOCOL)).decode("ascii")
+
+    @staticmethod
+    def decoded(text: str) -> WorkerLaunch:
+        launch = pickle.loads(base64.b64decode(text))
+        if not isinstance(launch, WorkerLaunch):
+            raise TypeError(f"not a worker launch: {type(launch).__name__}")
+        return launch
 
 
 class CancelBoard:
@@ -192,17 +195,22 @@ class Crew:
     def spawn(self, worker: WorkerHandle, selector: selectors.BaseSelector) -> None:
         jobs_r, jobs_w = os.pipe2(os.O_CLOEXEC)
         results_r, results_w = os.pipe2(os.O_CLOEXEC)
-        handover = self.spec.handover
-        board = self.board
-        spec = dict(
-            self.spec.common,
-            parent=os.getpid(),
-            jobs_fd=jobs_r,
-            results_fd=results_w,
-            region_fds=handover.fds,
+        spec, board = self.spec, self.board
+        handover = spec.handover
+        signals_fds = tuple(signals.fd for signals in spec.signals)
+        launch = WorkerLaunch(
+            step=spec.step,
+            region_size=handover.size,
+            segments=handover.segments,
+            region_fds=tuple(handover.fds),
+            signals_fds=signals_fds,
             board_fd=board.fd,
             board_size=len(board.places),
-            signals_fds=self.spec.signals_fds,
+            jobs_fd=jobs_r,
+            results_fd=results_w,
+            parent=os.getpid(),
+            cpus=tuple(sorted(spec.cpus)) if spec.cpus else None,
+            nice=spec.nice,
         )
         # llmkv_fs/engine/workers/crew.py -> the directory holding llmkv_fs
         package_root = str(pathlib.Path(__file__).resolve().parents[3])
@@ -219,9 +227,9 @@ class Crew:
                     "import os, sys; os.umask(0); "
                     "sys.path[:1] = [] if sys.path[:1] == [''] else sys.path[:1]; "
                     "from llmkv_fs.engine.workers.child import main; main()",
-                    json.dumps(spec),
+                    launch.encoded(),
                 ],
-                pass_fds=(jobs_r, results_w, board.fd, *self.spec.signals_fds, *handover.fds),
+                pass_fds=(jobs_r, results_w, board.fd, *signals_fds, *handover.fds),
                 stdin=subprocess.DEVNULL,
                 env=env,
             )

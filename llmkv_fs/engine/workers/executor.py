@@ -276,12 +276,16 @@ class ProcessExecutor:
         """After a conductor failure: every block taken fails, until stop."""
         source = self._source
         assert source is not None
+        # poll, not select: vLLM raises RLIMIT_NOFILE, so the eventfd may be
+        # numbered past select's limit of 1024 (ValueError: found in review).
+        wake = select.poll()
+        wake.register(self._wake, select.POLLIN)
         while not self._stop_requested:
             ticket = source.take(True)
             if ticket is None:
                 self._idle = True
                 if source.take(True) is None:  # see _serve on taking after _idle
-                    select.select([self._wake], [], [])
+                    wake.poll()
                 with contextlib.suppress(OSError):
                     os.eventfd_read(self._wake)
                 self._idle = False

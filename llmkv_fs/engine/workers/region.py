@@ -35,6 +35,7 @@ import ctypes
 import dataclasses
 import mmap
 import os
+from collections.abc import Sequence
 from typing import Any
 
 __all__ = ["NoHandover", "RegionHandover", "Segment", "find_handover", "map_region"]
@@ -203,26 +204,26 @@ def _libc_mmap() -> Any:
     return fn
 
 
-def map_region(size: int, segments: list[tuple[int, int, int, int]], fds: list[int]) -> memoryview:
-    """Worker side: map ``segments`` ((offset, length, file_offset, fd index)
-    tuples) back to back into one reserved range, as the owner has them.
-    The mapping lives as long as the process."""
+def map_region(size: int, segments: Sequence[Segment], fds: Sequence[int]) -> memoryview:
+    """Worker side: map ``segments`` back to back into one reserved range,
+    as the owner has them (``fds``: the worker's numbers of the handover's
+    fds). The mapping lives as long as the process."""
     libc_mmap = _libc_mmap()
     total = -(-size // _PAGE) * _PAGE
     failed = ctypes.c_void_p(-1).value
     base = libc_mmap(None, total, _PROT_NONE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1, 0)
     if base in (None, failed):
         raise OSError(ctypes.get_errno(), "reserving the primary region's address range")
-    for offset, length, file_offset, fd_index in segments:
-        mapped_len = -(-length // _PAGE) * _PAGE
+    for segment in segments:
+        mapped_len = -(-segment.length // _PAGE) * _PAGE
         got = libc_mmap(
-            base + offset,
+            base + segment.offset,
             mapped_len,
             mmap.PROT_READ | mmap.PROT_WRITE,
             mmap.MAP_SHARED | _MAP_FIXED,
-            fds[fd_index],
-            file_offset,
+            fds[segment.fd_index],
+            segment.file_offset,
         )
-        if got != base + offset:
-            raise OSError(ctypes.get_errno(), f"mapping segment at {offset:#x}")
+        if got != base + segment.offset:
+            raise OSError(ctypes.get_errno(), f"mapping segment at {segment.offset:#x}")
     return memoryview((ctypes.c_char * size).from_address(base)).cast("B")

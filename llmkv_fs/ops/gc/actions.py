@@ -12,7 +12,7 @@ as done: live tiers keep writing while gc runs.
   recreates a directory gc removed under it before its open.
 
 Every action below a rank directory works through directory fds opened name
-by name from it (``ops/beneath.py``): never through a symlink, and at any
+by name from it (``volume/beneath.py``): never through a symlink, and at any
 depth. One that fails is recorded in the pass's ``Problems`` and skipped.
 """
 
@@ -25,14 +25,14 @@ import stat
 import time
 from collections.abc import Callable
 
-from llmkv_fs.layout.leases import read_leases
 from llmkv_fs.layout.names import is_silly_rename_name, trash_path
-from llmkv_fs.ops.beneath import DIR_FLAGS, MAX_DEPTH, DirHandles
-from llmkv_fs.ops.gc.evict import evict
+from llmkv_fs.ops.gc.evict import DirHandles, evict
 from llmkv_fs.ops.gc.inventory import DigestFacts, Inventory, allocated
 from llmkv_fs.ops.gc.rules import Policy, digest_verdict, temp_verdict
-from llmkv_fs.ops.problems import Problems, TooDeep
+from llmkv_fs.ops.problems import MAX_DEPTH, Problems, TooDeep
 from llmkv_fs.ops.scan import FileEntry
+from llmkv_fs.volume.beneath import OPEN_DIR_FLAGS
+from llmkv_fs.volume.leases import read_leases
 
 __all__ = ["delete_tree", "evict", "prune_dirs", "remove_digest", "remove_temps"]
 
@@ -55,7 +55,7 @@ def delete_tree(path: str, problems: Problems) -> tuple[int, bool]:
     (e.g. NFS ``.nfsXXXX`` files of a block another client still holds
     open) wait for the next run."""
     try:
-        fd = os.open(path, DIR_FLAGS)
+        fd = os.open(path, OPEN_DIR_FLAGS)
     except FileNotFoundError:
         return 0, True
     except OSError as exc:
@@ -118,7 +118,7 @@ def _delete_below(fd: int, where: str, problems: Problems, depth: int) -> tuple[
                 complete = False
                 continue
             try:
-                child = os.open(name, DIR_FLAGS, dir_fd=fd)
+                child = os.open(name, OPEN_DIR_FLAGS, dir_fd=fd)
             except OSError as exc:
                 if exc.errno not in (errno.ELOOP, errno.ENOTDIR):
                     raise

@@ -20,9 +20,9 @@ from typing import NamedTuple
 
 from llmkv_fs.layout.blockfile import last_used
 from llmkv_fs.ops import scan
-from llmkv_fs.ops.beneath import DirHandles, open_beneath
 from llmkv_fs.ops.gc.inventory import Inventory, allocated
 from llmkv_fs.ops.problems import Problems
+from llmkv_fs.volume.beneath import open_path_beneath
 
 __all__ = ["evict"]
 
@@ -91,7 +91,7 @@ def _list_candidates(
         directory = inv.dir_path[dir_id]
         assert directory is not None  # blocks come from listed directories
         try:
-            fd = open_beneath(inv.top_of(dir_id), directory)
+            fd = open_path_beneath(inv.top_of(dir_id), directory)
         except FileNotFoundError:
             continue
         except OSError as exc:
@@ -169,3 +169,31 @@ def _unlink_if_unused(
         problems.add(exc, path, op)
         return None
     return allocated(st)
+
+
+class DirHandles:
+    """The fd of the directory acted in last, kept open while the next
+    action is in the same one (eviction in age order visits a directory's
+    same-age blocks one after another). Not thread-safe; close() when done."""
+
+    def __init__(self) -> None:
+        self._path: str | None = None
+        self._fd = -1
+
+    def get(self, top: str, path: str) -> int:
+        if path != self._path:
+            self.close()
+            self._fd = open_path_beneath(top, path)
+            self._path = path
+        return self._fd
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+        self._path, self._fd = None, -1
+
+    def __enter__(self) -> DirHandles:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -19,11 +19,11 @@ from array import array
 from collections.abc import Callable
 
 from llmkv_fs.layout.blockfile import last_used
-from llmkv_fs.layout.leases import BadLease, Lease
 from llmkv_fs.layout.names import parse_block_path, parse_quarantine_name
 from llmkv_fs.ops import scan
 from llmkv_fs.ops.problems import Problems
 from llmkv_fs.ops.scan import Digest, FileEntry
+from llmkv_fs.volume.leases import BadLease, Lease
 
 __all__ = ["DigestFacts", "Inventory", "allocated", "take_inventory"]
 
@@ -146,7 +146,7 @@ class Inventory:
 
     def top_of(self, dir_id: int) -> str:
         """The rank or config directory ``dir_id`` lies in (actions open
-        directories below it name by name: ``ops/beneath.py``)."""
+        directories below it name by name: ``volume/beneath.py``)."""
         while self.dir_depth[dir_id] > 0:
             dir_id = self.dir_parent[dir_id]
         path = self.dir_path[dir_id]

@@ -31,8 +31,8 @@ import stat
 import threading
 import time
 
-from llmkv_fs.layout.files import create_exclusive
 from llmkv_fs.layout.names import gc_lock_path
+from llmkv_fs.volume.files import create_exclusive
 
 __all__ = ["LOCK_FILE_MODE", "LockBusy", "VolumeLock"]
 

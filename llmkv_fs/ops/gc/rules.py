@@ -12,11 +12,11 @@ from collections.abc import Set as AbstractSet
 
 import psutil
 
-from llmkv_fs.layout import fsinfo
-from llmkv_fs.layout.leases import pid_alive
 from llmkv_fs.ops.gc.inventory import DigestFacts, Inventory
 from llmkv_fs.ops.scan import FileEntry, temp_writer
 from llmkv_fs.units import format_bytes, format_duration
+from llmkv_fs.volume import fsinfo
+from llmkv_fs.volume.leases import pid_alive
 
 __all__ = [
     "Capacity",

@@ -1,0 +1,77 @@
+"""What a block step is built from, declared once for both executors: each
+root's layout and I/O options (``RootSpec``), where a key lives among the
+roots (``RootPlacement``) and the byte path. The engine builds one
+``StepSpec``; its I/O threads turn it into their ``BlockStep`` in the
+engine's process, and each worker process receives the same object
+(pickled, in its launch spec: workers/crew.py) and turns it into its own
+with ``build_step`` -- the one place a step is assembled.
+
+Immutable values; any thread or process may use them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+from llmkv_fs.engine.block.blockio import BlockIO
+from llmkv_fs.engine.block.bytepath import BytePathKind, VectoredBytes
+from llmkv_fs.engine.block.options import IoOptions
+from llmkv_fs.engine.block.pause import PausePoints
+from llmkv_fs.engine.block.step import BlockStep, StepRoot
+from llmkv_fs.engine.upkeep.signals import VolumeSignals
+from llmkv_fs.layout.paths import CacheLayout
+from llmkv_fs.layout.placement import RootPlacement
+
+__all__ = ["RootSpec", "StepSpec", "build_step"]
+
+
+@dataclasses.dataclass(frozen=True)
+class RootSpec:
+    """One root as a block step moves blocks there: its layout and the
+    options its ``BlockIO`` is built with (the pinned root among them)."""
+
+    layout: CacheLayout
+    options: IoOptions
+
+
+@dataclasses.dataclass(frozen=True)
+class StepSpec:
+    """Every root of the engine in list order, the placement over them and
+    the byte path (a class, or any picklable callable, taking a root's
+    ``IoOptions``; see block/bytepath.py)."""
+
+    roots: tuple[RootSpec, ...]
+    placement: RootPlacement
+    byte_path: BytePathKind = VectoredBytes
+
+    def blockio(self, index: int) -> BlockIO:
+        """A fresh BlockIO for root ``index`` (each process builds its own:
+        descriptors and per-thread scratch are not shared)."""
+        root = self.roots[index]
+        return BlockIO(root.layout, root.options, self.byte_path(root.options))
+
+    def with_options(self, options: Sequence[IoOptions]) -> StepSpec:
+        """The same spec with other options per root (worker processes hash
+        in smaller pieces: startup/io_setup.py)."""
+        roots = tuple(
+            dataclasses.replace(root, options=opts)
+            for root, opts in zip(self.roots, options, strict=True)
+        )
+        return dataclasses.replace(self, roots=roots)
+
+
+def build_step(
+    spec: StepSpec,
+    rows: memoryview,
+    blockios: Sequence[BlockIO],
+    signals: Sequence[VolumeSignals],
+    pause: PausePoints | None,
+) -> BlockStep:
+    """The BlockStep of one process: ``blockios`` and ``signals`` per root
+    of ``spec`` (the engine's own for its I/O threads; a worker's built from
+    the spec and its inherited signals fds)."""
+    roots = [StepRoot(b, s) for b, s in zip(blockios, signals, strict=True)]
+    if len(roots) != len(spec.roots):
+        raise ValueError(f"{len(roots)} roots given for a spec of {len(spec.roots)}")
+    return BlockStep(roots, rows, spec.placement, pause)

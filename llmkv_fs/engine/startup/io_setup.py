@@ -1,0 +1,112 @@
+"""How the engine moves bytes, decided once at start-up: the primary
+buffer as rows, O_DIRECT or buffered I/O, and the per-block options
+BlockIO gets. No threads; runs on the constructing thread.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import mmap
+import os
+
+from llmkv_fs.config import TierSettings
+from llmkv_fs.engine.block.options import IoOptions
+from llmkv_fs.engine.startup.probe import probe_o_direct
+from llmkv_fs.engine.upkeep.prepare import EngineError
+from llmkv_fs.layout.blockfile import Buffer
+from llmkv_fs.volume.root import PinnedRoot
+
+__all__ = ["choose_o_direct", "for_worker_processes", "io_options", "rows_view"]
+
+# Memory-backed volumes, where a load is a memcpy: hash each piece while it
+# is still in cache (measured on tmpfs, 2 cores: the checksum's cost fell
+# from ~15 % to ~5 % with 256 KiB pieces). The piece depends on who moves
+# the bytes (issue 20, docs/benchmarks.md):
+# - I/O threads in vLLM's process share its GIL, and each piece is one more
+#   release and re-acquire: 1 MiB (issue 12). 256 KiB there cost the 2-core
+#   machine a third of its tmpfs load ratio (0.84 / 0.97 -> 0.60 / 0.69
+#   against the built-in, alternating runs, load ~1-2);
+# - worker processes share no GIL, but 14 of them busy evict a 1 MiB piece
+#   before it is hashed: 256 KiB moved 2 MiB loads 19.2 -> 22.3 GB/s and
+#   stores 15.9 -> 16.3 on the 16-core machine (same run, medians of 4;
+#   docs/bench/device/issue20_after_many_steady.txt).
+_MEMORY_FS = frozenset(("tmpfs", "ramfs"))
+_HASH_CHUNK = 1 << 20
+_HASH_CHUNK_WORKERS = 256 << 10
+
+
+def io_options(
+    settings: TierSettings,
+    block_size: int,
+    use_o_direct: bool,
+    fstype: str,
+    root: PinnedRoot,
+) -> IoOptions:
+    return IoOptions(
+        block_size=block_size,
+        use_o_direct=use_o_direct,
+        fsync_file=settings.durability in ("file", "full"),
+        fsync_dir=settings.durability == "full",
+        checksum=settings.checksum,
+        accept_trailerless=settings.accept_trailerless,
+        file_mode=settings.file_mode,
+        dir_mode=settings.dir_mode,
+        hash_chunk=_HASH_CHUNK if fstype in _MEMORY_FS else 0,
+        # A client's cached "no such file" hides a block another client
+        # stored for up to acdirmax (measured ~30 s; docs/reliability.md).
+        revalidate_misses=fstype.startswith("nfs"),
+        root=root,
+    )
+
+
+def rows_view(primary: Buffer, block_size: int) -> memoryview:
+    """The primary buffer as flat bytes, checked to hold whole blocks."""
+    flat = memoryview(primary).cast("B")
+    if block_size <= 0 or flat.nbytes % block_size:
+        raise EngineError(
+            f"primary buffer of {flat.nbytes} bytes is not a whole "
+            f"number of {block_size}-byte blocks"
+        )
+    return flat
+
+
+def _buffer_address(buf: memoryview) -> int | None:
+    if buf.readonly:
+        return None
+    return ctypes.addressof(ctypes.c_char.from_buffer(buf))
+
+
+def choose_o_direct(mode: str, flat: memoryview, block_size: int, rank_dir: str) -> bool:
+    """Whether blocks move with O_DIRECT: io_mode ``auto`` uses it where the
+    buffer and block size are page aligned and the volume takes it (probed
+    in ``rank_dir``, resolved beneath its root: a rank directory swapped for a
+    symlink is not written to); ``direct`` insists (EngineError naming why
+    not)."""
+    if mode == "buffered":
+        return False
+    address = _buffer_address(flat)
+    aligned = (
+        address is not None and address % mmap.PAGESIZE == 0 and block_size % mmap.PAGESIZE == 0
+    )
+    # The rank directory is a child of the root (CacheLayout).
+    works = aligned and probe_o_direct(rank_dir, root=os.path.dirname(rank_dir))
+    if mode == "direct" and not works:
+        why = (
+            "the volume refuses it"
+            if aligned
+            else "the primary buffer or block size is not page aligned"
+        )
+        raise EngineError(
+            f"io_mode=direct but O_DIRECT does not work here ({why}): "
+            f"{rank_dir}. Use io_mode=auto or buffered."
+        )
+    return works
+
+
+def for_worker_processes(options: IoOptions) -> IoOptions:
+    """The options an I/O worker process moves blocks with: those of the
+    engine's threads, with the smaller hash piece where pieces are used."""
+    if not options.hash_chunk:
+        return options
+    return dataclasses.replace(options, hash_chunk=_HASH_CHUNK_WORKERS)

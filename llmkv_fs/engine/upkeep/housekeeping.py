@@ -1,0 +1,224 @@
+"""The housekeeping thread: everything periodic that touches the volume but
+belongs to no transfer -- checking that root_dir is still the directory the
+tier started on, sampling free space for the space guard, writing and
+refreshing this tier's lease, and warning when live replicas of the same
+digest hash blocks differently (they would never share a block).
+
+Threading: one daemon thread owns the lease file, stats the root, calls
+``SpaceGuard.sample`` and applies queued access stamps (``stamp``, a
+callable from the engine). It alone writes ``root_lost`` (a byte of the
+shared ``VolumeSignals`` page the owner and the I/O workers read without a
+lock: the stat that may hang on a dead network volume never runs on the
+scheduler thread). The owner only calls ``set_lease`` (hands a
+Lease over, returns at once) and ``stop`` (joins; removes the lease). The
+thread never dies of an exception: each round's failure is counted in
+``errors``, logged (throttled) and the next round runs as usual -- a dead
+thread would mean no lease refresh, no access stamps and a space guard that
+never lifts.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+from collections.abc import Callable
+
+from llmkv_fs.engine.upkeep.space import SpaceGuard
+from llmkv_fs.volume.files import DEFAULT_DIR_MODE, DEFAULT_FILE_MODE
+from llmkv_fs.volume.leases import Lease, read_leases, refresh_lease, remove_lease, write_lease
+from llmkv_fs.volume.root import PinnedRoot
+
+__all__ = ["Housekeeping"]
+
+logger = logging.getLogger("vllm.llmkv_fs.housekeeping")
+
+SPACE_SAMPLE_INTERVAL_S = 1.0
+# One traceback per this many seconds at most: a failure that repeats every
+# round must not flood the log.
+ERROR_LOG_INTERVAL_S = 60.0
+
+
+class Housekeeping:
+    def __init__(
+        self,
+        guard: SpaceGuard,
+        digest_dir: str,
+        lease_interval_s: float,
+        file_mode: int = DEFAULT_FILE_MODE,
+        dir_mode: int = DEFAULT_DIR_MODE,
+        stamp: Callable[[], int] | None = None,
+        root: PinnedRoot | None = None,
+    ):
+        self.guard = guard
+        self.root = root
+        self._stamp = stamp
+        self.digest_dir = digest_dir
+        self.lease_interval_s = lease_interval_s
+        self._modes = (file_mode, dir_mode)
+        self._wake = threading.Event()
+        self._stopping = False
+        self._pending_lease: Lease | None = None
+        self.lease: Lease | None = None
+        self.lease_path: str | None = None
+        self.other_fingerprints: frozenset[str] = frozenset()
+        self._warned: frozenset[str] = frozenset()
+        self.errors = 0
+        self._last_error_log = -ERROR_LOG_INTERVAL_S
+        self._sample_space()  # the guard starts with a real answer
+        self._thread = threading.Thread(target=self._run, name="llmkv_fs_housekeeping", daemon=True)
+        self._thread.start()
+
+    @property
+    def root_lost(self) -> bool:
+        """True while root_dir is missing or another directory (the volume
+        was unmounted): the engine then treats the volume as failed. Kept in
+        the guard's shared page, so I/O workers see it too."""
+        return self.guard.signals.root_lost
+
+    def set_lease(self, lease: Lease) -> None:
+        """Owner side: publish ``lease`` from the housekeeping thread."""
+        self._pending_lease = lease
+        self._wake.set()
+
+    def stop(self) -> None:
+        self._stopping = True
+        self._wake.set()
+        self._thread.join()
+        self._guarded(self._apply_stamps)  # a failed stamp is skipped
+        if self.lease_path is not None:
+            if not remove_lease(self.lease_path, self.root):
+                logger.warning(
+                    "llmkv_fs: could not remove lease %s; it will go stale", self.lease_path
+                )
+            self.lease_path = None
+
+    def _run(self) -> None:
+        next_lease = 0.0
+        # Wake often enough for a short lease interval too: a lease refreshed
+        # less often than its interval would look dead to gc and peers.
+        tick = min(SPACE_SAMPLE_INTERVAL_S, self.lease_interval_s / 2)
+        while not self._stopping:
+            self._wake.wait(tick)
+            self._wake.clear()
+            if self._stopping:
+                return
+            if not self._root_is_ours():
+                continue  # nothing below touches a volume that is not ours
+            for step in (self._sample_space, self._apply_stamps):
+                self._guarded(step)
+            now = time.monotonic()
+            if self._pending_lease is not None or (self.lease is not None and now >= next_lease):
+                self._guarded(self._tend_lease)
+                next_lease = now + self.lease_interval_s
+
+    def _root_is_ours(self) -> bool:
+        """Re-check the root; log once when it is lost and once when back."""
+        if self.root is None:
+            return True
+        current = self.root.is_current()
+        if current == (not self.root_lost):
+            return current
+        self.guard.signals.root_lost = not current
+        if not current:
+            logger.error(
+                "llmkv_fs: root_dir %s is missing or is no longer the directory this "
+                "tier started on (volume unmounted?). The volume is failed: stores are "
+                "refused, lookups miss, loads fail, and nothing is created there. "
+                "Mount the volume again; the tier resumes by itself when the original "
+                "directory is back (after a remount that gives it a new device, "
+                "restart the replica).",
+                self.root.path,
+            )
+        else:
+            logger.warning(
+                "llmkv_fs: root_dir %s is back; the volume is in use again", self.root.path
+            )
+        return current
+
+    def _guarded(self, step: Callable[[], object]) -> None:
+        """``step()``; any exception is counted and logged (throttled), never
+        fatal to the thread."""
+        try:
+            step()
+        except Exception:
+            self.errors += 1
+            now = time.monotonic()
+            if now - self._last_error_log >= ERROR_LOG_INTERVAL_S:
+                self._last_error_log = now
+                logger.exception(
+                    "llmkv_fs: housekeeping step %s failed (%d errors so far; "
+                    "logged at most every %.0fs); carrying on",
+                    getattr(step, "__name__", step),
+                    self.errors,
+                    ERROR_LOG_INTERVAL_S,
+                )
+
+    def _apply_stamps(self) -> None:
+        if self._stamp is not None:
+            self._stamp()
+
+    def _sample_space(self) -> None:
+        try:
+            self.guard.sample()
+        except OSError as exc:
+            self.errors += 1
+            logger.warning("llmkv_fs: statvfs of %s failed: %r", self.guard.path, exc)
+
+    def _tend_lease(self) -> None:
+        try:
+            if self._pending_lease is not None:
+                self.lease, self._pending_lease = self._pending_lease, None
+                self.lease_path = write_lease(
+                    self.digest_dir, self.lease, *self._modes, root=self.root
+                )
+            elif self.lease is not None and (
+                self.lease_path is None or not refresh_lease(self.lease_path, self.root)
+            ):
+                # Never written (the first write failed), or gc judged us dead
+                # (a long stall?): say we are alive again.
+                self.lease_path = write_lease(
+                    self.digest_dir, self.lease, *self._modes, root=self.root
+                )
+            self._check_peers()
+        except OSError as exc:
+            self.errors += 1
+            logger.warning("llmkv_fs: lease under %s not refreshed: %r", self.digest_dir, exc)
+
+    def _check_peers(self) -> None:
+        me = self.lease
+        if me is None:
+            return
+        host = socket.gethostname()
+        peers = [
+            lease
+            for lease in read_leases(self.digest_dir, self.root)
+            if lease.is_live(this_host=host) and lease.path != self.lease_path
+        ]
+        differing = frozenset(
+            lease.seed_fingerprint
+            for lease in peers
+            if (lease.seed_fingerprint, lease.hash_algo) != (me.seed_fingerprint, me.hash_algo)
+        )
+        self.other_fingerprints = differing
+        if differing - self._warned:
+            count = sum(lease.seed_fingerprint in differing for lease in peers)
+            logger.warning(
+                "llmkv_fs: this replica will not share cache with %d live replica(s) of "
+                "%s: PYTHONHASHSEED or the prefix-caching hash algorithm differs "
+                "(this replica: %s/%s; others: %s). Give every replica the same "
+                "PYTHONHASHSEED and --prefix-caching-hash-algo.",
+                count,
+                self.digest_dir,
+                me.hash_algo,
+                me.seed_fingerprint,
+                ", ".join(
+                    sorted(
+                        f"{lease.hash_algo}/{lease.seed_fingerprint}"
+                        for lease in peers
+                        if lease.seed_fingerprint in differing
+                    )
+                ),
+            )
+        self._warned = differing

@@ -1,0 +1,402 @@
+"""Resolving names below the cache root without ever following a symlink:
+the one place the tier (and its worker processes) turns a path below the
+root into a directory descriptor.
+
+Everything below root_dir is untrusted (docs/reliability.md). Anyone who can
+write the volume may replace a directory of the tree -- a digest or rank
+directory, an ``<hhh>`` or ``<hh>_g<g>`` fan-out directory, ``leases/``,
+``.quarantine`` -- with a symlink to a directory elsewhere. A path handed to
+the kernel whole follows such a link in its middle (``O_NOFOLLOW`` guards
+the last component only), so a store would make directories, a temp file
+and a block file outside the root, and a quarantine would move a file out of
+the directory the link points to. Linux's ``openat2(RESOLVE_BENEATH)`` is
+not in Python's ``os``; the same guarantee comes from walking the path one
+component at a time, each opened relative to its parent's descriptor with
+``O_NOFOLLOW|O_DIRECTORY``: a symlink anywhere below the root stops the walk
+(``LinkInTree``), and every mkdir, open, rename, unlink, stat and utime is
+then made relative to the descriptor the walk returns (``dir_fd=``).
+
+Descriptors: the walk opens with ``O_PATH`` (no open call into the file
+system, so no close-to-open round trip per level on NFS; a caller that wants
+that revalidation asks for a real open of the last level). The root's
+descriptor is kept, one per thread, checked once against the pinned
+``(st_dev, st_ino)``; everything below it is resolved again by every
+operation. Caching deeper descriptors would not pay: a block's fan-out
+directories are one of ~10^6 per group, and proving a cached rank directory
+still sits at its name (gc may rename it aside) costs an ``fstatat``, as much
+as the open and close it saves (measured; docs/reliability.md). So a
+directory gc removed or renamed aside is never written through later.
+
+Threading: one Beneath may be shared by any number of threads; each thread
+opens its own root descriptor (``threading.local``), closed when the thread
+ends or the Beneath is collected. Worker processes build their own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import socket
+import stat
+import threading
+
+from llmkv_fs.layout.names import temp_name
+from llmkv_fs.volume.files import (
+    DEFAULT_DIR_MODE,
+    DEFAULT_FILE_MODE,
+    create_exclusive,
+    is_transient,
+    needs_chmod,
+    retry_transient,
+)
+from llmkv_fs.volume.root import PinnedRoot, parts_below
+
+__all__ = [
+    "DIR_FLAGS",
+    "OPEN_DIR_FLAGS",
+    "Beneath",
+    "LinkInTree",
+    "make_dir_at",
+    "open_child_dir",
+    "open_path_beneath",
+    "write_file_atomically_at",
+]
+
+# A directory to resolve names in: no read permission needed, no open call
+# into the filesystem; O_NOFOLLOW|O_DIRECTORY fail on a link (ENOTDIR).
+DIR_FLAGS = os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+# A directory really opened: fsync, fchmod, listing, NFS close-to-open.
+OPEN_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+# The root itself may be reached through links above it (checked at start:
+# prepare refuses a root that is a link; the pin decides it is the same one).
+_ROOT_FLAGS = os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC
+AT_FDCWD = -100  # openat's "relative to the current directory" (Linux)
+_KNOWN_DIRS_MAX = 1 << 16  # directories remembered as existing (a few MiB)
+_NOT_NAMES = frozenset(("", ".", ".."))  # components a relative path may not have
+
+
+class LinkInTree(OSError):
+    """A symlink where a directory of the cache tree belongs (below the
+    root): never followed. errno ELOOP, so it keeps its meaning when it
+    crosses a process boundary as a bare OSError."""
+
+
+def open_child_dir(
+    parent_fd: int, name: str, flags: int = DIR_FLAGS, shown: str = "", must_read: bool = False
+) -> int:
+    """The directory ``name`` in ``parent_fd`` opened with ``flags`` (which
+    hold ``O_NOFOLLOW|O_DIRECTORY``). LinkInTree for a symlink there,
+    NotADirectoryError for anything else that is not a directory,
+    FileNotFoundError when nothing is (``shown``, else ``name``, names it
+    in errors). A directory that may be searched but not read is resolved
+    only (``O_PATH``) unless ``must_read`` (a listing): PermissionError."""
+    try:
+        return os.open(name, flags, dir_fd=parent_fd)
+    except PermissionError:
+        if flags == DIR_FLAGS or must_read:
+            raise
+        # Searchable but not readable (another uid's directory): resolve it
+        # only. A real open was only wanted for NFS freshness or listing.
+        return open_child_dir(parent_fd, name, DIR_FLAGS, shown)
+    except OSError as exc:
+        if exc.errno not in (errno.ENOTDIR, errno.ELOOP):
+            raise
+    # Which of the two: one lstat, on this rare path only.
+    mode = os.stat(name, dir_fd=parent_fd, follow_symlinks=False).st_mode
+    shown = shown or name
+    if stat.S_ISLNK(mode):
+        raise LinkInTree(errno.ELOOP, "a symlink, not followed", shown)
+    # A directory by now: another client's fresh mkdir became visible (a
+    # caller creating retries that).
+    raise NotADirectoryError(errno.ENOTDIR, "not a directory", shown)
+
+
+def make_dir_at(parent_fd: int, name: str, dir_mode: int, shown: str = "") -> int:
+    """mkdir ``name`` in ``parent_fd`` with exactly ``dir_mode``. -1 when
+    the caller is to open it (made, or already there); a descriptor of it
+    when making it needed a chmod (done through that descriptor: a chmod by
+    name would follow a link swapped in meanwhile)."""
+    try:
+        os.mkdir(name, dir_mode, dir_fd=parent_fd)
+    except FileExistsError:
+        return -1
+    if not needs_chmod(dir_mode):
+        return -1
+    fd = open_child_dir(parent_fd, name, OPEN_DIR_FLAGS, shown)
+    try:
+        os.fchmod(fd, dir_mode)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def open_path_beneath(top: str, path: str) -> int:
+    """A readable descriptor of the directory ``path``, which lies at or below
+    ``top`` by its spelling: ``top`` opened by its path (a link there is
+    refused too: LinkInTree), every component after it relative to the one
+    before, never through a link. For the volume tools, which walk tops they
+    listed a moment ago (a rank or digest directory) while live tiers write
+    the volume; a running tier resolves beneath its pinned root (Beneath).
+    ValueError when ``path`` is not ``top`` or below it."""
+    if path != top and not path.startswith(top.rstrip("/") + "/"):
+        raise ValueError(f"{path!r} is not below {top!r}")
+    names = parts_below(top, path) if path != top else []
+    fd = open_child_dir(AT_FDCWD, top, DIR_FLAGS if names else OPEN_DIR_FLAGS, must_read=True)
+    shown = top.rstrip("/")
+    for i, name in enumerate(names):
+        shown = f"{shown}/{name}"
+        flags = OPEN_DIR_FLAGS if i == len(names) - 1 else DIR_FLAGS
+        try:
+            child = open_child_dir(fd, name, flags, shown, must_read=True)
+        finally:
+            os.close(fd)
+        fd = child
+    return fd
+
+
+def _creation_race(exc: OSError) -> bool:
+    # A parent removed meanwhile (gc pruning), a stale handle on a network
+    # filesystem, or a name another client is creating right now. Never a
+    # symlink: LinkInTree is final.
+    return is_transient(exc) or isinstance(exc, NotADirectoryError)
+
+
+class _RootFd:
+    """One thread's root descriptor; closed with it (thread end, or the
+    Beneath collected)."""
+
+    __slots__ = ("fd",)
+    _close = staticmethod(os.close)  # still bound while the interpreter exits
+
+    def __init__(self, fd: int):
+        self.fd = fd
+
+    def __del__(self) -> None:
+        try:
+            self._close(self.fd)
+        except Exception:  # closed already, or the interpreter is going
+            pass
+
+
+class Beneath:
+    """``root_path`` as a directory descriptor, and the names below it
+    resolved from there without following a link. ``pin``: the root the
+    tier started on -- a descriptor is only used if it is that directory
+    (RootGone otherwise), and no child of the root is created unless the
+    path still names it. None: tools and tests, the path is the root."""
+
+    def __init__(self, root_path: str, pin: PinnedRoot | None = None):
+        self.path = root_path.rstrip("/") or "/"
+        self.pin = pin
+        self._local = threading.local()
+        # Directories created or found by a creating walk: it opens them
+        # first; others it makes first (a young cache makes most of its
+        # fan-out directories: no failing open before each mkdir). Shared
+        # by threads: single set operations are atomic under the GIL.
+        self._known: set[str] = set()
+
+    def relative(self, path: str) -> str:
+        """``path`` (below the root by its spelling) relative to the root."""
+        return "/".join(parts_below(self.path, path))
+
+    def root_fd(self) -> int:
+        """This thread's descriptor of the root (do not close it)."""
+        held: _RootFd | None = getattr(self._local, "root", None)
+        if held is None:
+            held = self._local.root = _RootFd(self._open_root())
+        return held.fd
+
+    def _open_root(self) -> int:
+        try:
+            fd = os.open(self.path, _ROOT_FLAGS)
+        except OSError:
+            if self.pin is None:
+                raise
+            raise self.pin.gone() from None
+        if self.pin is not None:
+            st = os.fstat(fd)
+            if (st.st_dev, st.st_ino) != self.pin.ident:
+                os.close(fd)
+                raise self.pin.gone()
+        return fd
+
+    def _drop_removed_root(self, exc: OSError | None = None) -> bool:
+        """Forget this thread's root descriptor if its directory was removed,
+        or if a walk from it met ESTALE: an NFS server that lost the handle
+        (a failover, a re-export) answers every lookup through it so, and
+        kept, it would fail every later block too. The next use opens the
+        path again, and the pin decides. Only on failures: one fstat."""
+        held: _RootFd | None = getattr(self._local, "root", None)
+        if held is None:
+            return False
+        if exc is None or exc.errno != errno.ESTALE:
+            try:
+                if os.fstat(held.fd).st_nlink:
+                    return False
+            except OSError:
+                pass  # a descriptor that cannot even be stat'ed: open the path again
+        del self._local.root
+        return True
+
+    def open_dir(
+        self,
+        rel: str,
+        *,
+        create: bool = False,
+        dir_mode: int = DEFAULT_DIR_MODE,
+        revalidate: bool = False,
+        after_race: bool = False,
+    ) -> int:
+        """A descriptor of the directory ``rel`` (relative to the root, "/"
+        separated; the caller closes it), every component opened relative to
+        its parent, never through a link. ``O_PATH`` unless ``revalidate``
+        (the last level really opened: NFS refetches its attributes; such a
+        descriptor also serves fsync and listing).
+
+        ``create``: missing levels are made with exactly ``dir_mode``; a
+        level removed or not yet visible meanwhile is retried (see
+        SHARED_FS_ATTEMPTS); ``after_race``: the caller met such a race
+        itself (a directory gone under its descriptor): every level opened
+        for real from the first attempt. Raises LinkInTree, NotADirectoryError,
+        FileNotFoundError (without ``create``), RootGone, OSError."""
+        parts = rel.split("/")
+        if not _NOT_NAMES.isdisjoint(parts):
+            raise ValueError(f"{rel!r} is not a plain relative path")
+        last = OPEN_DIR_FLAGS if revalidate else DIR_FLAGS
+        if create:
+            return self._walk_creating_retried(parts, dir_mode, last, after_race)
+        return self._walk(parts, last)
+
+    def _walk_creating_retried(
+        self, parts: list[str], dir_mode: int, last: int, careful: bool
+    ) -> int:
+        """The creating walk, again after a creation race (SHARED_FS_ATTEMPTS
+        in all). Every retry opens each level for real: an ``O_PATH`` open
+        trusts a dentry the network client still caches for a directory
+        another client removed or re-made (no FUSE_OPENDIR, no NFS
+        close-to-open GETATTR), so a walk that only resolves keeps handing
+        out the same stale handle and the level below answers ESTALE every
+        time (seen on GlusterFS, 16 processes on two clients creating fresh
+        directories; and on NFS v3 after gc removed a writer's directory). A
+        real open that meets a stale handle fails with ESTALE inside the
+        kernel, which repeats that lookup revalidating (LOOKUP_REVAL), as it
+        does for a whole path. ``careful``: so from the first attempt."""
+
+        def walk() -> int:
+            if careful:
+                return self._walk_creating(parts, dir_mode, OPEN_DIR_FLAGS, OPEN_DIR_FLAGS)
+            return self._walk_creating(parts, dir_mode, last, DIR_FLAGS)
+
+        def recover(exc: OSError) -> None:
+            nonlocal careful
+            careful = True
+            self._drop_removed_root(exc)
+
+        return retry_transient(walk, recover, _creation_race)
+
+    def _walk(self, parts: list[str], last: int, again: bool = True) -> int:
+        top = fd = self.root_fd()
+        final = len(parts) - 1
+        i = 0
+        try:
+            for i, name in enumerate(parts):
+                flags = last if i == final else DIR_FLAGS
+                try:  # open_child_dir's first step, inline: once per level per block
+                    child = os.open(name, flags, dir_fd=fd)
+                except (NotADirectoryError, PermissionError):
+                    child = open_child_dir(fd, name, flags)
+                except OSError as exc:
+                    # The root's child missing or stale: the root itself may
+                    # be gone, or its descriptor stale.
+                    if is_transient(exc) and i == 0 and again and self._drop_removed_root(exc):
+                        return self._walk(parts, last, again=False)
+                    raise
+                if fd != top:
+                    os.close(fd)
+                fd = child
+        except BaseException as exc:
+            self._failed(exc, fd, top, parts, i)
+            raise
+        return fd
+
+    def _walk_creating(
+        self, parts: list[str], dir_mode: int, last: int, middle: int = DIR_FLAGS
+    ) -> int:
+        top = fd = self.root_fd()
+        final = len(parts) - 1
+        known = self._known
+        prefix = ""
+        i = 0
+        try:
+            for i, name in enumerate(parts):
+                prefix = f"{prefix}/{name}" if i else name
+                flags = last if i == final else middle
+                child = -1
+                # Never made first at the top: a child of the root is made
+                # only after checking that the root path is still ours.
+                if i and prefix not in known:
+                    child = make_dir_at(fd, name, dir_mode)
+                if child < 0:
+                    try:
+                        child = open_child_dir(fd, name, flags)
+                    except FileNotFoundError:
+                        if i == 0 and self.pin is not None:
+                            self.pin.check()
+                        child = make_dir_at(fd, name, dir_mode)
+                        if child < 0:
+                            child = open_child_dir(fd, name, flags)
+                if len(known) >= _KNOWN_DIRS_MAX:
+                    known.clear()
+                known.add(prefix)
+                if fd != top:
+                    os.close(fd)
+                fd = child
+        except BaseException as exc:
+            self._failed(exc, fd, top, parts, i)
+            raise
+        return fd
+
+    def _failed(self, exc: BaseException, fd: int, top: int, parts: list[str], i: int) -> None:
+        """A walk stopped at ``parts[i]``: close what it held and name the
+        whole path in the error (the syscall only knew the last component)."""
+        if fd != top:
+            os.close(fd)
+        if isinstance(exc, OSError) and exc.filename in (None, "", parts[i]):
+            exc.filename = f"{self.path.rstrip('/')}/{'/'.join(parts[: i + 1])}"
+
+
+def write_file_atomically_at(
+    dir_fd: int,
+    name: str,
+    data: bytes,
+    file_mode: int = DEFAULT_FILE_MODE,
+    durable: bool = True,
+) -> None:
+    """Publish ``data`` as ``name`` in the directory open as ``dir_fd`` by
+    temp file + rename, both relative to that descriptor: readers see the
+    old file or the whole new one, and nothing is created or renamed
+    anywhere else. The temp name carries host and pid (gc tells a crashed
+    writer's leftover from a live one's) and a nonce; it is created new
+    (no link followed, nothing truncated)."""
+    nonce = os.urandom(6).hex()  # unique even for two writers in one process
+    tmp = temp_name(name, socket.gethostname(), os.getpid(), nonce)
+    fd = create_exclusive(tmp, os.O_WRONLY, file_mode, dir_fd=dir_fd)
+    try:
+        if needs_chmod(file_mode):
+            os.fchmod(fd, file_mode)
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        if durable:
+            os.fsync(fd)
+        os.close(fd)
+        fd = -1
+        os.rename(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+    except BaseException:
+        if fd >= 0:
+            os.close(fd)
+        with contextlib.suppress(OSError):
+            os.unlink(tmp, dir_fd=dir_fd)
+        raise

@@ -1,0 +1,74 @@
+"""Second implementations of the engine's byte path (engine/block/bytepath.py),
+for tests/test_byte_path.py. Importable by worker processes: the test puts
+this directory on their PYTHONPATH, and each call leaves a mark in the
+directory ``TRACE_ENV`` names (``<op>.<pid>``), so a test sees which process
+moved the bytes."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Container
+
+from llmkv_fs.engine.block.options import IoOptions
+
+TRACE_ENV = "LLMKV_FS_TEST_BYTES_TRACE"
+
+
+class PlainBytes:
+    """Moves bytes with plain ``pwrite``/``pread`` of one buffer each (no
+    vectored call, never in pieces) and hashes nothing on the way: the
+    engine's own checks must still hold everything together."""
+
+    def __init__(self, options: IoOptions):
+        self.block_size = options.block_size
+        self._trace = os.environ[TRACE_ENV]
+
+    def _note(self, op: str) -> None:
+        with open(os.path.join(self._trace, f"{op}.{os.getpid()}"), "a") as f:
+            f.write("x")
+
+    def write(
+        self, fd: int, row: memoryview, trailer: memoryview, seal: Callable[[int | None], None]
+    ) -> None:
+        self._note("write")
+        _pwrite_all(fd, row, 0)
+        seal(None)
+        _pwrite_all(fd, trailer, row.nbytes)
+
+    def read(
+        self, fd: int, row: memoryview, tail: memoryview, sizes: Container[int]
+    ) -> tuple[int, int | None]:
+        self._note("read")
+        done = _pread_into(fd, row, 0)
+        if done < row.nbytes:
+            return done, None
+        return done + _pread_into(fd, tail, done), None
+
+
+class FlippingBytes(PlainBytes):
+    """Reads like PlainBytes, then flips one payload byte: a byte path that
+    hands back a wrong byte. The checksum must catch it."""
+
+    def read(
+        self, fd: int, row: memoryview, tail: memoryview, sizes: Container[int]
+    ) -> tuple[int, int | None]:
+        n, digest = super().read(fd, row, tail, sizes)
+        row[0] ^= 0xFF
+        return n, digest
+
+
+def _pwrite_all(fd: int, buf: memoryview, offset: int) -> None:
+    while buf:
+        n = os.pwrite(fd, buf, offset)
+        buf, offset = buf[n:], offset + n
+
+
+def _pread_into(fd: int, buf: memoryview, offset: int) -> int:
+    done = 0
+    while done < buf.nbytes:
+        data = os.pread(fd, buf.nbytes - done, offset + done)
+        if not data:
+            break
+        buf[done : done + len(data)] = data
+        done += len(data)
+    return done
