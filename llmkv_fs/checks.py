@@ -93,6 +93,23 @@ def int_between(low: int, high: int) -> Callable[[str, Any], int]:
     return check
 
 
+def or_null(check: Callable[[str, Any], Any]) -> Callable[[str, Any], Any]:
+    """``check``, or null (None) for "not set"."""
+
+    expected = f"null or {check.valid}"  # type: ignore[attr-defined]
+
+    @accepts(expected)
+    def either(key: str, value: Any) -> Any:
+        if value is None:
+            return None
+        try:
+            return check(key, value)
+        except TierConfigError:
+            raise fail(key, value, expected) from None
+
+    return either
+
+
 def number_between(low: float, high: float, what: str) -> Callable[[str, Any], float]:
     """A float (or int) in [low, high]; NaN, infinities and bools refused."""
     expected = f"{what}, a number in [{low:g}, {high:g}]"
@@ -162,6 +179,23 @@ def byte_size(key: str, value: Any) -> int:
         "a whole number of bytes from 0 to 2^63 - 1: an integer, or a string "
         'with a decimal or binary suffix such as "20GB" (20 * 10^9) or "20GiB" (20 * 2^30)',
     )
+
+
+def byte_size_at_least(low: int) -> Callable[[str, Any], int]:
+    """``byte_size``, and at least ``low`` bytes."""
+    expected = f'a size of at least {low} bytes: an integer, or a string such as "2GiB"'
+
+    @accepts(expected)
+    def check(key: str, value: Any) -> int:
+        try:
+            size = byte_size(key, value)
+        except TierConfigError:
+            raise fail(key, value, expected) from None
+        if size < low:
+            raise fail(key, value, expected)
+        return size
+
+    return check
 
 
 def seconds(low: float, high: float) -> Callable[[str, Any], float]:

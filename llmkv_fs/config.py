@@ -27,17 +27,19 @@ from llmkv_fs.checks import (
     accepts,
     boolean,
     byte_size,
+    byte_size_at_least,
     fail,
     int_between,
     octal_mode,
     one_of,
+    or_null,
     percent,
     seconds,
 )
 from llmkv_fs.declared import Setting, declare, table_of
 from llmkv_fs.rootlist import split_root_list
 
-__all__ = ["SETTINGS", "Setting", "TierConfigError", "TierSettings"]
+__all__ = ["SETTINGS", "Setting", "TierConfigError", "TierSettings", "store_queue_blocks"]
 
 
 @accepts("a non-empty directory path")
@@ -231,23 +233,34 @@ class TierSettings:
         metadata=declare(
             "Added to the nice value of each I/O worker process (0: as vLLM's "
             "engine-core process; 19: run only on CPU time nothing else wants). "
-            "With it, io_workers may be the CPU count: on the 16-core benchmark "
-            "machine 16 workers at 19 stored 6-11 % more than auto's 14 while a "
-            "scheduler stand-in was busy (-2 to +10 % while it was idle), and the "
-            "stand-in kept 95-101 % of its rate (docs/benchmarks.md). "
+            "With it, io_workers may be the CPU count and the scheduler keeps its "
+            "rate beside them (measured: docs/benchmarks.md). "
             "Worker processes only: an I/O thread (io_workers 0) shares the GIL "
             "with vLLM's scheduler, which would wait for a starved thread holding "
             "it, so threads always keep the engine's priority.",
             int_between(0, 19),
         ),
     )
-    max_pending_store_blocks: int = dataclasses.field(
-        default=1024,
+    max_pending_store_bytes: int = dataclasses.field(
+        default=2 << 30,
         metadata=declare(
-            "Store blocks allowed to wait for an I/O thread. A store job that "
-            "would exceed it fails at once (the block stays in the CPU tier); a "
-            "single job larger than the bound is accepted only into an empty queue.",
-            int_between(1, 1 << 24),
+            "Bytes of store blocks allowed to wait for an I/O thread or worker: a "
+            "queued store keeps its CPU-tier chunk from being reused, and the "
+            "loads behind a long queue wait, whatever the chunk size. A store job "
+            "that would exceed it fails at once (the chunk stays in the CPU tier, "
+            "store_failures reason queue_full); a single job larger than the "
+            "bound is accepted only into an empty queue. 2 GiB is 1,024 chunks of "
+            "2 MiB or 32,768 of 64 KiB (a tensor-parallel rank's slice).",
+            byte_size_at_least(1),
+        ),
+    )
+    max_pending_store_blocks: int | None = dataclasses.field(
+        default=None,
+        metadata=declare(
+            "Also bound the store queue by a count of blocks (the older form of "
+            "the bound, which meant 2 GiB at 2 MiB chunks but 64 MiB at 64 KiB); "
+            "null: max_pending_store_bytes alone.",
+            or_null(int_between(1, 1 << 24)),
         ),
     )
     lookup_threads: int = dataclasses.field(
@@ -371,3 +384,13 @@ class TierSettings:
 
 SETTINGS: tuple[Setting, ...] = table_of(TierSettings)
 _BY_KEY = {s.key: s for s in SETTINGS}
+
+
+def store_queue_blocks(settings: TierSettings, block_size: int) -> int:
+    """The store queue's bound in blocks of ``block_size`` bytes: what
+    ``max_pending_store_bytes`` holds (at least one), and no more than
+    ``max_pending_store_blocks`` where that is set."""
+    blocks = max(1, settings.max_pending_store_bytes // block_size)
+    if settings.max_pending_store_blocks is not None:
+        blocks = min(blocks, settings.max_pending_store_blocks)
+    return blocks

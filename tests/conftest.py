@@ -164,7 +164,30 @@ def mount_tmpfs(tmp_path):
         subprocess.run(["umount", "-l", path], check=False)
 
 
+# The fast lane (plain ``pytest``) runs every test on tmpfs and the machine's
+# own disk; a test on another filesystem, or one that needs a server, a
+# guest or a long run, is in the integration lane (``-m integration``; the
+# README's test command runs both: ``-m ""``).
+INTEGRATION_FS = frozenset(("ext4", "gluster", "nfs"))
+
+
+def _integration(item) -> bool:
+    if item.get_closest_marker("integration") is not None:
+        return True
+    if "gluster" in getattr(item, "fixturenames", ()):
+        return True
+    callspec = getattr(item, "callspec", None)
+    params = callspec.params if callspec is not None else {}
+    return any(params.get(name) in INTEGRATION_FS for name in ("volume", "shared_volume", "medium"))
+
+
 def pytest_configure(config):
+    config.addinivalue_line(
+        "markers",
+        "integration: a test of the integration lane -- ext4 mounts, GlusterFS, an NFS guest, "
+        "a real vllm serve, the soak or the demo (added by tests/conftest.py to every test on "
+        "those filesystems); plain pytest deselects it, -m '' runs everything",
+    )
     config.addinivalue_line(
         "markers",
         "threads_only(reason): the test injects its fault into the engine's own process "
@@ -173,10 +196,14 @@ def pytest_configure(config):
     )
 
 
+@pytest.hookimpl(tryfirst=True)  # before -m deselects by the marks added here
 def pytest_collection_modifyitems(config, items):
-    """Drop the workers variant of tests marked threads_only (see above)."""
+    """Mark the integration lane (see INTEGRATION_FS); drop the workers
+    variant of tests marked threads_only (see above)."""
     keep, drop = [], []
     for item in items:
+        if _integration(item):
+            item.add_marker(pytest.mark.integration)
         callspec = getattr(item, "callspec", None)
         workers = callspec is not None and callspec.params.get("io_mode") == 2
         (drop if workers and item.get_closest_marker("threads_only") else keep).append(item)

@@ -33,6 +33,7 @@ import time
 import uuid
 
 import pytest
+import service_kit
 
 from llmkv_fs.volume.fsinfo import read_mounts
 
@@ -50,18 +51,15 @@ POLL_S = 0.05
 _NAME_RE = re.compile(rf"^{PREFIX}_(\d+)_[0-9a-f]+$")
 
 
-class GlusterUnavailable(Exception):
+class GlusterUnavailable(service_kit.ServiceUnavailable):
     """This machine cannot provide a GlusterFS volume (the reason says why)."""
 
 
 @dataclasses.dataclass
-class GlusterVolume:
+class GlusterVolume(service_kit.TwoClients):
     volume: str
     host: str
     brick: str
-    mount_a: str
-    mount_b: str
-    startup_s: float = 0.0  # how long the fixture took to bring it up
 
 
 # -- small helpers ----------------------------------------------------------------------
@@ -70,14 +68,7 @@ class GlusterVolume:
 def _run(
     argv: list[str], timeout: float = CLI_TIMEOUT_S, env: dict | None = None
 ) -> subprocess.CompletedProcess:
-    try:
-        return subprocess.run(
-            argv, capture_output=True, text=True, timeout=timeout, env=env, stdin=subprocess.DEVNULL
-        )
-    except FileNotFoundError as exc:
-        raise GlusterUnavailable(f"{argv[0]} not found: {exc}") from exc
-    except subprocess.TimeoutExpired as exc:
-        raise GlusterUnavailable(f"{' '.join(argv)} did not finish in {timeout}s") from exc
+    return service_kit.run(argv, timeout, env, GlusterUnavailable)
 
 
 def _check(argv: list[str], what: str, timeout: float = CLI_TIMEOUT_S) -> str:
@@ -163,10 +154,9 @@ def _glusterfs_mounts() -> list[tuple[str, str]]:
 def _owner_alive(name: str) -> bool:
     """Whether the session that created ``name`` (llmkvtest_<pid>_<hex>) is
     still running. The owner file pins the pid's start time against reuse."""
-    match = _NAME_RE.match(name)
-    if not match:
+    pid = service_kit.owner_pid(name, _NAME_RE)
+    if pid is None:
         return True  # not ours to judge
-    pid = int(match.group(1))
     ticks = _process_start_ticks(pid)
     if ticks is None:
         return False
@@ -207,18 +197,15 @@ def _remove_session_dir(directory: str) -> None:
 
 def _reap_stale() -> None:
     """Remove what crashed earlier sessions left: mounts, volumes, bricks."""
-    for _source, mountpoint in _glusterfs_mounts():
-        name = os.path.basename(os.path.dirname(mountpoint))
-        if _NAME_RE.match(name) and not _owner_alive(name):
-            _unmount(mountpoint)
+    mounts = {os.path.basename(os.path.dirname(m)): m for _source, m in _glusterfs_mounts()}
+    for name in service_kit.orphans(mounts, _NAME_RE, _owner_alive):
+        _unmount(mounts[name])
     listed = _gluster("volume", "list")
     if listed.returncode == 0:
-        for name in listed.stdout.split():
-            if _NAME_RE.match(name) and not _owner_alive(name):
-                _remove_volume(name)
-    for entry in os.listdir(BASE_DIR):
-        if _NAME_RE.match(entry) and not _owner_alive(entry):
-            _remove_session_dir(f"{BASE_DIR}/{entry}")
+        for name in service_kit.orphans(listed.stdout.split(), _NAME_RE, _owner_alive):
+            _remove_volume(name)
+    for name in service_kit.orphans(os.listdir(BASE_DIR), _NAME_RE, _owner_alive):
+        _remove_session_dir(f"{BASE_DIR}/{name}")
 
 
 # -- bring-up ----------------------------------------------------------------------------
@@ -292,11 +279,7 @@ def _down(vol: GlusterVolume) -> None:
 
 
 def _unavailable(reason: str):
-    if os.environ.get(REQUIRE_ENV) == "1":
-        pytest.fail(
-            f"GlusterFS required ({REQUIRE_ENV}=1) but unavailable: {reason}", pytrace=False
-        )
-    pytest.skip(f"GlusterFS unavailable: {reason}")
+    service_kit.unavailable("GlusterFS", REQUIRE_ENV, reason)
 
 
 def new_volume() -> GlusterVolume:

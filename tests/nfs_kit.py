@@ -36,9 +36,7 @@ import shutil
 import subprocess
 import time
 
-import pytest
-
-from llmkv_fs.volume.leases import pid_alive
+import service_kit
 
 OPT_IN_ENV = "LLMKV_FS_NFS"
 REQUIRE_ENV = "LLMKV_FS_REQUIRE_NFS"
@@ -52,25 +50,30 @@ SCRIPT = os.path.join(
 STATE_ROOT = "/run/llmkv-fs-nfs"
 # First start installs qemu + nfs userspace and fetches a 70 MB kernel package.
 UP_TIMEOUT_S = 900.0
+BOOT_TIMEOUT_S = 600.0  # of that, the boot alone (the script's default is 300 s)
 DOWN_TIMEOUT_S = 90.0
 
 _NAME_RE = re.compile(r"^llmkv(\d+)v[0-9]+$")
 
 
-class NfsUnavailable(Exception):
+class NfsUnavailable(service_kit.ServiceUnavailable):
     """This machine cannot provide the NFS guest (the reason says why)."""
 
 
 @dataclasses.dataclass
-class NfsGuest:
+class NfsGuest(service_kit.TwoClients):
     name: str
     version: str
-    mount_a: str = ""
-    mount_b: str = ""
-    startup_s: float = 0.0
 
     def _env(self) -> dict[str, str]:
-        return {**os.environ, "NFS_VERS": self.version, "NFS_LOOPBACK_STATE": STATE_ROOT}
+        return {
+            **os.environ,
+            "NFS_VERS": self.version,
+            "NFS_LOOPBACK_STATE": STATE_ROOT,
+            # The script's own wait for the guest to boot: a hang bound, as
+            # long as ours (a boot took 78 s at load 4-8 on 2 cores).
+            "NFS_LOOPBACK_BOOT_TIMEOUT": str(int(BOOT_TIMEOUT_S)),
+        }
 
     def up(self) -> None:
         start = time.monotonic()
@@ -86,52 +89,38 @@ class NfsGuest:
         self.startup_s = time.monotonic() - start
 
     def exec(
-        self, argv: list[str], env: dict[str, str], timeout_s: float
+        self, argv: list[str], env: dict[str, str], quiet_limit_s: float, total_limit_s: float
     ) -> subprocess.CompletedProcess:
         """Run ``argv`` in the guest (same cwd, ``env`` exported); stdout and
-        stderr merged. A timeout kills the host side only (``down`` stops the
-        guest and what ran in it) and returns rc 124 with the output so far."""
-        argv = [SCRIPT, "exec", self.name, "--", *argv]
-        try:
-            return subprocess.run(
-                argv,
-                env={**self._env(), **env},
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-                timeout=timeout_s,
-                stdin=subprocess.DEVNULL,
-            )
-        except subprocess.TimeoutExpired as exc:
-            out = exc.output or ""
-            out = out.decode(errors="replace") if isinstance(out, bytes) else out
-            return subprocess.CompletedProcess(
-                argv, 124, f"{out}\n(timed out after {timeout_s:.0f}s in the guest)"
-            )
+        stderr merged, streamed. Killed -- the host side only: ``down`` stops
+        the guest and what ran in it -- when it printed nothing for
+        ``quiet_limit_s`` or ran ``total_limit_s`` (service_kit.run_watched:
+        rc 124, the output so far and what it printed last)."""
+        return service_kit.run_watched(
+            [SCRIPT, "exec", self.name, "--", *argv],
+            {**self._env(), **env},
+            quiet_limit_s=quiet_limit_s,
+            total_limit_s=total_limit_s,
+        )
 
     def down(self) -> None:
         _run([SCRIPT, "down", self.name], DOWN_TIMEOUT_S, self._env())
 
 
 def _run(argv: list[str], timeout: float, env: dict[str, str]) -> subprocess.CompletedProcess:
-    try:
-        return subprocess.run(
-            argv, capture_output=True, text=True, timeout=timeout, env=env, stdin=subprocess.DEVNULL
-        )
-    except subprocess.TimeoutExpired as exc:
-        raise NfsUnavailable(f"{' '.join(argv)} did not finish in {timeout:.0f}s") from exc
+    return service_kit.run(argv, timeout, env, NfsUnavailable)
 
 
 def reap_stale() -> list[str]:
     """Shut down guests whose pytest process is gone; returns their names."""
-    reaped = []
-    with contextlib.suppress(FileNotFoundError):
-        for name in os.listdir(STATE_ROOT):
-            match = _NAME_RE.match(name)
-            if match and not pid_alive(int(match.group(1))):
-                with contextlib.suppress(NfsUnavailable):
-                    NfsGuest(name, "4.2").down()
-                reaped.append(name)
+    try:
+        names = os.listdir(STATE_ROOT)
+    except FileNotFoundError:
+        return []
+    reaped = service_kit.orphans(names, _NAME_RE)
+    for name in reaped:
+        with contextlib.suppress(NfsUnavailable):
+            NfsGuest(name, "4.2").down()
     return reaped
 
 
@@ -145,9 +134,7 @@ def preflight() -> None:
 
 
 def unavailable(reason: str):
-    if os.environ.get(REQUIRE_ENV) == "1":
-        pytest.fail(f"NFS required ({REQUIRE_ENV}=1) but unavailable: {reason}", pytrace=False)
-    pytest.skip(f"NFS unavailable: {reason}")
+    service_kit.unavailable("NFS", REQUIRE_ENV, reason)
 
 
 def asked_for() -> bool:

@@ -1,7 +1,7 @@
 """The engine benchmark's variants (tools/bench/variants.py) and the hash
 benchmark (tools/bench/hash.py) do what the docs' figures say they did: a
 ``site`` directory comes first on the workers' PYTHONPATH only while the
-variant's engine starts, a bad key is refused by name, and bench_hash prints
+variant's engine starts, a bad key is refused by name, and tools/bench/hash.py prints
 one JSON line per case with the xxhash it measured. No timing is asserted."""
 
 import importlib

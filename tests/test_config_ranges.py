@@ -14,6 +14,7 @@ NUMERIC = {
     "n_read_threads": (1, 512, 0, 513),
     "n_write_threads": (1, 512, 0, 513),
     "max_pending_store_blocks": (1, 1 << 24, 0, (1 << 24) + 1),
+    "max_pending_store_bytes": (1, (1 << 63) - 1, 0, 1 << 63),
     "lookup_threads": (1, 256, 0, 257),
     "job_timeout_s": (0.1, 86400, 0.09, 86401),
     "max_usage_percent": (1, 100, 0.5, 100.5),
@@ -33,7 +34,8 @@ def test_every_numeric_setting_is_covered():
         if isinstance(s.default, (int, float)) and not isinstance(s.default, bool)
     }
     numeric -= {"file_mode", "dir_mode"}  # octal modes: tests/test_config.py
-    assert numeric | {"numa_node"} == set(NUMERIC)
+    # Declared as a string or null by default, numeric by their checks.
+    assert numeric | {"numa_node", "max_pending_store_blocks"} == set(NUMERIC)
 
 
 def refused(key, value) -> str:

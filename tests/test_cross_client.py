@@ -16,8 +16,7 @@ from llmkv_fs.engine import Direction, Failure
 from llmkv_fs.layout.names import is_silly_rename_name, trash_path
 from llmkv_fs.ops.gc.actions import delete_tree
 from llmkv_fs.ops.problems import Problems
-from llmkv_fs.volume.beneath import write_file_atomically_at
-from llmkv_fs.volume.files import read_small_regular_file
+from llmkv_fs.volume.files import read_small_regular_file, write_file_atomically_at
 from llmkv_fs.volume.leases import Lease, read_leases, refresh_lease, write_lease
 
 from engine_kit import (

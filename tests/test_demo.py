@@ -33,6 +33,9 @@ import pytest
 
 from volume_kit import block_files, quarantined
 
+# The integration lane (tests/conftest.py): plain pytest leaves it out.
+pytestmark = pytest.mark.integration
+
 pytest.importorskip("vllm")
 
 DOCS, DOC_CHUNKS, SUFFIX, REQUESTS = 2, 4, 1, 2

@@ -53,6 +53,9 @@ from tools.e2e.server import (
     wait_for,
 )
 
+# The integration lane (tests/conftest.py): plain pytest leaves it out.
+pytestmark = pytest.mark.integration
+
 REPO = Path(__file__).resolve().parent.parent
 TESTS = Path(__file__).resolve().parent
 CHUNK_TOKENS = 128  # tokens per block file

@@ -9,6 +9,7 @@ import threading
 
 import pytest
 
+from llmkv_fs.config import TierSettings, store_queue_blocks
 from llmkv_fs.engine import Direction, Failure, Outcome
 from llmkv_fs.layout.blockfile import TRAILER_SIZE
 
@@ -78,13 +79,15 @@ def test_read_priority_places_take_loads_first(disk_root, engines, gate_for):
     assert row(primary, 9) == pattern("L")
 
 
-def test_bounded_store_queue_rejects_without_io(disk_root, engines, gate_for):
+# The store queue's bound: in bytes (issue 27: the same memory and latency
+# at any chunk size), or the older count of blocks where that is set.
+BOUNDS = [{"max_pending_store_bytes": 4 * BS}, {"max_pending_store_blocks": 4}]
+
+
+@pytest.mark.parametrize("bound", BOUNDS, ids=["bytes", "blocks"])
+def test_bounded_store_queue_rejects_without_io(bound, disk_root, engines, gate_for):
     engine, layout, primary = engines(
-        disk_root,
-        n_blocks=32,
-        n_read_threads=1,
-        n_write_threads=1,
-        max_pending_store_blocks=4,
+        disk_root, n_blocks=32, n_read_threads=1, n_write_threads=1, **bound
     )
     for c in range(16):
         fill(primary, c, pattern(c))
@@ -98,7 +101,7 @@ def test_bounded_store_queue_rejects_without_io(disk_root, engines, gate_for):
     assert engine.counters[Direction.STORE, Failure.QUEUE_FULL] == 3
     assert engine.has_pending_work()
 
-    rejected = wait_jobs(engine, [3], deadline_s=0.5)[3]  # reported at once
+    (rejected,) = engine.take_finished()  # reported by the very next poll, without I/O
     assert not rejected.success and not rejected.is_load
     assert rejected.failed == rejected_keys and rejected.succeeded == []
     assert rejected.nbytes == 0
@@ -124,13 +127,10 @@ def test_bounded_store_queue_rejects_without_io(disk_root, engines, gate_for):
     )
 
 
-def test_a_job_larger_than_the_bound_fits_an_empty_queue_only(disk_root, engines, gate_for):
+@pytest.mark.parametrize("bound", BOUNDS, ids=["bytes", "blocks"])
+def test_a_job_larger_than_the_bound_fits_an_empty_queue_only(bound, disk_root, engines, gate_for):
     engine, layout, _primary = engines(
-        disk_root,
-        n_blocks=16,
-        n_read_threads=1,
-        n_write_threads=1,
-        max_pending_store_blocks=4,
+        disk_root, n_blocks=16, n_read_threads=1, n_write_threads=1, **bound
     )
     gate = gate_for(engine)
     big = [make_key(c) for c in range(6)]
@@ -316,3 +316,16 @@ def test_a_shut_down_engine_holds_no_descriptor_and_still_answers(disk_root, eng
     gauges = engine.root_gauges()
     assert [g["volume_failed"] for g in gauges.values()] == [0, 0]
     assert [g["space_guard_tripped"] for g in gauges.values()] == [0, 0]
+
+
+def test_the_default_store_bound_is_the_same_memory_at_any_chunk_size():
+    """Issue 27: 2 GiB of queued stores, 1,024 chunks of 2 MiB or 32,768 of
+    64 KiB (the old count, 1,024 blocks, was 64 MiB at 64 KiB: a 2,048-block
+    burst lost half its stores); a count set explicitly still bounds it."""
+    settings = TierSettings(root_dir="/r")
+    assert store_queue_blocks(settings, 2 << 20) == 1024
+    assert store_queue_blocks(settings, 64 << 10) == 32768
+    assert (
+        store_queue_blocks(TierSettings(root_dir="/r", max_pending_store_blocks=8), 64 << 10) == 8
+    )
+    assert store_queue_blocks(TierSettings(root_dir="/r", max_pending_store_bytes=1), 2 << 20) == 1

@@ -5,24 +5,26 @@ for I/O threads in vLLM's process (each piece is one more GIL hand-off),
 before it is hashed). Both measured: engine/startup/io_setup.py.
 
 What a worker process moves blocks with is what it was started with: the
-JSON spec on its command line, read here from /proc. Real tmpfs and ext4,
+launch spec on its command line, read here from /proc. Real tmpfs and ext4,
 real worker processes, bytes checked through both.
 """
 
 from __future__ import annotations
 
-import json
-
 import pytest
+
+from llmkv_fs.engine.block.options import IoOptions
+from llmkv_fs.engine.workers.crew import WorkerLaunch
 
 from engine_kit import round_trip, worker_engine
 
 
-def worker_options(pid: int) -> dict:
+def worker_options(pid: int) -> IoOptions:
     with open(f"/proc/{pid}/cmdline", "rb") as f:
         argv = f.read().split(b"\0")
-    (root,) = json.loads(argv[3])["roots"]  # python -c CODE SPEC_JSON; one root here
-    return root["options"]
+    launch = WorkerLaunch.decoded(argv[3].decode())  # python -c CODE LAUNCH
+    (root,) = launch.step.roots  # one root here
+    return root.options
 
 
 @pytest.mark.parametrize("medium", ["tmpfs", "ext4"])
@@ -32,7 +34,7 @@ def test_workers_hash_in_smaller_pieces_than_threads(medium, mount_tmpfs, tmp_pa
     engine, primary = worker_engine(f"{base}/kv", 8, 2 << 20)
     try:
         threads_piece = engine.roots[0].blockio.options.hash_chunk
-        pieces = [worker_options(pid)["hash_chunk"] for pid in engine.executor.worker_pids()]
+        pieces = [worker_options(pid).hash_chunk for pid in engine.executor.worker_pids()]
         if medium == "tmpfs":
             assert threads_piece == 1 << 20
             assert pieces == [256 << 10, 256 << 10]

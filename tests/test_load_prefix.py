@@ -127,7 +127,7 @@ def test_a_block_gone_mid_job_keeps_only_the_prefix_like_vllms_builtin(
     gone = (
         tier_obj.file_mapper.get_file_name(keys[1])
         if tier == "builtin"
-        else tier_obj.layout.block_path(keys[1])
+        else tier_obj.engine.roots[0].layout.block_path(keys[1])
     )
     os.unlink(gone)
 

@@ -230,9 +230,9 @@ def test_repair_puts_back_a_file_republished_just_before_the_rename(volume, caps
     os.truncate(path, 10)
     real_mkdir = quarantine_module.make_quarantine_dir
 
-    def republish_then_mkdir(rank_dir, dir_mode=None, root=None):
+    def republish_then_mkdir(rank_dir, dir_mode=None):
         os.rename(fresh, path)  # lands after the inode check, before the rename
-        return real_mkdir(rank_dir, dir_mode, root)
+        return real_mkdir(rank_dir, dir_mode)
 
     monkeypatch.setattr(quarantine_module, "make_quarantine_dir", republish_then_mkdir)
     _rc, report = run_cli(capsys, volume, "--repair")

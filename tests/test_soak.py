@@ -18,6 +18,9 @@ from tools.soak.workload import SoakPlan, run_soak
 
 from tier_kit import ours
 
+# The integration lane (tests/conftest.py): plain pytest leaves it out.
+pytestmark = pytest.mark.integration
+
 # Per mode: 42-50 s with threads, 46-54 s with 2 worker processes on the
 # shared 2-core machine (load average 3.0-5.5, three runs), after vLLM's
 # ~15 s import.

@@ -23,6 +23,7 @@ import os
 import pytest
 
 from llmkv_fs.engine.block import blockio as blockio_module
+from llmkv_fs.engine.block import presence as presence_module
 from llmkv_fs.engine.block.blockio import BlockIO
 from llmkv_fs.engine.block.options import IoOptions
 from llmkv_fs.engine.outcomes import Outcome
@@ -94,7 +95,12 @@ def blockio(tmp_path) -> BlockIO:
     options = IoOptions(
         block_size=BS, use_o_direct=False, fsync_file=False, fsync_dir=False, checksum=True
     )
-    return BlockIO(layout, options)
+    io = BlockIO(layout, options)
+    # The stale handle is staged in ``os`` as beneath.py calls it; the
+    # one-call openat2 path (ctypes) would bypass it. On a real client that
+    # call meets the same ESTALE and takes this walk: the walk is under test.
+    io._below.one_call = False
+    return io
 
 
 @pytest.mark.parametrize("level", ["hhh", "rank"])
@@ -159,6 +165,7 @@ def test_a_block_replaced_by_another_client_meanwhile_is_written_again(blockio, 
     assert blockio.store(key, memoryview(row)) is Outcome.WRITTEN  # the other writer's
     client = ReplacedBlockClient(os.path.basename(blockio.layout.block_path(key)))
     monkeypatch.setattr(blockio_module, "os", client)
+    monkeypatch.setattr(presence_module, "os", client)  # the stat of what is published
 
     assert blockio.store(key, memoryview(row)) is Outcome.WRITTEN
     assert client.estales == 1

@@ -27,6 +27,8 @@ from llmkv_fs.engine.workers.records import (
     encode_result,
     hello_record,
     job_record,
+    stop_record,
+    take_jobs,
     take_results,
 )
 from llmkv_fs.layout.blockfile import BlockFileError, Corruption
@@ -121,8 +123,22 @@ def test_records_split_anywhere_are_reassembled():
 
 @pytest.mark.parametrize("chunk", [0, 2**32, -1, -(2**70), 2**70])
 def test_any_chunk_index_fits_the_job_record(chunk):
-    record = job_record(1, 5, chunk, b"k" * 36)
-    op, slot, sent, key_len = JOB.unpack_from(record)
-    assert (op, slot, key_len) == (1, 5, 36)
+    buf = bytearray(job_record(1, 5, [chunk], [b"k" * 36]))
+    ((op, slot, chunks, keys),) = take_jobs(buf)
+    assert (op, slot, keys) == (1, 5, [b"k" * 36])
     # Out of i64 it travels as -1: out of range either way, the worker fails it.
-    assert sent == (chunk if -(2**63) <= chunk < 2**63 else -1)
+    assert chunks == [chunk if -(2**63) <= chunk < 2**63 else -1]
+
+
+def test_a_slice_of_blocks_travels_in_one_record_split_anywhere():
+    """A slice (several blocks of one job) is one record; the pipe may
+    deliver it, and the stop record after it, in any pieces."""
+    keys = [bytes([i]) * (32 + i) for i in range(5)]
+    stream = job_record(2, 9, [10, 11, 12, 13, 14], keys) + stop_record()
+    buf, got = bytearray(), []
+    for i in range(0, len(stream), 7):
+        buf += stream[i : i + 7]
+        got += take_jobs(buf)
+    assert not buf
+    assert got == [(2, 9, [10, 11, 12, 13, 14], keys), (3, 0, [], [])]
+    assert JOB.size == 5  # op, slot, count: the header of every record

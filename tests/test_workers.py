@@ -181,7 +181,7 @@ def test_sigkill_fails_exactly_the_killed_workers_blocks_and_is_replaced(root):
         # 2 workers x 2 places: every block is held by a stopped worker.
         wait_until(lambda: in_flight(engine) == 4, "all blocks dispatched")
         victim = procs._workers[0]
-        victim_keys = {held.key for held in victim.held if held is not None}
+        victim_keys = {key for held in victim.held if held is not None for key in held.keys}
         assert len(victim_keys) == 2
         os.kill(victim.proc.pid, signal.SIGKILL)
         _resume(pids)
@@ -203,7 +203,8 @@ def test_sigkill_fails_exactly_the_killed_workers_blocks_and_is_replaced(root):
         assert engine.counters[Tally.WORKER_DEATHS] == 1
         assert engine.gauges()["io_workers"] == 2
         # ENOSPC's headroom covers every block the workers can hold.
-        assert engine.roots[0].guard.headroom_bytes == (2 * DEPTH + 1) * BS
+        held_most = 2 * DEPTH * engine.slice_blocks
+        assert engine.roots[0].guard.headroom_bytes == (held_most + 1) * BS
         # The tier keeps serving.
         engine.submit_load(3, keys, list(range(4)))
         assert not wait_jobs(engine, [3])[3].failed

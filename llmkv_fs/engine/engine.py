@@ -28,7 +28,7 @@ from collections.abc import Sequence
 
 import xxhash
 
-from llmkv_fs.config import TierSettings
+from llmkv_fs.config import TierSettings, store_queue_blocks
 from llmkv_fs.engine.block.bytepath import BytePathKind, VectoredBytes
 from llmkv_fs.engine.block.pause import PausePoints
 from llmkv_fs.engine.block.spec import StepSpec, build_step
@@ -59,6 +59,18 @@ logger = logging.getLogger("vllm.llmkv_fs.engine")
 
 
 _LOOKUP_ANSWER = {True: LookupAnswer.HIT, False: LookupAnswer.MISS, None: LookupAnswer.RETRY}
+# An executor place takes up to this many bytes of one job's blocks at once
+# (a slice: one scheduler round trip, one record to a worker): a 2 MiB block
+# still travels alone, 64 KiB ones by 16 (docs/benchmarks.md, "Small blocks").
+_SLICE_BYTES = 1 << 20
+_SLICE_MAX_BLOCKS = 16
+
+
+def slice_blocks(block_size: int) -> int:
+    """How many blocks of one job an executor place may take at once."""
+    return max(1, min(_SLICE_MAX_BLOCKS, _SLICE_BYTES // block_size))
+
+
 # Lookups are one metadata call each; one that waits this long (or the job
 # deadline, if shorter) means the volume is not answering.
 _LOOKUP_TIMEOUT_CAP_S = 5.0
@@ -122,13 +134,17 @@ class FsEngine:
         # Lost roots by index, as of the last end_step() (lookups read this).
         self._lost_roots: frozenset[int] = frozenset()
         self._handover: RegionHandover | None = None
-        self._scheduler = BlockScheduler(settings.max_pending_store_blocks)
+        self.slice_blocks = slice_blocks(block_size)
+        self._scheduler = BlockScheduler(
+            store_queue_blocks(settings, block_size), self.slice_blocks
+        )
         self.io_workers = self._start_executor()  # worker processes in use (0: I/O threads)
         self._executor: Executor = self._scheduler.executor
         for root in self.roots:
             # Every block the executor can hold may start a store the moment
             # the guard lifts after ENOSPC.
-            root.guard.headroom_bytes = block_size * (self._executor.capacity() + 1)
+            held = self._executor.capacity() * self.slice_blocks
+            root.guard.headroom_bytes = block_size * (held + 1)
         self._lookups = AsyncExistence(
             self._exists_on_its_roots,
             settings.lookup_threads,

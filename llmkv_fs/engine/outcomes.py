@@ -78,7 +78,7 @@ class Failure(_CounterKeyEnum):
 
     MISSING = "missing"  # load: no file (never stored, or removed since the lookup)
     CORRUPT = "corrupt"  # load: the file failed verification (see Corruption)
-    QUEUE_FULL = "queue_full"  # store: max_pending_store_blocks were already waiting
+    QUEUE_FULL = "queue_full"  # store: max_pending_store_bytes were already waiting
     SPACE = "space"  # store: the space guard is tripped
     STALLED = "stalled"  # refused at submit: the volume is not answering
     VOLUME_FAILED = "volume_failed"  # root_dir is gone or not the directory the tier started on

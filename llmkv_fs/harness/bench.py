@@ -38,7 +38,22 @@ from llmkv_fs.harness.bench_media import KINDS, roots_of
 
 __all__ = ["add_arguments", "run_bench"]
 
-BLOCK_MIB_CHOICES = (0.5, 2.0, 8.0)
+_PAGE_MIB = 4096 / (1 << 20)
+
+
+def _block_mib(text: str) -> float:
+    """A chunk size in MiB that is a whole number of 4 KiB pages, 1/256
+    (4 KiB) to 64: 0.0625 is 64 KiB, 0.5 is 512 KiB."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of MiB: {text!r}") from None
+    pages = value / _PAGE_MIB
+    if not (1 <= pages <= 64 * 256) or pages != int(pages):
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: a chunk must be a whole number of 4 KiB pages, 4 KiB to 64 MiB"
+        )
+    return value
 
 
 def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -62,9 +77,9 @@ def _add_cases(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--block-mib",
         action="append",
-        type=float,
-        choices=BLOCK_MIB_CHOICES,
-        help="chunk size in MiB: 0.5, 2 or 8 (repeat; default 2)",
+        type=_block_mib,
+        help="chunk size in MiB, whole 4 KiB pages: 0.0625 (64 KiB), 0.5, 2, 8 ... (repeat; "
+        "default 2)",
     )
     p.add_argument(
         "--threads",
@@ -307,7 +322,7 @@ def run_bench(args: argparse.Namespace) -> int:
                 result["cases"].append(case)
                 t = case["tiers"]
                 print(
-                    f"# {medium} {block_mib:g} MiB {threads} threads: store "
+                    f"# {medium} {bench_report.chunk_size(block_mib)} {threads} threads: store "
                     f"{t['ours']['store']['gbps']:.2f}/{t['builtin']['store']['gbps']:.2f} load "
                     f"{t['ours']['load']['gbps']:.2f}/{t['builtin']['load']['gbps']:.2f} GB/s "
                     f"ours/built-in ({time.monotonic() - started:.1f}s)",

@@ -37,6 +37,11 @@ SERIES = (
 )
 
 
+def chunk_size(block_mib: float) -> str:
+    """A chunk size for tables: "64 KiB" below a MiB, else "2 MiB"."""
+    return f"{block_mib * 1024:g} KiB" if block_mib < 1 else f"{block_mib:g} MiB"
+
+
 # -- the machine -------------------------------------------------------------------
 
 
@@ -153,7 +158,7 @@ def _throughput_table(cases: list[dict[str, Any]]) -> list[str]:
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for c in cases:
-        row = [f"`{c['medium']}` {_fstypes(c)}", f"{c['block_mib']:g} MiB", str(c["threads"])]
+        row = [f"`{c['medium']}` {_fstypes(c)}", chunk_size(c["block_mib"]), str(c["threads"])]
         for d in DIRECTIONS:
             ref = c["reference"][d]["gbps"] if c.get("reference") else None
             ours = c["tiers"]["ours"][d]["gbps"]
@@ -199,7 +204,7 @@ def _roots_table(cases: list[dict[str, Any]]) -> list[str]:
     ]
     for c in several:
         row = [f"`{c['medium']}` {_fstypes(c)}", str(len(c["roots"]))]
-        row += [f"{c['block_mib']:g} MiB", str(c["threads"])]
+        row += [chunk_size(c["block_mib"]), str(c["threads"])]
         for d in DIRECTIONS:
             one = c.get("vs_one_root", {}).get(d)
             row += [
@@ -225,7 +230,7 @@ def _latency_table(cases: list[dict[str, Any]]) -> list[str]:
         o, b = c["tiers"]["ours"], c["tiers"]["builtin"]
         for d in DIRECTIONS:
             out.append(
-                f"| `{c['medium']}` | {c['block_mib']:g} MiB | {c['threads']} | {d} "
+                f"| `{c['medium']}` | {chunk_size(c['block_mib'])} | {c['threads']} | {d} "
                 f"| {_f(o[d]['p50_ms'])} / {_f(b[d]['p50_ms'])} "
                 f"| {_f(o[d]['p99_ms'])} / {_f(b[d]['p99_ms'])} "
                 f"| {_f(o[d]['sched_us_per_block'], '.1f')} "
@@ -249,7 +254,7 @@ def _mixed_table(mixed: list[dict[str, Any]]) -> list[str]:
             o, b = c["mixed"]["ours"], c["mixed"]["builtin"]
             p99_ratio = o["p99_ms"] / b["p99_ms"] if o["p99_ms"] and b["p99_ms"] else None
             out.append(
-                f"| `{c['medium']}` | {c['block_mib']:g} MiB | {c['threads']} "
+                f"| `{c['medium']}` | {chunk_size(c['block_mib'])} | {c['threads']} "
                 f"| {c['mixed']['store_blocks']} | {o['n']} / {b['n']} "
                 f"| {_f(o['idle_p50_ms'])} / {_f(b['idle_p50_ms'])} "
                 f"| {_f(o['p50_ms'])} / {_f(b['p50_ms'])} | {_f(o['p99_ms'])} / {_f(b['p99_ms'])} "
@@ -365,7 +370,9 @@ def plot_all(result: dict, plot_dir: str) -> list[str]:
                 else:
                     ys = [c["tiers"][key][d]["gbps"] for c in cases]
                 series.append((label, color, ys, key == "reference"))
-            title = f"{d} GB/s vs threads: {medium} ({_fstypes(cases[0])}), {block:g} MiB blocks"
+            title = (
+                f"{d} GB/s vs threads: {medium} ({_fstypes(cases[0])}), {chunk_size(block)} blocks"
+            )
             subtitle = (
                 f"{m['node']}, {m['cpus']} CPUs, {m['ram_gib']} GiB RAM, {fs['device']} on "
                 f"{fs['mount']}; {result['args']['jobs']}x{result['args']['blocks_per_job']} "

@@ -288,7 +288,8 @@ class ReplicaServer:
         return len(to_store), time.perf_counter() - started
 
     def block_paths(self, tokens: list[int]) -> list[str]:
-        return [self.replica.tier.engine.roots[0].layout.block_path(k) for k in self.keys_for(tokens)]
+        layout = self.replica.tier.engine.roots[0].layout
+        return [layout.block_path(k) for k in self.keys_for(tokens)]
 
     def close(self) -> None:
         self.replica.close()

@@ -31,12 +31,11 @@ One page keeps O_DIRECT I/O aligned and leaves room for later fields.
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 import mmap
 import os
 import struct
-from typing import TypeAlias
+from typing import NamedTuple, TypeAlias
 
 import xxhash
 
@@ -104,8 +103,10 @@ class BlockFileError(Exception):
         self.left_because = "not moved aside"
 
 
-@dataclasses.dataclass(frozen=True)
-class Trailer:
+class Trailer(NamedTuple):
+    """A trailer as read (a NamedTuple: built for every block loaded, and a
+    frozen dataclass's constructor cost several microseconds of it)."""
+
     version: int
     flags: int
     payload_len: int

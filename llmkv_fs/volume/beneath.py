@@ -16,6 +16,13 @@ component at a time, each opened relative to its parent's descriptor with
 (``LinkInTree``), and every mkdir, open, rename, unlink, stat and utime is
 then made relative to the descriptor the walk returns (``dir_fd=``).
 
+One call where the kernel can: ``openat2`` with ``RESOLVE_BENEATH |
+RESOLVE_NO_SYMLINKS`` (volume/openat2.py) gives the same guarantee for a
+whole path in one system call instead of an open and a close per level, so
+a directory known to exist and a block's file are opened that way first;
+whatever that call cannot settle (a missing level to make, a link to name,
+a replaced root, NFS revalidation) takes the walk.
+
 Descriptors: the walk opens with ``O_PATH`` (no open call into the file
 system, so no close-to-open round trip per level on NFS; a caller that wants
 that revalidation asks for a real open of the last level). The root's
@@ -34,22 +41,19 @@ ends or the Beneath is collected. Worker processes build their own.
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import os
-import socket
 import stat
 import threading
 
-from llmkv_fs.layout.names import temp_name
 from llmkv_fs.volume.files import (
     DEFAULT_DIR_MODE,
-    DEFAULT_FILE_MODE,
-    create_exclusive,
     is_transient,
     needs_chmod,
     retry_transient,
 )
+from llmkv_fs.volume.openat2 import AVAILABLE as OPENAT2
+from llmkv_fs.volume.openat2 import open_beneath
 from llmkv_fs.volume.root import PinnedRoot, parts_below
 
 __all__ = [
@@ -60,7 +64,6 @@ __all__ = [
     "make_dir_at",
     "open_child_dir",
     "open_path_beneath",
-    "write_file_atomically_at",
 ]
 
 # A directory to resolve names in: no read permission needed, no open call
@@ -196,6 +199,7 @@ class Beneath:
         # fan-out directories: no failing open before each mkdir). Shared
         # by threads: single set operations are atomic under the GIL.
         self._known: set[str] = set()
+        self.one_call = OPENAT2  # paths opened in one openat2 call where it works
 
     def relative(self, path: str) -> str:
         """``path`` (below the root by its spelling) relative to the root."""
@@ -264,10 +268,23 @@ class Beneath:
         parts = rel.split("/")
         if not _NOT_NAMES.isdisjoint(parts):
             raise ValueError(f"{rel!r} is not a plain relative path")
+        if self.one_call and not (revalidate or after_race) and (not create or rel in self._known):
+            try:
+                return open_beneath(self.root_fd(), rel, DIR_FLAGS)
+            except OSError:
+                pass  # the walk says what is wrong, or makes what is missing
         last = OPEN_DIR_FLAGS if revalidate else DIR_FLAGS
         if create:
             return self._walk_creating_retried(parts, dir_mode, last, after_race)
         return self._walk(parts, last)
+
+    def open_file(self, rel: str, flags: int) -> int:
+        """The file (or directory) ``rel`` below the root opened with
+        ``flags`` in one ``openat2`` call, never through a link. Raises
+        OSError on any failure with its errno alone -- ENOSYS where
+        ``one_call`` is False -- so the caller decides what it settles and
+        takes the walk (``open_dir`` and a relative open) for the rest."""
+        return open_beneath(self.root_fd(), rel, flags)
 
     def _walk_creating_retried(
         self, parts: list[str], dir_mode: int, last: int, careful: bool
@@ -365,38 +382,3 @@ class Beneath:
             os.close(fd)
         if isinstance(exc, OSError) and exc.filename in (None, "", parts[i]):
             exc.filename = f"{self.path.rstrip('/')}/{'/'.join(parts[: i + 1])}"
-
-
-def write_file_atomically_at(
-    dir_fd: int,
-    name: str,
-    data: bytes,
-    file_mode: int = DEFAULT_FILE_MODE,
-    durable: bool = True,
-) -> None:
-    """Publish ``data`` as ``name`` in the directory open as ``dir_fd`` by
-    temp file + rename, both relative to that descriptor: readers see the
-    old file or the whole new one, and nothing is created or renamed
-    anywhere else. The temp name carries host and pid (gc tells a crashed
-    writer's leftover from a live one's) and a nonce; it is created new
-    (no link followed, nothing truncated)."""
-    nonce = os.urandom(6).hex()  # unique even for two writers in one process
-    tmp = temp_name(name, socket.gethostname(), os.getpid(), nonce)
-    fd = create_exclusive(tmp, os.O_WRONLY, file_mode, dir_fd=dir_fd)
-    try:
-        if needs_chmod(file_mode):
-            os.fchmod(fd, file_mode)
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view) :]
-        if durable:
-            os.fsync(fd)
-        os.close(fd)
-        fd = -1
-        os.rename(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
-    except BaseException:
-        if fd >= 0:
-            os.close(fd)
-        with contextlib.suppress(OSError):
-            os.unlink(tmp, dir_fd=dir_fd)
-        raise

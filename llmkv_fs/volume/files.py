@@ -19,12 +19,16 @@ forms here; the plain paths serve the root itself, the ops tools and tests.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
+import socket
 import stat
 import time
 from collections.abc import Callable
 from typing import TypeVar
+
+from llmkv_fs.layout.names import temp_name
 
 __all__ = [
     "DEFAULT_DIR_MODE",
@@ -41,6 +45,7 @@ __all__ = [
     "read_small_regular_file",
     "read_small_regular_file_at",
     "retry_transient",
+    "write_file_atomically_at",
 ]
 
 DEFAULT_FILE_MODE = 0o640
@@ -318,3 +323,38 @@ def read_small_regular_file_at(
     finally:
         os.close(fd)
     return b"".join(chunks), st
+
+
+def write_file_atomically_at(
+    dir_fd: int,
+    name: str,
+    data: bytes,
+    file_mode: int = DEFAULT_FILE_MODE,
+    durable: bool = True,
+) -> None:
+    """Publish ``data`` as ``name`` in the directory open as ``dir_fd`` by
+    temp file + rename, both relative to that descriptor: readers see the
+    old file or the whole new one, and nothing is created or renamed
+    anywhere else. The temp name carries host and pid (gc tells a crashed
+    writer's leftover from a live one's) and a nonce; it is created new
+    (no link followed, nothing truncated)."""
+    nonce = os.urandom(6).hex()  # unique even for two writers in one process
+    tmp = temp_name(name, socket.gethostname(), os.getpid(), nonce)
+    fd = create_exclusive(tmp, os.O_WRONLY, file_mode, dir_fd=dir_fd)
+    try:
+        if needs_chmod(file_mode):
+            os.fchmod(fd, file_mode)
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        if durable:
+            os.fsync(fd)
+        os.close(fd)
+        fd = -1
+        os.rename(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+    except BaseException:
+        if fd >= 0:
+            os.close(fd)
+        with contextlib.suppress(OSError):
+            os.unlink(tmp, dir_fd=dir_fd)
+        raise

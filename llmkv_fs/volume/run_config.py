@@ -22,7 +22,7 @@ from typing import Any
 
 from llmkv_fs.layout.names import CONFIG_FILENAME
 from llmkv_fs.layout.paths import CacheLayout, run_config_digest
-from llmkv_fs.volume.beneath import Beneath, write_file_atomically_at
+from llmkv_fs.volume.beneath import Beneath
 from llmkv_fs.volume.files import (
     DEFAULT_DIR_MODE,
     DEFAULT_FILE_MODE,
@@ -30,6 +30,7 @@ from llmkv_fs.volume.files import (
     UnsafeFileError,
     read_small_regular_file,
     read_small_regular_file_at,
+    write_file_atomically_at,
 )
 from llmkv_fs.volume.root import PinnedRoot
 

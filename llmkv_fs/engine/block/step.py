@@ -31,9 +31,11 @@ from llmkv_fs.engine.block.blockio import BlockIO
 from llmkv_fs.engine.block.pause import PausePoints
 from llmkv_fs.engine.outcomes import (
     DEADLINE,
+    SKIPPED,
     BlockMissing,
     BlockNotMoved,
     BlockResult,
+    Outcome,
     StoreRefused,
     VolumeFailed,
     failed,
@@ -114,6 +116,26 @@ class BlockStep:
                 row.release()
             except BufferError:  # a view still exported: freed with it
                 pass
+
+    def run_slice(
+        self,
+        is_load: bool,
+        keys: Sequence[bytes],
+        chunks: Sequence[int],
+        still_wanted: Callable[[], bool],
+    ) -> list[BlockResult]:
+        """``run`` for consecutive blocks of one job, in order. After a load
+        fails the rest are SKIPPED without I/O: vLLM can use only the blocks
+        before the first failure (the scheduler stops the job's other blocks
+        the same way). Never raises."""
+        results: list[BlockResult] = []
+        for key, chunk in zip(keys, chunks):
+            result = self.run(is_load, key, chunk, still_wanted)
+            results.append(result)
+            if is_load and not isinstance(result, Outcome):
+                results += [SKIPPED] * (len(keys) - len(results))
+                break
+        return results
 
     def _load(self, key: bytes, row: memoryview) -> BlockResult:
         """From the block's home root, else its second choice (where it was

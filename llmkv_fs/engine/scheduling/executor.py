@@ -1,8 +1,9 @@
 """What the block scheduler needs of whatever runs blocks: the two sides of
 one small protocol.
 
-``BlockSource`` is the scheduler as an executor sees it: take the next block
-(read priority or write priority), give it back with its result. ``Executor``
+``BlockSource`` is the scheduler as an executor sees it: take the next
+blocks (a slice of one job; read priority or write priority), give them
+back with their results. ``Executor``
 is what the scheduler drives: started once, woken when work arrives, told
 when a job passes its deadline while some of its blocks are out, stopped
 once. I/O threads (threads/executor.py) and worker processes
@@ -17,22 +18,25 @@ back and its threads and processes are gone.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Protocol
 
 from llmkv_fs.engine.outcomes import BlockResult
-from llmkv_fs.engine.scheduling.jobs import BlockTicket, IoJob
+from llmkv_fs.engine.scheduling.jobs import BlockSlice, IoJob
 
 __all__ = ["BlockSource", "Executor"]
 
 
 class BlockSource(Protocol):
-    def take(self, load_first: bool) -> BlockTicket | None:
-        """The next block to run (loads first when ``load_first``, else
-        stores first), or None when nothing is queued."""
+    def take(self, load_first: bool) -> BlockSlice | None:
+        """The next blocks to run, consecutive blocks of one job (loads first
+        when ``load_first``, else stores first), or None when nothing is
+        queued."""
         ...
 
-    def block_done(self, ticket: BlockTicket, result: BlockResult) -> None:
-        """Give a taken block back with its result; exactly once per ticket."""
+    def slice_done(self, taken: BlockSlice, results: Sequence[BlockResult]) -> None:
+        """Give a taken slice back with each block's result, in order;
+        exactly once per slice."""
         ...
 
     @property

@@ -15,7 +15,7 @@ from typing import NamedTuple
 
 from llmkv_fs.engine.outcomes import BlockResult
 
-__all__ = ["BlockTicket", "IoJob", "QueueFull"]
+__all__ = ["BlockSlice", "IoJob", "QueueFull"]
 
 
 class QueueFull(Exception):
@@ -80,17 +80,20 @@ class IoJob:
         return self.last_end - self.first_start if self.first_start is not None else 0.0
 
 
-class BlockTicket(NamedTuple):
-    """Block ``position`` of ``job``, handed to an executor by the scheduler;
-    the executor gives it back with its result (``BlockScheduler.block_done``)."""
+class BlockSlice(NamedTuple):
+    """Blocks ``first`` .. ``first + n_blocks - 1`` of ``job``, handed to one
+    executor place together by the scheduler; the place gives them back
+    together, with a result each (``BlockScheduler.slice_done``). One job's
+    blocks only, so one deadline (and one cancel byte) covers them."""
 
     job: IoJob
-    position: int
+    first: int
+    n_blocks: int
 
     @property
-    def key(self) -> bytes:
-        return self.job.keys[self.position]
+    def keys(self) -> Sequence[bytes]:
+        return self.job.keys[self.first : self.first + self.n_blocks]
 
     @property
-    def chunk(self) -> int:
-        return self.job.chunks[self.position]
+    def chunks(self) -> Sequence[int]:
+        return self.job.chunks[self.first : self.first + self.n_blocks]

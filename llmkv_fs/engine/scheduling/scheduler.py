@@ -9,6 +9,14 @@ Read priority: an executor place asks for loads first or stores first
 one large promotion uses the whole executor (vLLM's built-in runs a job on
 one thread).
 
+Slices: a place takes several consecutive blocks of one job at once (a
+``BlockSlice``) when there is enough work queued for every place to get as
+many twice over -- one lock round trip, one pipe record to a worker, one
+give-back for all of them -- never more than ``slice_blocks`` (set by the engine from the
+block size: a small block costs more besides its bytes than in them,
+docs/benchmarks.md, "Small blocks"). A lone job still spreads one block per
+place.
+
 A failed load block ends its job: vLLM can use only the blocks of a load job
 before the first one that failed, in key order (its built-in stops reading
 there). So when a load block fails, the job's blocks not handed out yet are
@@ -32,7 +40,7 @@ Threading rules
   takes no lock -- it appends to ``_incoming`` and bumps counters only it
   writes -- because a lock shared with the executor's threads made the owner
   wait for GIL hand-offs (measured on 2 cores: ~180 us per submitted block).
-* Executor threads: ``take`` and ``block_done``, each one short hold of the
+* Executor threads: ``take`` and ``slice_done``, each one short hold of the
   scheduler lock.
 * One lock, never held across I/O, a syscall or a call into the executor.
 * ``drain`` and ``shutdown`` block the caller; they are for reset and exit.
@@ -47,7 +55,7 @@ from collections.abc import Sequence
 
 from llmkv_fs.engine.outcomes import CANCELLED, DEADLINE, SKIPPED, BlockResult, Failed
 from llmkv_fs.engine.scheduling.executor import Executor
-from llmkv_fs.engine.scheduling.jobs import BlockTicket, IoJob, QueueFull
+from llmkv_fs.engine.scheduling.jobs import BlockSlice, IoJob, QueueFull
 
 __all__ = ["BlockScheduler"]
 
@@ -55,8 +63,10 @@ __all__ = ["BlockScheduler"]
 class BlockScheduler:
     """See the module doc. ``start(executor)`` once, ``shutdown()`` once."""
 
-    def __init__(self, max_queued_store_blocks: int):
+    def __init__(self, max_queued_store_blocks: int, slice_blocks: int = 1):
         self._max_queued_stores = max_queued_store_blocks
+        self._slice_blocks = max(1, slice_blocks)
+        self._places = 1  # the executor's capacity, once started
         self._lock = threading.Lock()
         self._all_done = threading.Condition(self._lock)
         self._executor: Executor | None = None
@@ -83,6 +93,7 @@ class BlockScheduler:
     def start(self, executor: Executor) -> None:
         """Hand blocks to ``executor`` from now on (raises what its start raises)."""
         self._executor = executor
+        self._places = max(1, executor.capacity())
         executor.start(self)
 
     @property
@@ -201,7 +212,9 @@ class BlockScheduler:
     def stopping(self) -> bool:
         return self._stopping
 
-    def take(self, load_first: bool) -> BlockTicket | None:
+    def take(self, load_first: bool) -> BlockSlice | None:
+        """The next blocks to run: a slice of the head job of the preferred
+        queue (loads first when ``load_first``), or None when none is queued."""
         with self._lock:
             while self._incoming:
                 job = self._incoming.popleft()
@@ -210,31 +223,46 @@ class BlockScheduler:
             if not queue:
                 return None
             job = queue[0]
-            index = job.next_block
-            job.next_block = index + 1
+            is_load = job.is_load
+            first = job.next_block
+            left = len(job.keys) - first
+            count = 1
+            if self._slice_blocks > 1 and left > 1:
+                # Enough queued for every place to take this many twice over
+                # (or the cap); less work spreads one block per place.
+                queued = self._blocks_in[is_load] - self._blocks_out[is_load]
+                count = min(left, self._slice_blocks, max(1, queued // (2 * self._places)))
+            job.next_block = first + count
             if job.next_block == len(job.keys):
                 queue.popleft()
-            self._blocks_out[job.is_load] += 1
-            self._in_flight += 1
-            job.running += 1
+            self._blocks_out[is_load] += count
+            self._in_flight += count
+            job.running += count
             if job.first_start is None:
                 job.first_start = time.monotonic()
-            return BlockTicket(job, index)
+            return BlockSlice(job, first, count)
 
-    def block_done(self, ticket: BlockTicket, result: BlockResult) -> None:
-        job = ticket.job
+    def slice_done(self, taken: BlockSlice, results: Sequence[BlockResult]) -> None:
+        """Give a taken slice back with each block's result, in order."""
+        job = taken.job
+        if len(results) != taken.n_blocks:
+            raise ValueError(f"{len(results)} results for a slice of {taken.n_blocks} blocks")
         with self._lock:
-            job.running -= 1
-            self._in_flight -= 1
+            job.running -= taken.n_blocks
+            self._in_flight -= taken.n_blocks
             if job.expired:
-                self._stuck -= 1
+                self._stuck -= taken.n_blocks
             if job.reported:
-                return  # a store failed by its deadline without this block
+                return  # a store failed by its deadline without these blocks
             # A read that did complete after the deadline is as good as ever.
-            job.outcomes[ticket.position] = result
+            job.outcomes[taken.first : taken.first + taken.n_blocks] = results
             job.last_end = time.monotonic()
-            job.left -= 1
-            if job.is_load and isinstance(result, Failed) and job.next_block < len(job.keys):
+            job.left -= taken.n_blocks
+            if (
+                job.is_load
+                and job.next_block < len(job.keys)
+                and any(isinstance(result, Failed) for result in results)
+            ):
                 self._fail(job, self._unqueue(job), SKIPPED)  # publishes if it was the last
             elif job.left == 0:
                 self._publish(job)

@@ -20,17 +20,11 @@ from llmkv_fs.volume.root import PinnedRoot
 __all__ = ["choose_o_direct", "for_worker_processes", "io_options", "rows_view"]
 
 # Memory-backed volumes, where a load is a memcpy: hash each piece while it
-# is still in cache (measured on tmpfs, 2 cores: the checksum's cost fell
-# from ~15 % to ~5 % with 256 KiB pieces). The piece depends on who moves
-# the bytes (issue 20, docs/benchmarks.md):
-# - I/O threads in vLLM's process share its GIL, and each piece is one more
-#   release and re-acquire: 1 MiB (issue 12). 256 KiB there cost the 2-core
-#   machine a third of its tmpfs load ratio (0.84 / 0.97 -> 0.60 / 0.69
-#   against the built-in, alternating runs, load ~1-2);
-# - worker processes share no GIL, but 14 of them busy evict a 1 MiB piece
-#   before it is hashed: 256 KiB moved 2 MiB loads 19.2 -> 22.3 GB/s and
-#   stores 15.9 -> 16.3 on the 16-core machine (same run, medians of 4;
-#   docs/bench/device/issue20_after_many_steady.txt).
+# is still in cache. The piece depends on who moves the bytes: I/O threads
+# share vLLM's GIL, and each piece is one more release and re-acquire (so a
+# large one); worker processes share no GIL, but many of them busy evict a
+# large piece before it is hashed (so a smaller one). The measurements that
+# chose both: docs/bench/history.md, issues 12 and 20.
 _MEMORY_FS = frozenset(("tmpfs", "ramfs"))
 _HASH_CHUNK = 1 << 20
 _HASH_CHUNK_WORKERS = 256 << 10

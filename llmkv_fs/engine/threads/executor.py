@@ -25,7 +25,7 @@ import threading
 
 from llmkv_fs.engine.block.step import BlockStep
 from llmkv_fs.engine.scheduling.executor import BlockSource
-from llmkv_fs.engine.scheduling.jobs import BlockTicket, IoJob
+from llmkv_fs.engine.scheduling.jobs import BlockSlice, IoJob
 from llmkv_fs.engine.startup.numa import pin_current_thread
 
 __all__ = ["ThreadExecutor"]
@@ -77,7 +77,7 @@ class ThreadExecutor:
                 thread.join()
 
     def capacity(self) -> int:
-        """Any thread takes either direction: one block each."""
+        """Any thread takes either direction: one slice each."""
         return len(self._threads)
 
     def worker_pids(self) -> list[int]:
@@ -91,21 +91,21 @@ class ThreadExecutor:
         source, step = self._source, self._step
         assert source is not None
         while True:
-            ticket = source.take(load_first) or self._wait_for_block(source, load_first)
-            if ticket is None:
+            taken = source.take(load_first) or self._wait_for_blocks(source, load_first)
+            if taken is None:
                 return  # stopping, nothing left to take
-            job = ticket.job
-            result = step.run(job.is_load, ticket.key, ticket.chunk, job.still_wanted)
-            source.block_done(ticket, result)
+            job = taken.job
+            results = step.run_slice(job.is_load, taken.keys, taken.chunks, job.still_wanted)
+            source.slice_done(taken, results)
             # Drop the references before sleeping: an idle thread must not
             # keep a job (and through it the primary rows) alive.
-            del ticket, job, result
+            del taken, job, results
 
-    def _wait_for_block(self, source: BlockSource, load_first: bool) -> BlockTicket | None:
-        """Sleep until a block can be taken (None: the scheduler stops)."""
+    def _wait_for_blocks(self, source: BlockSource, load_first: bool) -> BlockSlice | None:
+        """Sleep until blocks can be taken (None: the scheduler stops)."""
         with self._idle:
             while True:
-                ticket = source.take(load_first)
-                if ticket is not None or source.stopping:
-                    return ticket
+                taken = source.take(load_first)
+                if taken is not None or source.stopping:
+                    return taken
                 self._idle.wait()

@@ -111,10 +111,10 @@ def check_root(root: str, require_mounted_root: bool = False) -> None:
             f"({existing!r} is not a directory). Point root_dir at a directory.",
         )
     if not os.access(existing, os.W_OK | os.X_OK):
-        what = "is not writable" if existing == os.path.abspath(root) else "cannot be created"
+        where = "" if existing == os.path.abspath(root) else f" (nor created in {existing!r})"
         raise VolumeError.because(
             errno.EACCES,
-            f"root_dir {root!r} {what} by uid {os.getuid()} ({existing!r}). Fix its "
+            f"root_dir {root!r} is not writable by uid {os.getuid()}{where}. Fix its "
             f"ownership/mode or the volume's mount options (read-only?).",
         )
     try:

@@ -19,10 +19,10 @@ It imports only the engine room and the layout. Its life:
   with exactly file_mode/dir_mode and need no chmod (one syscall per new
   fan-out directory fewer than in-process threads, which must not touch
   vLLM's umask);
-* then it serves job records (records.JOB) one at a time, runs each block
-  through a BlockStep built from the same spec as the engine's I/O threads'
-  (block/spec.py: every per-block check, the byte path, the shared volume
-  signals, the test pause points)
+* then it serves job records (records.JOB: a slice of one job's blocks)
+  one at a time, runs each slice through a BlockStep built from the same
+  spec as the engine's I/O threads' (block/spec.py: every per-block check,
+  the byte path, the shared volume signals, the test pause points)
   and answers with a result record (records.RESULT) on its result pipe. The
   block's cancel byte in the shared cancel board is its ``still_wanted``: the
   owner sets it when the job's deadline passed, so an abandoned store is
@@ -38,6 +38,7 @@ Threading: single-threaded.
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import mmap
 import os
@@ -54,7 +55,13 @@ from llmkv_fs.engine.block.step import BlockStep
 from llmkv_fs.engine.upkeep.signals import VolumeSignals
 from llmkv_fs.engine.workers.crew import WorkerLaunch
 from llmkv_fs.engine.workers.prefault import RowPrefault
-from llmkv_fs.engine.workers.records import JOB, OP_LOAD, OP_STOP, encode_result, hello_record
+from llmkv_fs.engine.workers.records import (
+    OP_LOAD,
+    OP_STOP,
+    encode_result,
+    hello_record,
+    take_jobs,
+)
 from llmkv_fs.engine.workers.region import map_region
 
 _PR_SET_PDEATHSIG = 1
@@ -114,13 +121,14 @@ def serve(launch: WorkerLaunch) -> None:
     os.close(launch.board_fd)
     os.write(results_fd, hello_record(os.getpid()))
     buf = bytearray()
+    slices: collections.deque[tuple[int, int, list[int], list[bytes]]] = collections.deque()
     last_stamp = time.monotonic()
     # poll, not select: the pipe keeps the owner's fd number (pass_fds), and
     # vLLM raises RLIMIT_NOFILE, so it may be past select's limit of 1024.
     jobs_waiting = select.poll()
     jobs_waiting.register(jobs_fd, select.POLLIN)
     while True:
-        if len(buf) < JOB.size:
+        if not slices:
             idle: bool | None = None
             if stamps.queued():
                 now = time.monotonic()
@@ -138,25 +146,24 @@ def serve(launch: WorkerLaunch) -> None:
             if not data:
                 break  # the owner is gone or closed the pipe
             buf += data
+            slices.extend(take_jobs(buf))
             continue
-        op, slot, chunk, key_len = JOB.unpack_from(buf)
-        end = JOB.size + key_len
-        if len(buf) < end:
-            data = os.read(jobs_fd, 1 << 16)
-            if not data:
-                break
-            buf += data
-            continue
-        key = bytes(buf[JOB.size : end])
-        del buf[:end]
+        op, slot, chunks, keys = slices.popleft()
         if op == OP_STOP:
             break
-        # The cancel byte is the block's still_wanted: set when its job
-        # passed the deadline, read before it starts and before a rename.
-        prefault.before_block(chunk)
-        result = step.run(op == OP_LOAD, key, chunk, _cancel_byte_clear(board, slot))
-        os.write(results_fd, encode_result(slot, result))
+        for chunk in chunks:
+            prefault.before_block(chunk)
+        # The cancel byte is the slice's still_wanted: set when its job
+        # passed the deadline, read before each block and before a rename.
+        results = step.run_slice(op == OP_LOAD, keys, chunks, _cancel_byte_clear(board, slot))
+        _write_all(results_fd, b"".join(encode_result(slot, result) for result in results))
     stamps.apply()
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
 
 
 def main() -> None:

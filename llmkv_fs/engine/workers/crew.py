@@ -32,9 +32,10 @@ import time
 from collections.abc import Callable
 
 from llmkv_fs.engine.block.spec import StepSpec
-from llmkv_fs.engine.scheduling.jobs import BlockTicket
+from llmkv_fs.engine.outcomes import BlockResult
+from llmkv_fs.engine.scheduling.jobs import BlockSlice
 from llmkv_fs.engine.upkeep.signals import VolumeSignals
-from llmkv_fs.engine.workers.records import JOB, OP_STOP
+from llmkv_fs.engine.workers.records import stop_record
 from llmkv_fs.engine.workers.region import RegionHandover, Segment
 
 __all__ = [
@@ -51,7 +52,7 @@ __all__ = [
 
 logger = logging.getLogger("vllm.llmkv_fs.workers")
 
-DEPTH = 2  # blocks a worker holds: one running, one waiting in its pipe
+DEPTH = 2  # slices a worker holds: one running, one waiting in its pipe
 START_TIMEOUT_S = 120.0  # spawn, import, map the region, say hello
 _RESPAWN_WARN_AFTER = 5  # replacements dead before their hello, in a row: log an error
 _RESPAWN_MAX_PAUSE_S = 30.0
@@ -135,6 +136,7 @@ class WorkerHandle:
     __slots__ = (
         "buf",
         "failed_starts",
+        "got",
         "held",
         "index",
         "jobs_w",
@@ -153,7 +155,9 @@ class WorkerHandle:
         self.jobs_w = -1
         self.results_r = -1
         self.ready = False
-        self.held: list[BlockTicket | None] = [None] * DEPTH
+        self.held: list[BlockSlice | None] = [None] * DEPTH
+        # Results of each held slice received so far, in its order.
+        self.got: list[list[BlockResult]] = [[] for _ in range(DEPTH)]
         self.buf = bytearray()
         self.failed_starts = 0  # deaths before the hello, in a row
         self.served = False  # the last process in this place had said hello
@@ -299,7 +303,7 @@ class Crew:
                 proc.kill()
             status = proc.wait()
         worker.served, worker.ready = worker.ready, False
-        held = sum(h is not None for h in worker.held)
+        held = sum(h.n_blocks for h in worker.held if h is not None)
         self.died += 1
         logger.warning(
             "llmkv_fs: I/O worker %d (pid %s) ended with status %s holding %d block(s)%s%s",
@@ -321,7 +325,7 @@ class Crew:
             worker.respawn_at = None
             if worker.jobs_w >= 0:
                 with contextlib.suppress(OSError):
-                    os.write(worker.jobs_w, JOB.pack(OP_STOP, 0, 0, 0))
+                    os.write(worker.jobs_w, stop_record())
                 with contextlib.suppress(OSError):
                     os.close(worker.jobs_w)
                 worker.jobs_w = -1

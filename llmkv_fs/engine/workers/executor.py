@@ -9,9 +9,10 @@ Roles
   eventfd when the conductor sleeps -- and ``job_expired``, which sets the
   cancel byte of every place holding a block of that job. Neither waits.
 * One conductor thread moves records: it gives each ready worker up to
-  ``DEPTH`` blocks taken from the scheduler (one running, one waiting in its
-  pipe, so a worker never idles between blocks), reads result records and
-  gives each block back to the scheduler. It spawns every worker, so
+  ``DEPTH`` slices taken from the scheduler (one running, one waiting in its
+  pipe, so a worker never idles between them; a slice is one or more blocks
+  of one job, one record), reads result records and gives each slice back
+  to the scheduler once every block of it has answered. It spawns every worker, so
   PR_SET_PDEATHSIG (which fires when the spawning *thread* exits) ties the
   workers to the executor's life; their life (spawn, reap, replace with a
   growing pause, stop) is workers/crew.py.
@@ -41,7 +42,7 @@ import time
 
 from llmkv_fs.engine.outcomes import BlockResult, Failed, Failure
 from llmkv_fs.engine.scheduling.executor import BlockSource
-from llmkv_fs.engine.scheduling.jobs import BlockTicket, IoJob
+from llmkv_fs.engine.scheduling.jobs import BlockSlice, IoJob
 from llmkv_fs.engine.workers import crew as crew_module
 from llmkv_fs.engine.workers.crew import DEPTH, START_TIMEOUT_S, Crew, WorkerHandle, WorkerSpec
 from llmkv_fs.engine.workers.records import HELLO, OP_LOAD, OP_STORE, job_record, take_results
@@ -116,6 +117,7 @@ class ProcessExecutor:
         self._crew.board.close()
 
     def capacity(self) -> int:
+        """Slices the workers hold at once: DEPTH each."""
         return len(self._workers) * DEPTH
 
     def worker_pids(self) -> list[int]:
@@ -209,25 +211,25 @@ class ProcessExecutor:
             for worker in self._workers:
                 if not worker.ready or worker.held[slot] is not None:
                     continue
-                ticket = source.take(worker.load_first)
-                if ticket is None:
+                taken = source.take(worker.load_first)
+                if taken is None:
                     return writes
-                writes.append((worker.jobs_w, self._place(worker, slot, ticket)))
+                writes.append((worker.jobs_w, self._place(worker, slot, taken)))
         return writes
 
-    def _place(self, worker: WorkerHandle, slot: int, ticket: BlockTicket) -> bytes:
+    def _place(self, worker: WorkerHandle, slot: int, taken: BlockSlice) -> bytes:
         board_slot = worker.index * DEPTH + slot
         self._board[board_slot] = 0
-        worker.held[slot] = ticket
-        self._held_blocks += 1
-        job = ticket.job
+        worker.held[slot] = taken
+        worker.got[slot] = []
+        self._held_blocks += taken.n_blocks
+        job = taken.job
         # After the place is visible to job_expired: an expiry between take()
         # and here is seen either by it or by this check.
         if job.expired:
             self._board[board_slot] = 1
-        key = ticket.key
         op = OP_LOAD if job.is_load else OP_STORE
-        return job_record(op, board_slot, ticket.chunk, key)
+        return job_record(op, board_slot, taken.chunks, taken.keys)
 
     @staticmethod
     def _send(writes: list[tuple[int, bytes]]) -> None:
@@ -250,27 +252,38 @@ class ProcessExecutor:
                 self._crew.said_hello(worker)
                 continue
             assert result is not None
-            self._give_back(worker, slot - worker.index * DEPTH, result)
+            place = slot - worker.index * DEPTH
+            taken, got = worker.held[place], worker.got[place]
+            if taken is not None:
+                got.append(result)
+                if len(got) == taken.n_blocks:
+                    self._give_back(worker, place, got)
         return True
 
-    def _give_back(self, worker: WorkerHandle, slot: int, result: BlockResult) -> None:
-        ticket = worker.held[slot]
-        worker.held[slot] = None
-        if ticket is not None:
-            self._held_blocks -= 1
+    def _give_back(self, worker: WorkerHandle, slot: int, results: list[BlockResult]) -> None:
+        taken = worker.held[slot]
+        worker.held[slot], worker.got[slot] = None, []
+        if taken is not None:
+            self._held_blocks -= taken.n_blocks
             assert self._source is not None
-            self._source.block_done(ticket, result)
+            self._source.slice_done(taken, results)
+
+    def _fail_held(self, worker: WorkerHandle, failure: Failed) -> None:
+        """Give back what ``worker`` holds: the results it sent, ``failure``
+        for the rest of each slice."""
+        for slot, taken in enumerate(worker.held):
+            if taken is not None:
+                got = worker.got[slot]
+                self._give_back(worker, slot, [*got, *[failure] * (taken.n_blocks - len(got))])
 
     def _worker_gone(self, worker: WorkerHandle, selector: selectors.BaseSelector) -> None:
         """Fail what the worker held, reap it, schedule its replacement."""
         why = self._crew.reap(worker, selector, replace=not self._stop_requested)
-        for slot in range(DEPTH):
-            self._give_back(worker, slot, Failed(Failure.WORKER_DIED, crew_module.WorkerDied(why)))
+        self._fail_held(worker, Failed(Failure.WORKER_DIED, crew_module.WorkerDied(why)))
 
     def _give_back_held(self, reason: Failure, why: str) -> None:
         for worker in self._workers:
-            for slot in range(DEPTH):
-                self._give_back(worker, slot, Failed(reason, crew_module.WorkerDied(why)))
+            self._fail_held(worker, Failed(reason, crew_module.WorkerDied(why)))
 
     def _fail_until_stopped(self) -> None:
         """After a conductor failure: every block taken fails, until stop."""
@@ -281,8 +294,8 @@ class ProcessExecutor:
         wake = select.poll()
         wake.register(self._wake, select.POLLIN)
         while not self._stop_requested:
-            ticket = source.take(True)
-            if ticket is None:
+            taken = source.take(True)
+            if taken is None:
                 self._idle = True
                 if source.take(True) is None:  # see _serve on taking after _idle
                     wake.poll()
@@ -290,4 +303,5 @@ class ProcessExecutor:
                     os.eventfd_read(self._wake)
                 self._idle = False
                 continue
-            source.block_done(ticket, Failed(Failure.ERROR, RuntimeError("I/O conductor failed")))
+            failure = Failed(Failure.ERROR, RuntimeError("I/O conductor failed"))
+            source.slice_done(taken, [failure] * taken.n_blocks)

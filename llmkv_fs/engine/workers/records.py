@@ -2,10 +2,11 @@
 (workers/executor.py) and its worker processes (workers/child.py) through
 pipes, and their codec.
 
-Records (struct-packed, little-endian): a job record is ``JOB`` + the key; a
-result record is ``RESULT`` + an optional UTF-8 text. ``slot`` names the
-block's place in the shared cancel board (workers/crew.CancelBoard): the
-worker answers with the slot it got.
+Records (struct-packed, little-endian): a job record is ``JOB`` and then,
+per block of its slice, ``BLOCK`` + the key; a result record is ``RESULT`` +
+an optional UTF-8 text, one per block, in the slice's order. ``slot`` names
+the slice's place in the shared cancel board (workers/crew.CancelBoard): the
+worker answers every block of it with the slot it got.
 
 A result is a block's ``BlockResult`` whole: an ``Outcome`` by its index, or
 a ``Failed`` by its ``Failure`` index plus the type of its error (one of
@@ -20,6 +21,7 @@ Pure functions of their arguments: safe from any thread or process.
 from __future__ import annotations
 
 import struct
+from collections.abc import Sequence
 
 from llmkv_fs.engine.outcomes import (
     Abandoned,
@@ -35,6 +37,7 @@ from llmkv_fs.engine.outcomes import (
 from llmkv_fs.layout.blockfile import BlockFileError, Corruption
 
 __all__ = [
+    "BLOCK",
     "ERROR_TYPES",
     "HELLO",
     "JOB",
@@ -46,14 +49,17 @@ __all__ = [
     "encode_result",
     "hello_record",
     "job_record",
+    "stop_record",
+    "take_jobs",
     "take_results",
 ]
 
-# op u8, slot u16, chunk i64, key length u16 (then the key). The chunk is
-# range-checked by the worker's BlockStep like a thread's, so any index the
-# owner passed must fit: a u32 field once turned chunk -1 into a struct.error
-# on the conductor.
-JOB = struct.Struct("<BHqH")
+# op u8, slot u16, blocks u16; then per block: chunk i64, key length u16 (then
+# the key). The chunk is range-checked by the worker's BlockStep like a
+# thread's, so any index the owner passed must fit: a u32 field once turned
+# chunk -1 into a struct.error on the conductor.
+JOB = struct.Struct("<BHH")
+BLOCK = struct.Struct("<qH")
 _CHUNK_RANGE = range(-(1 << 63), 1 << 63)
 # slot u16, kind u8, code u8, error type u8, corruption u8, errno i32 (pid
 # for HELLO), text length u32 (then the text)
@@ -81,10 +87,42 @@ _TEXT_LIMIT = 4000
 _SEP = "\0"
 
 
-def job_record(op: int, slot: int, chunk: int, key: bytes) -> bytes:
-    """A job record (conductor side). A chunk beyond i64 travels as -1: out
-    of range either way, and failed as such by the worker."""
-    return JOB.pack(op, slot, chunk if chunk in _CHUNK_RANGE else -1, len(key)) + key
+def job_record(op: int, slot: int, chunks: Sequence[int], keys: Sequence[bytes]) -> bytes:
+    """A job record for a slice of blocks (conductor side). A chunk beyond
+    i64 travels as -1: out of range either way, and failed as such by the
+    worker."""
+    parts = [JOB.pack(op, slot, len(keys))]
+    for chunk, key in zip(chunks, keys):
+        parts += (BLOCK.pack(chunk if chunk in _CHUNK_RANGE else -1, len(key)), key)
+    return b"".join(parts)
+
+
+def stop_record() -> bytes:
+    return JOB.pack(OP_STOP, 0, 0)
+
+
+def take_jobs(buf: bytearray) -> list[tuple[int, int, list[int], list[bytes]]]:
+    """Cut the whole job records off the front of ``buf`` (worker side):
+    (op, slot, chunks, keys) each. A partial record stays in ``buf``."""
+    records: list[tuple[int, int, list[int], list[bytes]]] = []
+    while len(buf) >= JOB.size:
+        op, slot, count = JOB.unpack_from(buf)
+        at = JOB.size
+        chunks: list[int] = []
+        keys: list[bytes] = []
+        for _ in range(count):
+            if len(buf) < at + BLOCK.size:
+                return records
+            chunk, key_len = BLOCK.unpack_from(buf, at)
+            at += BLOCK.size
+            if len(buf) < at + key_len:
+                return records
+            chunks.append(chunk)
+            keys.append(bytes(buf[at : at + key_len]))
+            at += key_len
+        del buf[:at]
+        records.append((op, slot, chunks, keys))
+    return records
 
 
 def hello_record(pid: int) -> bytes:
