@@ -13,12 +13,17 @@ from __future__ import annotations
 
 import time
 
+# "Just before" a deadline, in the clock's steps: a binary fraction (exact).
+JUST_BEFORE_S = 2**-7
+
 
 class ManualClock:
     def __init__(self, start: float | None = None):
-        # Near the real clock by default: a value compared with a real
-        # reading by some code path not under test stays sensible.
-        self.now = time.monotonic() if start is None else start
+        # Near the real clock by default (a value compared with a real
+        # reading by some code path not under test stays sensible), and
+        # whole: steps of binary fractions (2**-7 s) then add up exactly, so
+        # "just before the deadline" is never a rounding error away from it.
+        self.now = float(int(time.monotonic())) if start is None else start
 
     def __call__(self) -> float:
         return self.now

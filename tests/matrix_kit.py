@@ -31,6 +31,7 @@ from pathlib import Path
 
 import pytest
 import xxhash
+from user_kit import become
 from vllm.v1.kv_offload.base import LookupResult
 
 from llmkv_fs.layout.blockfile import FORMAT_VERSION, TRAILER_SIZE, BlockFileError, verify_block
@@ -247,9 +248,7 @@ class Forked:
             try:
                 os.close(read_end)
                 if user is not None:
-                    os.setgroups([])
-                    os.setgid(user[1])
-                    os.setuid(user[0])
+                    become(*user)
                 outcome = {"ok": True, "value": fn(*args)}
                 code = 0
             except BaseException as exc:

@@ -16,7 +16,6 @@ import os
 import shutil
 import struct
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -234,48 +233,6 @@ def tool(capsys, *argv: str) -> tuple[int, dict]:
     status = cli_main([*argv, "--json"])
     out = capsys.readouterr().out
     return status, json.loads(out) if out.strip() else {}
-
-
-def tool_as(uid: int, gid: int, argv: list[str]) -> tuple[int, str, str]:
-    """``llmkv-fs <argv>`` in a forked child running as ``uid``/``gid`` (the
-    interpreter lives where other users may not read it, hence a fork of
-    this process rather than a new one). (status, stdout, stderr)."""
-    out_r, out_w = os.pipe()
-    err_r, err_w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child: never returns into pytest
-        status = 70
-        try:
-            os.dup2(out_w, 1)
-            os.dup2(err_w, 2)
-            sys.stdout = open(1, "w", closefd=False)  # noqa: SIM115 (not pytest's capture)
-            sys.stderr = open(2, "w", closefd=False)  # noqa: SIM115
-            os.setgroups([])
-            os.setgid(gid)
-            os.setuid(uid)
-            status = cli_main(argv)
-            sys.stdout.flush()
-            sys.stderr.flush()
-        except BaseException as exc:  # reported through the pipe
-            os.write(2, f"{type(exc).__name__}: {exc}\n".encode())
-        finally:
-            os._exit(status if isinstance(status, int) else 70)
-    os.close(out_w)
-    os.close(err_w)
-    got: dict[int, list[bytes]] = {out_r: [], err_r: []}
-
-    def drain(fd: int) -> None:
-        while chunk := os.read(fd, 65536):
-            got[fd].append(chunk)
-        os.close(fd)
-
-    reader = threading.Thread(target=drain, args=(err_r,))
-    reader.start()
-    drain(out_r)
-    reader.join()
-    _pid, wait_status = os.waitpid(pid, 0)
-    out, err = (b"".join(got[fd]).decode(errors="replace") for fd in (out_r, err_r))
-    return os.waitstatus_to_exitcode(wait_status), out, err
 
 
 @contextlib.contextmanager

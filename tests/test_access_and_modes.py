@@ -14,9 +14,9 @@ import stat
 import subprocess
 import sys
 import textwrap
-import time
 
 import pytest
+from clock_kit import JUST_BEFORE_S, ManualClock
 
 from llmkv_fs.config import TierConfigError, TierSettings
 from llmkv_fs.engine import Outcome
@@ -105,29 +105,35 @@ def test_load_stamps_access_once_per_interval(noatime_tmpfs, engines):
 
 
 @pytest.mark.threads_only(
-    "shortens BlockIO's 60 s stamp interval by patching the module in this process; a worker "
-    "runs the same BlockIO stamping with the real interval, and the once-per-interval half "
+    "moves the stamp interval's clock by patching the module in this process; a worker runs "
+    "the same BlockIO stamping on the real clock, and the once-per-interval half "
     "(test_load_stamps_access_once_per_interval) runs in both modes"
 )
 def test_stamp_is_renewed_after_the_interval(noatime_tmpfs, engines, monkeypatch):
-    monkeypatch.setattr(stamps, "ACCESS_STAMP_INTERVAL_S", 1.0)
+    clock = ManualClock().install(monkeypatch, stamps)  # the interval passes when the test says
     engine, layout, primary = engines(noatime_tmpfs, n_blocks=4)
-    store_blocks(engine, primary, 1, ["r"], [0])
+    store_blocks(engine, primary, 1, ["r", "s"], [0, 1])
     path = layout.block_path(make_key("r"))
     make_old(path)
-    before_first = time.monotonic()  # the first stamp happens after this
     before = fs_now_ns(noatime_tmpfs)
-    load(engine, 2, make_key("r"), 1)
+    load(engine, 2, make_key("r"), 2)
     wait_stamped(path, before)
+
+    # Just before the interval ends: no stamp. The first load of another
+    # file, queued after it, shows when stamps landed.
     make_old(path)
-    jobs = iter(range(3, 100_000))
+    clock.advance(ACCESS_STAMP_INTERVAL_S - JUST_BEFORE_S)
+    load(engine, 3, make_key("r"), 2)
+    before = fs_now_ns(noatime_tmpfs)
+    load(engine, 4, make_key("s"), 3)
+    wait_stamped(layout.block_path(make_key("s")), before)
+    assert os.stat(path).st_atime_ns == OLD_NS
 
-    def restamped():
-        load(engine, next(jobs), make_key("r"), 1)
-        return os.stat(path).st_atime_ns != OLD_NS
-
-    wait_until(restamped, "a load after the interval to stamp again", deadline_s=15.0)
-    assert time.monotonic() - before_first >= 1.0
+    # Once the interval has passed, the next load stamps again.
+    clock.advance(JUST_BEFORE_S)
+    before = fs_now_ns(noatime_tmpfs)
+    load(engine, 5, make_key("r"), 2)
+    wait_stamped(path, before)
 
 
 def test_trailerless_file_is_stamped_when_loaded(noatime_tmpfs, engines):

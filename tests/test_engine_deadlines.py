@@ -3,9 +3,12 @@ holds blocks at the engine's pause points -- in I/O threads or in worker
 processes, see the io_mode fixture -- which is what a hung mount does), then
 the same through vLLM's real TieringOffloadingManager.
 
-Deadlines only fire when the owner polls (take_finished / end_step), so every
-test first waits until the I/O threads are provably held and only then lets
-the owner see the deadline: the order of events never depends on timing.
+Deadlines only fire when the owner polls (take_finished / end_step), and they
+run on a clock the test moves (``clock``: the engine's job and lookup
+deadlines, tests/clock_kit.py). So every test first waits until the blocks
+are provably held, then moves the clock to just before the deadline --
+nothing may fail yet -- and then to the deadline: the order of events never
+depends on timing, and no test asserts on elapsed time.
 """
 
 from __future__ import annotations
@@ -15,9 +18,11 @@ import threading
 import time
 
 import pytest
+from clock_kit import JUST_BEFORE_S, ManualClock
 
-from llmkv_fs.engine import Direction, Failure, LookupAnswer, Outcome, Tally
+from llmkv_fs.engine import Direction, Failure, LookupAnswer, Outcome, Tally, lookup
 from llmkv_fs.engine.block.blockio import BlockIO
+from llmkv_fs.engine.scheduling import accounting, jobs, scheduler
 
 from engine_kit import (
     BS,
@@ -39,6 +44,26 @@ from volume_kit import temp_files
 TIMEOUT_S = 0.5
 
 
+@pytest.fixture
+def clock(monkeypatch):
+    """The clock of job deadlines, job latencies and lookup deadlines, for
+    every engine of the test (they run in this process in both io modes: a
+    worker process only sees a cancelled block)."""
+    return ManualClock().install(monkeypatch, scheduler, jobs, accounting, lookup)
+
+
+def up_to_the_deadline(engine, clock: ManualClock, timeout_s: float = TIMEOUT_S) -> None:
+    """Move ``clock`` to just before the deadline of jobs submitted at its
+    current reading: nothing is failed yet, however often the owner polls;
+    then to the deadline itself."""
+    clock.advance(timeout_s - JUST_BEFORE_S)
+    expired = engine.counters[Tally.DEADLINE_EXPIRED]
+    assert engine.take_finished() == []
+    engine.end_step()
+    assert engine.counters[Tally.DEADLINE_EXPIRED] == expired and not engine.stalled()
+    clock.advance(JUST_BEFORE_S)
+
+
 def take_until(engine, predicate, what: str) -> list:
     """Poll take_finished until ``predicate(all results so far)``."""
     results = []
@@ -56,7 +81,7 @@ def take_until(engine, predicate, what: str) -> list:
 # -- stores ---------------------------------------------------------------------------------
 
 
-def test_stuck_store_fails_at_deadline_and_is_never_published(volume, engines, gate_for):
+def test_stuck_store_fails_at_deadline_and_is_never_published(volume, engines, gate_for, clock):
     disk_root = volume  # tmpfs, ext4 and GlusterFS
     # A block already on the volume (stored with the default 30 s deadline).
     seeder, _, seed_primary = engines(disk_root, n_blocks=2)
@@ -76,7 +101,6 @@ def test_stuck_store_fails_at_deadline_and_is_never_published(volume, engines, g
         fill(primary, c, pattern(f"s{c}"))
     first = [make_key(f"s{c}") for c in range(3)]
     second = [make_key(f"s{c}") for c in (3, 4)]
-    submitted = time.monotonic()
     assert engine.submit_store(1, first, [0, 1, 2])
     gate.wait_entered(2)  # two places each wrote a block of job 1 and wait to publish it
     assert engine.submit_store(2, second, [3, 4])  # queued behind it, never started
@@ -89,13 +113,13 @@ def test_stuck_store_fails_at_deadline_and_is_never_published(volume, engines, g
     held_temps = temp_files(disk_root)
     assert len(held_temps) == 2, held_temps
 
+    up_to_the_deadline(engine, clock)
     got = {
         j.job_id: j
         for j in take_until(
             engine, lambda rs: {r.job_id for r in rs} >= {1, 2}, "the deadline to fail both stores"
         )
     }
-    assert time.monotonic() - submitted >= TIMEOUT_S
     assert not gate.opened.is_set()  # reported while its blocks are still held
     assert not got[1].success and sorted(got[1].failed) == sorted(first) and got[1].succeeded == []
     assert not got[2].success and sorted(got[2].failed) == sorted(second)
@@ -104,7 +128,7 @@ def test_stuck_store_fails_at_deadline_and_is_never_published(volume, engines, g
     assert c[Tally.DEADLINE_EXPIRED] == 5  # the blocks out + the queued ones
     assert c[Direction.STORE, Failure.DEADLINE] == 5
     assert c[Outcome.WRITTEN] == 0
-    assert min(engine.job_latencies[Direction.STORE]) >= TIMEOUT_S
+    assert engine.job_latencies[Direction.STORE] == [TIMEOUT_S, TIMEOUT_S]  # by the clock
     assert [kind for _t, kind, _k in gate.entries] == ["store", "store"]  # the others never ran
     assert engine.queued_store_blocks() == 0
 
@@ -146,7 +170,7 @@ def test_stuck_store_fails_at_deadline_and_is_never_published(volume, engines, g
     assert settle(engine, make_key("old"), "r2") is True
 
 
-def test_store_failed_by_deadline_reports_a_sane_io_time(disk_root, engines, gate_for):
+def test_store_failed_by_deadline_reports_a_sane_io_time(disk_root, engines, gate_for, clock):
     engine, _, _primary = engines(
         disk_root,
         n_blocks=2,
@@ -158,6 +182,7 @@ def test_store_failed_by_deadline_reports_a_sane_io_time(disk_root, engines, gat
     assert engine.submit_store(1, [make_key("t0"), make_key("t1")], [0, 1])
     held_by_executor(engine, 2)
     gate.wait_entered(1)
+    up_to_the_deadline(engine, clock)
     job = wait_jobs(engine, [1])[1]
     assert not gate.opened.is_set()
     assert not job.success
@@ -165,18 +190,22 @@ def test_store_failed_by_deadline_reports_a_sane_io_time(disk_root, engines, gat
     assert 0.0 <= job.io_seconds <= job.latency, job.io_seconds
 
 
-def test_store_that_finishes_in_time_is_unaffected(disk_root, engines):
+def test_store_that_finishes_in_time_is_unaffected(disk_root, engines, clock):
     engine, _layout, primary = engines(disk_root, n_blocks=4, job_timeout_s=5.0)
-    store_blocks(engine, primary, 1, [0, 1, 2], [0, 1, 2])
+    store_blocks(engine, primary, 1, [0, 1, 2], [0, 1, 2])  # the clock stands still
     assert engine.counters[Outcome.WRITTEN] == 3
+    clock.advance(3600)  # its deadline long past: a finished job stays finished
+    assert engine.take_finished() == []
+    engine.end_step()
     assert engine.counters[Tally.DEADLINE_EXPIRED] == 0
+    assert engine.counters[Direction.STORE, Failure.DEADLINE] == 0
     assert not engine.stalled()
 
 
 # -- loads ----------------------------------------------------------------------------------
 
 
-def test_stuck_load_is_reported_only_when_its_reads_return(disk_root, engines, gate_for):
+def test_stuck_load_is_reported_only_when_its_reads_return(disk_root, engines, gate_for, clock):
     seeder, _, seed_primary = engines(disk_root, n_blocks=4)
     store_blocks(seeder, seed_primary, 1, range(4), range(4))
 
@@ -197,7 +226,6 @@ def test_stuck_load_is_reported_only_when_its_reads_return(disk_root, engines, g
     gate.hold(keys[1])
     gate.open()
     out = min(4, engine.executor.capacity())
-    submitted = time.monotonic()
     assert engine.submit_load(7, keys, [4, 5, 6, 7])
     held_by_executor(engine, out)
     gate.wait_entered(2)
@@ -205,6 +233,7 @@ def test_stuck_load_is_reported_only_when_its_reads_return(disk_root, engines, g
 
     # Past the deadline the queued blocks fail, but the job is held back:
     # the kernel may still write into rows 4 and 5.
+    up_to_the_deadline(engine, clock)
     early = []
 
     def overdue():
@@ -213,7 +242,6 @@ def test_stuck_load_is_reported_only_when_its_reads_return(disk_root, engines, g
 
     wait_until(overdue, "the load to pass its deadline")
     assert early == []  # not reported while a read is in flight
-    assert time.monotonic() - submitted >= TIMEOUT_S
     assert engine.counters[Tally.DEADLINE_EXPIRED] == 4 - out
     assert engine.gauges()["stuck_blocks"] == out
     assert engine.gauges()["queued_load_blocks"] == 0
@@ -231,7 +259,7 @@ def test_stuck_load_is_reported_only_when_its_reads_return(disk_root, engines, g
     assert job.is_load and not job.success
     assert job.succeeded == keys[:2]  # completed reads keep their real result
     assert job.failed == keys[2:]
-    assert job.latency >= TIMEOUT_S
+    assert job.latency == TIMEOUT_S  # reported at the deadline, by the clock
     assert row(primary, 4) == pattern(0) and row(primary, 5) == pattern(1)
     assert row(primary, 6) == bytes(BS) and row(primary, 7) == bytes(BS)  # never started
     assert engine.counters[Outcome.VERIFIED] == 2
@@ -248,7 +276,7 @@ def test_stuck_load_is_reported_only_when_its_reads_return(disk_root, engines, g
 
 
 def test_overdue_lookups_miss_and_a_late_answer_keeps_the_failed_load_verdict(
-    disk_root, engines, monkeypatch
+    disk_root, engines, monkeypatch, clock
 ):
     release, entered = threading.Event(), threading.Event()
     probed: list[bytes] = []
@@ -266,7 +294,6 @@ def test_overdue_lookups_miss_and_a_late_answer_keeps_the_failed_load_verdict(
         assert engine.lookup(plain, "r1") is None
         assert engine.lookup(doomed, "r1") is None
         engine.end_step()
-        posted = time.monotonic()
         assert entered.wait(DEADLINE_S)
 
         # A load of `doomed` fails (its file does not exist; or it is refused
@@ -275,18 +302,19 @@ def test_overdue_lookups_miss_and_a_late_answer_keeps_the_failed_load_verdict(
         engine.submit_load(1, [doomed], [0])
         assert not wait_jobs(engine, [1])[1].success
 
-        def decided():
-            engine.end_step()
-            return engine.counters[LookupAnswer.DEADLINE_MISS] == 2
-
-        wait_until(decided, "the lookup deadline")
-        assert time.monotonic() - posted >= TIMEOUT_S
+        clock.advance(TIMEOUT_S - JUST_BEFORE_S)  # the lookups' deadline: min(job's, 5 s)
+        engine.end_step()
+        assert engine.counters[LookupAnswer.DEADLINE_MISS] == 0 and not engine.stalled()
+        assert engine.lookup(plain, "r1") is None  # still waiting for its check
+        clock.advance(JUST_BEFORE_S)
+        engine.end_step()
+        assert engine.counters[LookupAnswer.DEADLINE_MISS] == 2
         assert engine.stalled()
         assert engine.lookup(plain, "r1") is False
         assert engine.lookup(doomed, "r1") is False
         assert engine.lookup(newcomer, "r2") is False  # answered at once while stalled
         assert probed == [plain]  # the batch is still held by its first check; no new one
-        assert engine.counters[LookupAnswer.RETRY] == 2  # only the first two lookups
+        assert engine.counters[LookupAnswer.RETRY] == 3  # the first two, and plain's again
     finally:
         release.set()
 
@@ -333,7 +361,7 @@ def test_lookup_deadline_is_job_timeout_capped_at_5s(
 
 
 def test_stuck_store_through_vllm_fails_cleanly_and_reset_completes(
-    disk_root, replicas, monkeypatch, io_mode
+    disk_root, replicas, monkeypatch, io_mode, clock
 ):
     from vllm.v1.kv_offload.base import LookupResult
 
@@ -358,6 +386,7 @@ def test_stuck_store_through_vllm_fails_cleanly_and_reset_completes(
         replica.store(keys, settle=False)  # raises nothing into the "scheduler"
         held_by_executor(engine, 3)  # the three blocks are out, held or next in line
         gate.wait_entered(1)
+        up_to_the_deadline(engine, clock)
         replica.settle()  # steps until the manager has nothing in flight
         assert not gate.opened.is_set()
         assert [(r.success, r.transfer_bytes) for r in results] == [(False, 0)]

@@ -15,14 +15,17 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
+from clock_kit import JUST_BEFORE_S, ManualClock
 
 import llmkv_fs
 from llmkv_fs.engine import Outcome
+from llmkv_fs.engine.upkeep import housekeeping as housekeeping_module
 from llmkv_fs.engine.upkeep.space import SpaceGuard
-from llmkv_fs.volume.leases import STALE_AFTER_INTERVALS, Lease, lease_dir, read_leases
+from llmkv_fs.volume.leases import Lease, lease_dir, read_leases
 
 from engine_kit import IO_WORKERS_ENV
 from tier_kit import Replica, assert_io_mode, offloading_config, ours, payload_for, wait_until
@@ -95,7 +98,8 @@ def test_lease_lifecycle(disk_root):
         with open(lease.path, "rb") as f:
             on_disk = json.loads(f.read())
         assert on_disk["seed_fingerprint"] == fingerprint and "path" not in on_disk
-        assert lease.is_live(this_host=socket.gethostname())
+        # Live: fresh at the instant it was read, and its pid (ours) runs.
+        assert lease.is_live(now=lease.refreshed, this_host=socket.gethostname())
 
         # More steps do not publish another lease; the heartbeat moves on.
         mtime = os.stat(lease.path).st_mtime_ns
@@ -121,22 +125,52 @@ def test_lease_lifecycle(disk_root):
             replica.close()
 
 
+class _RecordingEvent(threading.Event):
+    """A housekeeping thread's wake-up event that keeps every wait's timeout."""
+
+    def __init__(self):
+        super().__init__()
+        self.timeouts: list[float | None] = []
+
+    def wait(self, timeout=None):
+        self.timeouts.append(timeout)
+        return super().wait(timeout)
+
+
 @pytest.mark.usefixtures("io_mode")
-def test_short_lease_interval_is_refreshed_before_it_looks_dead(disk_root):
+def test_short_lease_interval_is_refreshed_before_it_looks_dead(disk_root, monkeypatch):
+    """A lease refreshed less often than its interval looks dead to gc and
+    peers after STALE_AFTER_INTERVALS of them. Asserted on the schedule, not
+    on how late a loaded machine woke the thread: the housekeeping thread
+    wakes at least twice per interval, and refreshes the lease when its
+    clock passes the interval -- not before."""
     interval = 0.2
+    clock = ManualClock().install(monkeypatch, housekeeping_module)
     replica = Replica(offloading_config(tiers=[ours(disk_root, lease_interval_s=interval)]))
     try:
+        keeper = replica.tier.engine.roots[0].housekeeping
+        ticks = keeper._wake = _RecordingEvent()  # read by the thread every round
         replica.step()
         lease = wait_for_lease(replica)
-        first = wait_for_refresh(lease.path, os.stat(lease.path).st_mtime_ns)
-        second = wait_for_refresh(lease.path, first)
-        gap_s = (second - first) / 1e9
-        assert gap_s < STALE_AFTER_INTERVALS * interval, (
-            f"refreshed every {gap_s:.2f}s; peers and gc call it dead after "
-            f"{STALE_AFTER_INTERVALS * interval:.2f}s"
-        )
+        mtime = os.stat(lease.path).st_mtime_ns
+        clock.advance(interval - JUST_BEFORE_S)
+        rounds(keeper, 2)  # a whole round ran after the clock moved
+        assert os.stat(lease.path).st_mtime_ns == mtime, "refreshed before its interval"
+        clock.advance(JUST_BEFORE_S)
+        wait_for_refresh(lease.path, mtime)
+        # Woken at least twice per interval: a refresh is never more than
+        # half an interval late on the thread's own schedule.
+        assert ticks.timeouts and max(ticks.timeouts) <= interval / 2, ticks.timeouts
     finally:
         replica.close()
+
+
+def rounds(keeper, n: int) -> None:
+    """Wait until the housekeeping thread has sampled the volume ``n`` more
+    times: each round samples it first, so the round before the last is whole."""
+    for _ in range(n):
+        seen = keeper.guard.usage
+        wait_until(lambda seen=seen: keeper.guard.usage is not seen, "a housekeeping round")
 
 
 # -- replicas in separate processes ---------------------------------------------------------
@@ -320,8 +354,6 @@ def test_housekeeping_survives_a_failed_first_lease_write(tmp_path, monkeypatch)
     """The first write of the lease fails (EIO): the thread stays up, keeps
     sampling space and writes the lease on a later round -- it must not
     "refresh" a lease file that was never written."""
-    from llmkv_fs.engine.upkeep import housekeeping as housekeeping_module
-
     real_write = housekeeping_module.write_lease
     calls = []
 

@@ -14,6 +14,7 @@ import os
 import select
 
 import pytest
+from user_kit import tool_as
 
 from llmkv_fs.cli import main as cli_main
 
@@ -47,7 +48,6 @@ from ops_fault_kit import (
     swap_for_file,
     swap_for_symlink,
     tool,
-    tool_as,
     vanish,
 )
 

@@ -1,11 +1,18 @@
 """The vllm.general_plugins entry point, exercised in fresh processes so the
-global tier registry of the test process stays vLLM's own."""
+global tier registry of the test process stays vLLM's own. Each fresh
+process imports vLLM (~20 s of CPU on 2 cores): those tests are in the
+integration lane (tests/conftest.py)."""
 
 import json
 import os
 import subprocess
 import sys
 from importlib.metadata import entry_points
+
+import pytest
+
+# A test that starts a fresh interpreter importing vLLM (~20 s of CPU each).
+fresh_vllm = pytest.mark.integration
 
 PROBE = r"""
 import json, logging, sys
@@ -54,6 +61,7 @@ def test_entry_point_is_declared():
     assert names.get("llmkv_fs") == "llmkv_fs.tier.plugin:register"
 
 
+@fresh_vllm
 def test_plugin_replaces_builtin_fs_and_logs_once():
     seen = probe()
     assert seen["fs"] == OURS
@@ -62,6 +70,7 @@ def test_plugin_replaces_builtin_fs_and_logs_once():
     assert len(seen["logs"]) == 1 and "llmkv_fs 0.1.0" in seen["logs"][0]
 
 
+@fresh_vllm
 def test_opt_out_keeps_builtin_fs():
     seen = probe(LLMKV_FS_REPLACE_BUILTIN="0")
     assert seen["fs"] == BUILTIN
@@ -69,6 +78,7 @@ def test_opt_out_keeps_builtin_fs():
     assert "LLMKV_FS_REPLACE_BUILTIN=0" in seen["logs"][0]
 
 
+@fresh_vllm
 def test_vllm_plugins_filter_is_respected():
     seen = probe(VLLM_PLUGINS="some_other_plugin")
     assert seen["fs"] == BUILTIN
@@ -102,6 +112,7 @@ replica.close()
 """
 
 
+@fresh_vllm
 def test_builtin_fs_config_runs_on_our_tier(tmp_path):
     result = subprocess.run(
         [sys.executable, "-c", SERVE_WITH_FS_TYPE, str(tmp_path)],
@@ -131,6 +142,7 @@ print(json.dumps(records))
 """
 
 
+@fresh_vllm
 def test_an_untested_vllm_version_is_warned_about():
     result = subprocess.run(
         [sys.executable, "-c", UNTESTED_VLLM], capture_output=True, text=True, timeout=300
@@ -141,6 +153,7 @@ def test_an_untested_vllm_version_is_warned_about():
     assert len(warnings) == 1 and "0.35.1" in warnings[0] and "0.33." in warnings[0]
 
 
+@fresh_vllm
 def test_the_tested_vllm_version_gives_no_warning():
     seen = probe()
     assert not [m for m in seen["logs"] if "tested with" in m]

@@ -107,7 +107,16 @@ def test_every_package_is_a_room_and_every_top_module_is_base_or_the_command_lin
     assert {p.stem for p in PACKAGE.glob("*.py")} >= {"__init__", "config", *COMMAND_LINE}
 
 
-@pytest.mark.parametrize("room", sorted(ROOMS))
+# The rooms that may import vLLM load it in their fresh process (~20 s each):
+# the integration lane; every room's import statements are read in the fast
+# lane anyway (test_no_lazy_import_crosses_the_rule_either).
+@pytest.mark.parametrize(
+    "room",
+    [
+        pytest.param(room, marks=pytest.mark.integration) if room in MAY_IMPORT_HEAVY else room
+        for room in sorted(ROOMS)
+    ],
+)
 def test_room_imports_only_what_the_rule_allows(room):
     blocked = ROOMS - MAY_IMPORT[room] - {room}
     if room not in MAY_IMPORT_HEAVY:

@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import sys
 import threading
 
+import pytest
 from clock_kit import ManualClock
 from service_kit import WATCHDOG_EXIT, run_watched
 
@@ -47,10 +49,11 @@ class Echo:
         self.clock = clock
         self.text = ""
         self.result = None
+        tmp_path.mkdir()
         fifo = str(tmp_path / "say")
         os.mkfifo(fifo)
         argv = [sys.executable, "-c", ECHO, fifo]
-        self.thread = threading.Thread(target=self._run, args=(argv, quiet_s, total_s))
+        self.thread = threading.Thread(target=self._run, args=(argv, quiet_s, total_s), daemon=True)
         self.thread.start()
         self.fd = -1
 
@@ -78,10 +81,12 @@ class Echo:
     def _saw(self, chunk: bytes) -> None:
         self.text += chunk.decode()
 
-    def say(self, word: str) -> None:
-        """Send ``word`` and wait until the watchdog has read it back."""
+    def say(self, word: str, reply: str | None = None) -> None:
+        """Send ``word`` and wait until the watchdog has read the whole line
+        answering it (``reply``, a regex: by default the word itself)."""
         os.write(self.fd, f"{word}\n".encode())
-        wait_until(lambda: f"{word}\n" in self.text, f"{word!r} to come back")
+        line = re.compile(f"^{reply or re.escape(word)}\n", re.MULTILINE)
+        wait_until(lambda: line.search(self.text), f"{line.pattern!r} to come back")
 
     def finish(self):
         """Close the FIFO (the command ends) unless killed; its result."""
@@ -92,10 +97,31 @@ class Echo:
         assert not self.thread.is_alive(), "run_watched did not return"
         return self.result
 
+    def stop(self) -> None:
+        """Teardown: whatever the test did, the watchdog ends the command
+        (the clock jumps past any limit)."""
+        if self.thread.is_alive():
+            self.clock.advance(1e9)
+        self.finish()
 
-def test_a_steady_command_outlives_the_old_total_limit(tmp_path):
+
+@pytest.fixture
+def start_echo(tmp_path):
+    """Echo(clock, quiet_s, total_s), stopped at teardown."""
+    started: list[Echo] = []
+
+    def make(clock: ManualClock, quiet_s: float, total_s: float) -> Echo:
+        started.append(Echo(tmp_path / str(len(started)), clock, quiet_s, total_s))
+        return started[-1]
+
+    yield make
+    for one in started:
+        one.stop()
+
+
+def test_a_steady_command_outlives_the_old_total_limit(start_echo):
     clock = ManualClock(start=0.0)
-    echo = Echo(tmp_path, clock, quiet_s=QUIET_S, total_s=10 * OLD_TOTAL_S)
+    echo = start_echo(clock, quiet_s=QUIET_S, total_s=10 * OLD_TOTAL_S)
     ticks = [f"tick{i}" for i in range(20)]
     for tick in ticks:
         clock.advance(STEP_S)  # slow, but never silent for the quiet limit
@@ -106,12 +132,12 @@ def test_a_steady_command_outlives_the_old_total_limit(tmp_path):
     assert done.stdout.split() == ticks
 
 
-def test_a_fixed_total_limit_kills_a_steady_command(tmp_path):
+def test_a_fixed_total_limit_kills_a_steady_command(start_echo):
     """The old policy (one total limit, no quiet limit) on the same command:
     killed at the limit although it kept printing. The total limit stays as
     the last resort, so this is also its test."""
     clock = ManualClock(start=0.0)
-    echo = Echo(tmp_path, clock, quiet_s=float("inf"), total_s=OLD_TOTAL_S)
+    echo = start_echo(clock, quiet_s=float("inf"), total_s=OLD_TOTAL_S)
     said = 0
     while clock.now + STEP_S <= OLD_TOTAL_S:
         clock.advance(STEP_S)
@@ -124,11 +150,11 @@ def test_a_fixed_total_limit_kills_a_steady_command(tmp_path):
     assert done.stdout.rstrip().endswith(f"tick{said - 1})")  # what it printed last
 
 
-def test_a_silent_command_is_killed_with_what_it_printed_last(tmp_path):
+def test_a_silent_command_is_killed_with_what_it_printed_last(start_echo):
     clock = ManualClock(start=0.0)
-    echo = Echo(tmp_path, clock, quiet_s=QUIET_S, total_s=10 * OLD_TOTAL_S)
+    echo = start_echo(clock, quiet_s=QUIET_S, total_s=10 * OLD_TOTAL_S)
     echo.say("tests/test_x.py::test_that_hangs")
-    echo.say("spawn")
+    echo.say("spawn", reply=r"spawned \d+")
     (grandchild,) = [int(line.split()[1]) for line in echo.text.splitlines() if "spawned" in line]
     clock.advance(QUIET_S - 1)
     assert echo.thread.is_alive()  # not silent for long enough yet: ...

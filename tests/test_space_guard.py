@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import time
 
 import pytest
 
@@ -186,7 +185,7 @@ def test_engine_resumes_stores_when_room_is_made_right_after_enospc(small_tmpfs,
     assert engine.roots[0].guard.reason == "ENOSPC"
     for path in block_files(small_tmpfs):  # gc empties the volume at once
         os.unlink(path)
-    wait_until(lambda: not tripped(engine), "the guard to lift", deadline_s=5.0)
+    wait_until(lambda: not tripped(engine), "the guard to lift")
     assert engine.submit_store(2, [make_key("after")], [0])
     assert wait_jobs(engine, [2])[2].success
 
@@ -207,7 +206,8 @@ def test_watermark_drops_stores_loads_continue_and_gc_lifts_it(small_tmpfs, engi
     for chunk, i in zip((4, 5, 6), (10, 11, 12)):
         fill(primary, chunk, pattern(i))
     assert engine.submit_store(2, dropped, [4, 5, 6]) is False
-    job = wait_jobs(engine, [2], deadline_s=0.5)[2]  # reported at once
+    (job,) = engine.take_finished()  # reported at once: the next poll has it
+    assert job.job_id == 2
     assert not job.success and job.failed == dropped
     assert engine.counters[Direction.STORE, Failure.SPACE] == 3
     assert not any(os.path.lexists(layout.block_path(k)) for k in dropped)
@@ -220,9 +220,9 @@ def test_watermark_drops_stores_loads_continue_and_gc_lifts_it(small_tmpfs, engi
         assert row(primary, 12 + i) == pattern(i)
 
     os.unlink(f"{small_tmpfs}/filler")  # gc made room
-    started = time.monotonic()
-    wait_until(lambda: not tripped(engine), "the guard to lift", deadline_s=5.0)
-    assert time.monotonic() - started < 5.0
+    # Lifted by the guard's own sampling (housekeeping, about once a second),
+    # with no store to try it: the wait is a hang bound, not a latency bound.
+    wait_until(lambda: not tripped(engine), "the guard to lift")
     assert engine.submit_store(4, dropped, [4, 5, 6])
     assert wait_jobs(engine, [4])[4].success
     assert all(os.path.getsize(layout.block_path(k)) == BS + TRAILER_SIZE for k in dropped)
@@ -277,11 +277,12 @@ def test_min_free_bytes_trips_at_start_and_lifts_when_space_is_freed(small_tmpfs
     assert root_gauges(engine)["volume_free_bytes"] < 8 * MiB
     fill(primary, 0, pattern("m"))
     assert engine.submit_store(1, [make_key("m")], [0]) is False
-    assert not wait_jobs(engine, [1], deadline_s=0.5)[1].success
+    (job,) = engine.take_finished()  # reported at once: the next poll has it
+    assert job.job_id == 1 and not job.success
     assert engine.counters[Direction.STORE, Failure.SPACE] == 1
 
     os.unlink(f"{small_tmpfs}/filler")
-    wait_until(lambda: not tripped(engine), "the guard to lift", deadline_s=5.0)
+    wait_until(lambda: not tripped(engine), "the guard to lift")
     store_blocks(engine, primary, 2, ["m"], [0])
     assert os.path.getsize(layout.block_path(make_key("m"))) == BS + TRAILER_SIZE
 
@@ -339,7 +340,7 @@ def test_enospc_trips_the_guard_until_gc_frees_more_than_the_headroom(small_tmpf
     # The rest of more than the headroom: now more than it is free.
     for path in written[2:more_than_headroom]:
         os.unlink(path)
-    wait_until(lambda: not tripped(engine), "the guard to lift", deadline_s=5.0)
+    wait_until(lambda: not tripped(engine), "the guard to lift")
     assert engine.roots[0].guard.usage.free_bytes >= baseline + headroom
     assert engine.submit_store(4, [make_key("x")], [0])
     assert wait_jobs(engine, [2, 3, 4])[4].success

@@ -258,6 +258,7 @@ replica.close()
 """
 
 
+@pytest.mark.integration  # each replica a fresh interpreter importing vLLM (~20 s each)
 def test_blocks_stored_by_another_process_are_found_byte_exact(shared_volume, replicas, io_mode):
     import subprocess
     import sys

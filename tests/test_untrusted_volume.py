@@ -25,6 +25,7 @@ import threading
 import time
 
 import pytest
+from user_kit import tool_as
 
 from llmkv_fs.engine import prepare_volume
 from llmkv_fs.engine.startup.probe import probe_o_direct
@@ -493,40 +494,10 @@ USERS = ((4301, 4301), (4302, 4302))  # (uid, primary gid): neither primary is G
 
 
 def _gc_as(uid: int, gid: int, root: str) -> tuple[int, str]:
-    """``llmkv-fs gc ROOT`` in a forked child running as ``uid``/``gid``
-    with the volume's group as a supplementary group and umask 022 (the
-    interpreter itself lives where other users cannot read it, hence a fork
-    of this already-loaded process rather than a new one).
-    Returns (exit status, its output)."""
-    from llmkv_fs.cli import main as cli_main
-
-    err_r, err_w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child: never returns into pytest
-        status = 70
-        try:
-            os.dup2(err_w, 2)
-            os.dup2(err_w, 1)
-            sys.stdout = open(1, "w", closefd=False)  # noqa: SIM115 (not pytest's capture)
-            sys.stderr = open(2, "w", closefd=False)  # noqa: SIM115
-            os.setgroups([GROUP])
-            os.setgid(gid)
-            os.setuid(uid)
-            os.umask(0o022)
-            status = cli_main(["gc", root, "--json"])
-            sys.stdout.flush()
-            sys.stderr.flush()
-        except BaseException as exc:  # reported through the pipe
-            os.write(2, f"{type(exc).__name__}: {exc}\n".encode())
-        finally:
-            os._exit(status if isinstance(status, int) else 70)
-    os.close(err_w)
-    chunks = []
-    while chunk := os.read(err_r, 65536):
-        chunks.append(chunk)
-    os.close(err_r)
-    _pid, wait_status = os.waitpid(pid, 0)
-    return os.waitstatus_to_exitcode(wait_status), b"".join(chunks).decode(errors="replace")
+    """``llmkv-fs gc ROOT`` as ``uid``/``gid`` with the volume's group as a
+    supplementary group and umask 022. Returns (exit status, its output)."""
+    status, out, err = tool_as(uid, gid, ["gc", root, "--json"], groups=[GROUP], umask=0o022)
+    return status, out + err
 
 
 @pytest.mark.parametrize("setgid", [True, False], ids=["setgid-root", "plain-root"])

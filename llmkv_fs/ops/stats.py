@@ -41,7 +41,14 @@ from llmkv_fs.units import format_bytes
 from llmkv_fs.volume.fsinfo import volume_usage
 from llmkv_fs.volume.leases import Lease, LeaseDir
 
-__all__ = ["AGE_BUCKETS", "add_arguments", "run", "select_digests", "volume_stats"]
+__all__ = [
+    "AGE_BUCKETS",
+    "add_arguments",
+    "add_digest_argument",
+    "run",
+    "select_digests",
+    "volume_stats",
+]
 
 # Upper bounds (seconds) of the last-used buckets; the last one is open.
 AGE_BUCKETS = (("<1h", 3600), ("<1d", 86400), ("<7d", 7 * 86400), ("older", None))
@@ -59,6 +66,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="parallel directory listers (default 8; per root, one root after another)",
     )
+    add_digest_argument(parser)
+
+
+def add_digest_argument(parser: argparse.ArgumentParser) -> None:
+    """``--digest NAME``: what ``select_digests`` chooses by (stats, verify)."""
     parser.add_argument(
         "--digest",
         action="append",

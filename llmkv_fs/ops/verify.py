@@ -50,7 +50,7 @@ from llmkv_fs.ops.roots import (
     run_listed_roots,
     sum_totals,
 )
-from llmkv_fs.ops.stats import select_digests
+from llmkv_fs.ops.stats import add_digest_argument, select_digests
 from llmkv_fs.ops.verify_text import print_report
 from llmkv_fs.units import format_bytes
 from llmkv_fs.volume.quarantine import move_to_quarantine
@@ -67,13 +67,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="move bad files into their rank directory's .quarantine/",
     )
-    parser.add_argument(
-        "--digest",
-        action="append",
-        metavar="NAME",
-        help="only this digest (directory name or 12-hex digest); repeatable; with "
-        "several roots it must be on each",
-    )
+    add_digest_argument(parser)
     parser.add_argument(
         "--threads",
         type=int,
