@@ -177,8 +177,9 @@ def _integration(item) -> bool:
     if "gluster" in getattr(item, "fixturenames", ()):
         return True
     callspec = getattr(item, "callspec", None)
-    params = callspec.params if callspec is not None else {}
-    return any(params.get(name) in INTEGRATION_FS for name in ("volume", "shared_volume", "medium"))
+    # Any parameter naming such a filesystem (volume, shared_volume, medium,
+    # or a test's own), as its id shows it.
+    return callspec is not None and not INTEGRATION_FS.isdisjoint(callspec.id.split("-"))
 
 
 def pytest_configure(config):

@@ -256,6 +256,9 @@ def seed_run(tmp_path_factory, request):
                 proc.wait()
 
 
+# Three replica processes, each a fresh interpreter importing vLLM (~20 s of
+# CPU each): the integration lane.
+@pytest.mark.integration
 def test_different_seeds_warn_and_do_not_share(seed_run):
     a, b = seed_run["A"], seed_run["B"]
     assert a["pid"] != b["pid"]
@@ -270,6 +273,7 @@ def test_different_seeds_warn_and_do_not_share(seed_run):
     assert seed_run["after_B"] == [a["pid"]]
 
 
+@pytest.mark.integration
 def test_same_seed_shares_byte_exact_without_warning(seed_run):
     a, c = seed_run["A"], seed_run["C"]
     assert c["fingerprint"] == a["fingerprint"]

@@ -202,7 +202,9 @@ def test_stalled_brick_never_blocks_the_scheduler(gluster, replicas, monkeypatch
 # -- a write burst larger than the queue ------------------------------------------------
 
 QUEUE_BOUND = 8
-JOBS_PER_ROUND, BLOCKS_PER_JOB = 6, 4  # a round of the burst: 24 blocks, 3x the bound
+# A round of the burst: 24 blocks, 3x the bound, in jobs of 2 so that the
+# queue fills to exactly its bound whatever the executor holds (2 or 4 places).
+JOBS_PER_ROUND, BLOCKS_PER_JOB = 12, 2
 ROUNDS = 12
 
 
@@ -293,8 +295,11 @@ def test_write_burst_drops_stores_and_loads_stay_fast(volume, replicas, request,
     clock = TierClock(replica.tier)
     engine, counters = replica.tier.engine, replica.tier.engine.counters
     layout = engine.roots[0].layout
-    capacity = engine.executor.capacity()  # blocks the executor holds: 4 threads or 4 x 2
-    places = 4  # places running a block: 2 + 2 I/O threads, or 4 worker processes
+    capacity = engine.executor.capacity()  # blocks the executor holds: threads, or workers x 2
+    # Places running a block at once: each I/O thread (on tmpfs with 2 CPUs the
+    # engine runs 1 + 1 of the 2 + 2 asked: startup/io_setup.io_thread_counts),
+    # or each worker process.
+    places = engine.io_workers or capacity
     assert JOBS_PER_ROUND * BLOCKS_PER_JOB - capacity > QUEUE_BOUND
 
     accepted: list[bytes] = []  # store blocks the engine queued, in submission order
@@ -318,14 +323,15 @@ def test_write_burst_drops_stores_and_loads_stay_fast(volume, replicas, request,
         if batches:
             accepted.clear()
             pending = _land_in_cpu_tier(replica, batches)
-            # Two jobs fit whatever the executor took meanwhile (an empty
-            # queue takes one, the bound a second); they fill the executor.
-            _complete(replica, pending[:2])
+            # Enough jobs to fill the executor: each fits, the executor
+            # taking blocks as they come.
+            fill = -(-capacity // BLOCKS_PER_JOB)
+            _complete(replica, pending[:fill])
             held_by_executor(engine, capacity)
             gate.gate.wait_entered(places)
             in_executor = accepted[:capacity]  # the queue is FIFO
             assert gate.entered() <= set(in_executor)
-            _complete(replica, pending[2:])  # the queue fills; the rest is refused
+            _complete(replica, pending[fill:])  # the queue fills; the rest is refused
             queued = accepted[capacity:]
             assert engine.queued_store_blocks() == len(queued) == QUEUE_BOUND
             replica.step()  # submits the load: behind every queued store

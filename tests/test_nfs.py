@@ -129,7 +129,8 @@ def _batch(version: str, argv: list[str], env: dict[str, str], quiet_limit_s: fl
         # -v: a test's name is printed (and flushed) when it starts, so a
         # kill names the test that hung.
         pytest_argv = [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider"]
-        pytest_argv += ["-m", "", "-k", GUEST_SELECTION]  # nfs tests are integration ones
+        # nfs tests are integration ones; serially, as the integration lane runs
+        pytest_argv += ["-m", "", "-n", "0", "-k", GUEST_SELECTION]
         pytest_argv += ["-rs", "--durations=15"]  # what the guest's minutes went to
         done = vm.exec(
             [*pytest_argv, *argv],

@@ -36,11 +36,9 @@ def test_vllm_is_an_extra_pinned_to_the_tested_minors():
     assert TESTED_VLLM_SERIES == ("0.32.", "0.33.")
 
 
-def test_plots_and_the_aiofiles_comparison_are_an_extra():
-    assert _names(PYPROJECT["project"]["optional-dependencies"]["bench"]) == {
-        "matplotlib",
-        "aiofiles",
-    }
+def test_plots_are_an_extra():
+    # aiofiles went with tools/gc_scale.py (docs/gc.md: threads, not aiofiles).
+    assert _names(PYPROJECT["project"]["optional-dependencies"]["bench"]) == {"matplotlib"}
 
 
 def test_plugin_and_cli_entry_points_are_declared():

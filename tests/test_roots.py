@@ -118,14 +118,19 @@ def test_a_load_whose_home_root_is_replaced_midway_reads_its_second_choice(
 def test_a_jobs_blocks_on_both_roots_move_at_the_same_time(mount_tmpfs, engines, gate_for):
     roots = two_roots(mount_tmpfs)
     engine, _, primary = engines(",".join(roots), n_blocks=8, **SHARDED)
-    ids = [i for i in range(40) if home_of(roots, i) == roots[0]][:2]
-    ids += [i for i in range(40) if home_of(roots, i) == roots[1]][:2]
+    on_first = [i for i in range(40) if home_of(roots, i) == roots[0]][:2]
+    on_second = [i for i in range(40) if home_of(roots, i) == roots[1]][:2]
+    ids = [on_first[0], on_second[0], on_first[1], on_second[1]]  # the job alternates roots
     store_blocks(engine, primary, 1, ids, range(4))
+    # On tmpfs with 2 CPUs the engine runs 1 + 1 I/O threads (startup/io_setup.py,
+    # io_thread_counts): as many places as it has, up to the job's four.
+    places = min(4, engine.executor.capacity())
     gate = gate_for(engine, point="read")  # past every check, at the read of its root
     assert engine.submit_load(2, [make_key(i) for i in ids], [4, 5, 6, 7])
-    gate.wait_entered(4)  # one job, both roots, four places at once
-    assert {key for _place, _kind, key in gate.entries} == {make_key(i) for i in ids}
-    assert len({place for place, _kind, _key in gate.entries}) == 4
+    gate.wait_entered(places)  # one job, both roots, every place at once
+    entered = {key for _place, _kind, key in gate.entries}
+    assert {home_of(roots, i) for i in ids if make_key(i) in entered} == set(roots)
+    assert len({place for place, _kind, _key in gate.entries}) == places
     gate.open()
     assert wait_jobs(engine, [2])[2].success
     assert all(bytes(primary[(4 + n) * BS : (5 + n) * BS]) == pattern(i) for n, i in enumerate(ids))

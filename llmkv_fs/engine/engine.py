@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import os
 import time
 from collections.abc import Sequence
 
@@ -40,7 +41,7 @@ from llmkv_fs.engine.scheduling.executor import Executor
 from llmkv_fs.engine.scheduling.jobs import IoJob, QueueFull
 from llmkv_fs.engine.scheduling.scheduler import BlockScheduler
 from llmkv_fs.engine.startup.hash_path import xxh3_path
-from llmkv_fs.engine.startup.io_setup import for_worker_processes, rows_view
+from llmkv_fs.engine.startup.io_setup import for_worker_processes, io_thread_counts, rows_view
 from llmkv_fs.engine.startup.numa import PinningPlan, plan_pinning, read_topology
 from llmkv_fs.engine.threads.executor import ThreadExecutor
 from llmkv_fs.engine.upkeep.prepare import EngineError
@@ -134,6 +135,7 @@ class FsEngine:
         # Lost roots by index, as of the last end_step() (lookups read this).
         self._lost_roots: frozenset[int] = frozenset()
         self._handover: RegionHandover | None = None
+        self._threads_why = ""  # why fewer I/O threads run than the settings ask, if so
         self.slice_blocks = slice_blocks(block_size)
         self._scheduler = BlockScheduler(
             store_queue_blocks(settings, block_size), self.slice_blocks
@@ -181,7 +183,12 @@ class FsEngine:
         if self.io_workers:
             workers = f"{self.io_workers} worker processes (nice +{settings.io_workers_nice})"
         else:
-            workers = f"{settings.n_read_threads} read + {settings.n_write_threads} write threads"
+            executor = self._executor
+            assert isinstance(executor, ThreadExecutor)
+            workers = (
+                f"{executor.n_read_threads} read + {executor.n_write_threads} write "
+                f"threads{self._threads_why}"
+            )
             if settings.io_workers_nice:
                 workers += " (io_workers_nice applies to worker processes only: not used)"
         logger.info(
@@ -227,6 +234,10 @@ class FsEngine:
                     self._handover = None
                 logger.warning("llmkv_fs: I/O worker processes not used (%s); using threads", exc)
         settings = self.settings
+        cpus = len(self.pinning.cpus) if self.pinning.cpus else len(os.sched_getaffinity(0))
+        reads, writes, self._threads_why = io_thread_counts(
+            settings, [root.fstype for root in self.roots], cpus
+        )
         step = build_step(
             self.step_spec,
             self._flat,
@@ -237,8 +248,8 @@ class FsEngine:
         self._scheduler.start(
             ThreadExecutor(
                 step,
-                settings.n_read_threads,
-                settings.n_write_threads,
+                reads,
+                writes,
                 pin_cpus=self.pinning.cpus,
             )
         )

@@ -38,6 +38,7 @@ class EngineRoot:
 
     spec: RootSpec  # its layout and I/O options, as every block step gets them
     run_config_state: str  # "created", "matched" or "repaired": what became of config.json
+    fstype: str  # the filesystem holding it, from the mount table
     blockio: BlockIO  # the engine's own: I/O threads, lookups, access stamps
     signals: VolumeSignals
     guard: SpaceGuard
@@ -124,6 +125,7 @@ def _open_root(
     return EngineRoot(
         RootSpec(layout, options),
         prepared.run_config_state,
+        fstype,
         blockio,
         signals,
         guard,

@@ -44,6 +44,7 @@ class ThreadExecutor:
     ):
         self._step = step
         self._pin_cpus = pin_cpus
+        self.n_read_threads, self.n_write_threads = n_read_threads, n_write_threads
         self._idle = threading.Condition(threading.Lock())
         self._threads = [
             threading.Thread(
