@@ -49,8 +49,11 @@ __all__ = ["AsyncExistence"]
 logger = logging.getLogger("vllm.llmkv_fs.lookup")
 
 # Below this many keys a batch is checked inline on the lookup thread:
-# handing tiny batches to the executor costs more than it saves.
+# handing tiny batches to the executor costs more than it saves. As many
+# are timed to tell a volume that answers in CPU time from one that makes a
+# check wait (a round trip of a network filesystem: 0.1 ms and up).
 _PARALLEL_MIN_KEYS = 8
+_WAITS_ON_THE_VOLUME_S = 100e-6
 # Bound of the remembered misses: ~100 bytes a key, so at most ~6 MiB.
 _MAX_REMEMBERED_MISSES = 1 << 16
 
@@ -95,6 +98,7 @@ class AsyncExistence:
         self._answers: queue.SimpleQueue[tuple[int, list[tuple[bytes, int, bool]]]] = (
             queue.SimpleQueue()
         )
+        self._n_threads = n_threads
         self._executor = (
             concurrent.futures.ThreadPoolExecutor(n_threads, thread_name_prefix=f"{name}_stat")
             if n_threads > 1
@@ -107,7 +111,10 @@ class AsyncExistence:
 
     def lookup(self, key: bytes, request_id: str) -> bool | None:
         """True/False when known, None while the check is pending."""
-        if self._batches_out:
+        # empty() first: get_nowait raising Empty on every lookup of a
+        # 2,048-key prompt, every step while its batch ran, was most of the
+        # owner's time per step.
+        if self._batches_out and not self._answers.empty():
             self._apply_answers()
         state = self._states.get(key)
         if state is None:
@@ -272,6 +279,30 @@ class AsyncExistence:
             logger.warning("llmkv_fs: existence check failed (%s); treating as a miss", exc)
             return False
 
+    def _check_all(self, keys: list[bytes]) -> list[bool]:
+        return [self._check(key) for key in keys]
+
+    def _check_batch(self, keys: list[bytes]) -> list[bool]:
+        """Every key checked, in order. The first few on this thread, timed:
+        a check that answers in CPU time (tmpfs, a local disk's cached
+        dentries) gains nothing from more threads, which only queue for the
+        GIL (2,048 keys on tmpfs, 2 cores: 20 us a key on one thread, 34-71
+        on 4-16), so the rest follows on this thread too; a check that waits
+        on the volume (a network round trip) sends the rest to the pool, one
+        contiguous share per thread (a future per key cost more than a check
+        on tmpfs). docs/benchmarks.md, issue 26."""
+        if self._executor is None or len(keys) <= _PARALLEL_MIN_KEYS:
+            return self._check_all(keys)
+        started = time.perf_counter()
+        found = self._check_all(keys[:_PARALLEL_MIN_KEYS])
+        each = (time.perf_counter() - started) / _PARALLEL_MIN_KEYS
+        rest = keys[_PARALLEL_MIN_KEYS:]
+        if each < _WAITS_ON_THE_VOLUME_S:
+            return found + self._check_all(rest)
+        share = -(-len(rest) // self._n_threads)
+        parts = [rest[i : i + share] for i in range(0, len(rest), share)]
+        return found + [f for part in self._executor.map(self._check_all, parts) for f in part]
+
     def _worker(self) -> None:
         while True:
             item = self._to_worker.get()
@@ -280,10 +311,7 @@ class AsyncExistence:
             batch_id, batch = item
             keys = [key for key, _ in batch]
             try:
-                if self._executor is not None and len(keys) >= _PARALLEL_MIN_KEYS:
-                    found = list(self._executor.map(self._check, keys))
-                else:
-                    found = [self._check(key) for key in keys]
+                found = self._check_batch(keys)
             except Exception:
                 # Every batch must be answered, or its keys say RETRY forever.
                 logger.exception("llmkv_fs: lookup batch failed; answering miss")
