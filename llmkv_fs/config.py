@@ -264,10 +264,13 @@ class TierSettings:
         ),
     )
     lookup_threads: int = dataclasses.field(
-        default=4,
+        default=32,
         metadata=declare(
-            "Threads that run one step's batched existence checks in parallel "
-            "(each check is one metadata round trip on a network filesystem).",
+            "Threads that run one step's batched existence checks in parallel. On a "
+            "network filesystem each check waits on the server once for every level "
+            "of the block's path the client has not cached (its name, and the two "
+            "fan-out directories above it), and a long prompt's checks must all "
+            "answer within the lookup deadline (min(job_timeout_s, 5 s)) or miss.",
             int_between(1, 256),
         ),
     )

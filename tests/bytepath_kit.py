@@ -15,8 +15,8 @@ TRACE_ENV = "LLMKV_FS_TEST_BYTES_TRACE"
 
 
 class PlainBytes:
-    """Moves bytes with plain ``pwrite``/``pread`` of one buffer each (no
-    vectored call, never in pieces) and hashes nothing on the way: the
+    """Moves bytes with ``pwrite``/``preadv`` of one buffer each (one
+    buffer per call, never in pieces) and hashes nothing on the way: the
     engine's own checks must still hold everything together."""
 
     def __init__(self, options: IoOptions):
@@ -64,11 +64,13 @@ def _pwrite_all(fd: int, buf: memoryview, offset: int) -> None:
 
 
 def _pread_into(fd: int, buf: memoryview, offset: int) -> int:
+    # Into the row itself, never through a bytes object of our own: the
+    # descriptor may be open with O_DIRECT (a disk), which takes only the
+    # row's page-aligned memory (os.pread's fresh buffer fails EINVAL).
     done = 0
     while done < buf.nbytes:
-        data = os.pread(fd, buf.nbytes - done, offset + done)
-        if not data:
+        n = os.preadv(fd, [buf[done:]], offset + done)
+        if not n:
             break
-        buf[done : done + len(data)] = data
-        done += len(data)
+        done += n
     return done

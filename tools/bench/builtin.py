@@ -12,8 +12,10 @@ write threads; per store job one pool task, a ``functools.partial`` of
 ``io.batch_load_block`` (recording ``num_succeeded`` on an OSError), through
 ``enqueue_load``; O_DIRECT as probed by ``io.probe_o_direct`` in the tier's
 folder; finished jobs from ``get_finished()``. Paths are the FileMapper's
-shape: ``<base>_r0/<hhh>/<hh>_g<group>/<hash hex>.bin``. What it leaves out
-of the manager is bookkeeping that moves no bytes (KV events, lookups).
+shape: ``<base>_r0/<hhh>/<hh>_g<group>/<hash hex>.bin`` (``builtin_path``).
+What it leaves out of the manager is bookkeeping that moves no bytes (KV
+events); its lookups are ``BuiltinLookups`` (used by tools/bench/ttft.py and
+tools/bench/lookup.py), over ``builtin_batch_lookup``.
 
 Python < 3.12: ``fs_io_C`` returns None without a new reference, so every
 call lowers None's reference count by one and the process aborts
@@ -30,8 +32,11 @@ import functools
 import importlib
 import json
 import os
+import queue
 import sys
+import threading
 import time
+from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
@@ -68,6 +73,30 @@ def load_payload(path: str) -> Payload:
     return Payload(io, pool, manifest)
 
 
+def builtin_path(base: str, key: bytes) -> str:
+    """The FileMapper's path of ``key`` (an OffloadKey: block hash + 4-byte
+    big-endian group) under the tier's ``base`` (``<root>/vllm_builtin``)."""
+    hash_hex = key[:-4].hex()
+    group = int.from_bytes(key[-4:], "big")
+    return f"{base}_r0/{hash_hex[:3]}/{hash_hex[3:5]}_g{group}/{hash_hex}.bin"
+
+
+def builtin_batch_lookup() -> tuple[Callable[[list[str]], Any], str]:
+    """What vLLM's ``FsAsyncLookupManager.batch_lookup`` calls, and its name:
+    ``fs_io_C.batch_lookup`` (faccessat per path, GIL released for the whole
+    batch) where the loaded extension has it, else ``os.path.exists`` per
+    path, as there. Load a payload first (``load_payload``)."""
+    c_ext = sys.modules.get("vllm.fs_io_C")
+    batch = getattr(c_ext, "batch_lookup", None)
+    if batch is not None:
+        return batch, "fs_io_C.batch_lookup"
+
+    def exists_each(paths: list[str]) -> list[bool]:
+        return [os.path.exists(p) for p in paths]
+
+    return exists_each, "os.path.exists"
+
+
 @dataclasses.dataclass(frozen=True)
 class Finished:
     job_id: int
@@ -94,9 +123,7 @@ class BuiltinTier:
         self.startup_s = time.perf_counter() - t
 
     def _path(self, key: bytes) -> str:
-        hash_hex = key[:-4].hex()
-        group = int.from_bytes(key[-4:], "big")
-        return f"{self._base}_r0/{hash_hex[:3]}/{hash_hex[3:5]}_g{group}/{hash_hex}.bin"
+        return builtin_path(self._base, key)
 
     def submit_store(self, job_id: int, keys: list[bytes], chunk_ids: list[int]) -> bool:
         task = functools.partial(
@@ -144,3 +171,62 @@ class BuiltinTier:
     def shutdown(self) -> None:
         self._pool.shutdown(wait=True)
         self._view.release()
+
+
+class BuiltinLookups:
+    """vLLM 0.33's lookups of its fs tier, mirrored: ``FsAsyncLookupManager``
+    (tiering/fs/manager.py) over ``AsyncLookupManager``
+    (tiering/async_lookup.py). ``lookup`` answers from the key's state (None
+    until known), collecting new keys; ``flush`` (the tier's
+    on_schedule_end) posts the step's keys as one batch to one background
+    thread, which checks the FileMapper paths with ``fs_io_C.batch_lookup``
+    (faccessat, GIL released; ``os.path.exists`` where the extension lacks
+    it, as there); the first lookup after a flush applies the answers."""
+
+    def __init__(self, path_of: Callable[[bytes], str], batch_lookup: Callable[..., Any]):
+        self._path_of, self._batch_lookup = path_of, batch_lookup
+        self._states: dict[bytes, bool | None] = {}
+        self._batch: list[bytes] = []
+        self._need_drain = False
+        self._to_worker: queue.SimpleQueue[list[bytes] | None] = queue.SimpleQueue()
+        self._answers: queue.SimpleQueue[list[tuple[bytes, bool]]] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._worker, daemon=True, name="builtin_lookup")
+        self._thread.start()
+
+    def lookup(self, key: bytes) -> bool | None:
+        if self._need_drain:
+            self._drain()
+            self._need_drain = False
+        if key not in self._states:
+            self._states[key] = None
+            self._batch.append(key)
+        return self._states[key]
+
+    def flush(self) -> None:
+        self._drain()
+        self._need_drain = True
+        batch, self._batch = self._batch, []
+        if batch:
+            self._to_worker.put(batch)
+
+    def cleanup(self) -> None:
+        self._drain()
+        self._states.clear()
+
+    def close(self) -> None:
+        self._to_worker.put(None)
+        self._thread.join()
+
+    def _drain(self) -> None:
+        while not self._answers.empty():
+            for key, found in self._answers.get_nowait():
+                if key in self._states:
+                    self._states[key] = found
+
+    def _worker(self) -> None:
+        while (batch := self._to_worker.get()) is not None:
+            try:
+                hits = list(self._batch_lookup([self._path_of(k) for k in batch]))
+            except Exception:
+                hits = [False] * len(batch)
+            self._answers.put(list(zip(batch, hits)))

@@ -47,7 +47,6 @@ import json
 import mmap
 import os
 import platform
-import queue
 import re
 import shutil
 import statistics
@@ -61,6 +60,7 @@ from llmkv_fs.config import TierSettings
 from llmkv_fs.engine import FsEngine
 from llmkv_fs.layout.paths import CacheLayout, RunIdentity
 from llmkv_fs.volume.fsinfo import filesystem_type
+from tools.bench.builtin import BuiltinLookups
 from tools.bench.support import machine, make_keys
 from tools.bench.ttft_plot import case_line, plot, render_tables
 
@@ -410,65 +410,6 @@ class PinnedRegion:
 # -- the tiers, driven as vLLM's scheduler and tiering manager drive them ------------------
 
 
-class BuiltinLookups:
-    """vLLM 0.33's lookups of its fs tier, mirrored: ``FsAsyncLookupManager``
-    (tiering/fs/manager.py) over ``AsyncLookupManager``
-    (tiering/async_lookup.py). ``lookup`` answers from the key's state (None
-    until known), collecting new keys; ``flush`` (the tier's
-    on_schedule_end) posts the step's keys as one batch to one background
-    thread, which checks the FileMapper paths with ``fs_io_C.batch_lookup``
-    (faccessat, GIL released; ``os.path.exists`` where the extension lacks
-    it, as there); the first lookup after a flush applies the answers."""
-
-    def __init__(self, path_of: Callable[[bytes], str], batch_lookup: Callable[..., Any]):
-        self._path_of, self._batch_lookup = path_of, batch_lookup
-        self._states: dict[bytes, bool | None] = {}
-        self._batch: list[bytes] = []
-        self._need_drain = False
-        self._to_worker: queue.SimpleQueue[list[bytes] | None] = queue.SimpleQueue()
-        self._answers: queue.SimpleQueue[list[tuple[bytes, bool]]] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._worker, daemon=True, name="builtin_lookup")
-        self._thread.start()
-
-    def lookup(self, key: bytes) -> bool | None:
-        if self._need_drain:
-            self._drain()
-            self._need_drain = False
-        if key not in self._states:
-            self._states[key] = None
-            self._batch.append(key)
-        return self._states[key]
-
-    def flush(self) -> None:
-        self._drain()
-        self._need_drain = True
-        batch, self._batch = self._batch, []
-        if batch:
-            self._to_worker.put(batch)
-
-    def cleanup(self) -> None:
-        self._drain()
-        self._states.clear()
-
-    def close(self) -> None:
-        self._to_worker.put(None)
-        self._thread.join()
-
-    def _drain(self) -> None:
-        while not self._answers.empty():
-            for key, found in self._answers.get_nowait():
-                if key in self._states:
-                    self._states[key] = found
-
-    def _worker(self) -> None:
-        while (batch := self._to_worker.get()) is not None:
-            try:
-                hits = list(self._batch_lookup([self._path_of(k) for k in batch]))
-            except Exception:
-                hits = [False] * len(batch)
-            self._answers.put(list(zip(batch, hits)))
-
-
 class Side:
     """One tier as the run drives it: ``tier`` (submit_*, take_finished),
     lookups, the path of a key's file, and what it runs with."""
@@ -538,22 +479,16 @@ class BuiltinSide(Side):
     name = "builtin"
 
     def __init__(self, payload: Any, root: str, region: PinnedRegion, chunk: int, threads: int):
-        from tools.bench.builtin import BuiltinTier
+        from tools.bench.builtin import BuiltinTier, builtin_batch_lookup
 
         self.tier = BuiltinTier(payload, root, region.mm, chunk, threads)
         self.max_pending_blocks = 1 << 30
-        c_ext = sys.modules.get("vllm.fs_io_C")
-        batch = getattr(c_ext, "batch_lookup", None)
-        if batch is None:
-
-            def batch(paths: list[str]) -> list[bool]:
-                return [os.path.exists(p) for p in paths]
-
+        batch, how = builtin_batch_lookup()
         self.lookups = BuiltinLookups(self.path, batch)
         self.info = {
             "threads": threads,
             "o_direct": self.tier.use_o_direct,
-            "lookup": "fs_io_C.batch_lookup" if c_ext and hasattr(c_ext, "batch_lookup") else "os",
+            "lookup": how if how.startswith("fs_io_C") else "os",
         }
 
     def lookup(self, key: bytes, request: str) -> bool | None:

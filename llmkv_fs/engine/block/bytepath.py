@@ -21,6 +21,10 @@ checksum is checked against (load) or what the trailer records (store).
 ``preadv`` of row and trailer, or on memory filesystems pieces hashed right
 after each one lands (see ``IoOptions.hash_chunk``).
 
+The descriptor may be open with O_DIRECT (``options.use_o_direct``, a disk):
+bytes must move straight between the file and the row or trailer, which
+are page-aligned, never through a buffer of the implementation's own.
+
 Threading: a byte path is built once per root and process (``kind(options)``)
 and shared by every I/O thread of that process; it must keep no per-call
 state of its own. Its methods block on the filesystem.
