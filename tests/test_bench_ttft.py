@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tools.bench import ttft
+from tools.bench import ttft, ttft_shapes
 from tools.bench.ttft_plot import merge, render_tables
 
 REPO = Path(__file__).parent.parent
@@ -26,14 +26,14 @@ MiB, KiB = 1 << 20, 1 << 10
 
 
 def test_kv_bytes_per_token_and_chunk_sizes_of_the_shape_table():
-    llama8b, llama1b = ttft.SHAPES["llama-3.1-8b"], ttft.SHAPES["llama-3.2-1b"]
+    llama8b, llama1b = ttft_shapes.SHAPES["llama-3.1-8b"], ttft_shapes.SHAPES["llama-3.2-1b"]
     assert llama8b.kv_bytes_per_token == 131072
     assert llama1b.kv_bytes_per_token == 32768
     assert llama8b.chunk_bytes(16) == 2 * MiB
     assert llama8b.chunk_bytes(256) == 32 * MiB
     assert llama1b.chunk_bytes(16) == 512 * KiB
-    assert ttft.SHAPES["tiny"].chunk_bytes(16) == 4 * KiB  # one page: O_DIRECT-able
-    assert ttft.resolve_shape("Llama-3.1-8B") is llama8b
+    assert ttft_shapes.SHAPES["tiny"].chunk_bytes(16) == 4 * KiB  # one page: O_DIRECT-able
+    assert ttft_shapes.resolve_shape("Llama-3.1-8B") is llama8b
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ write threads; per store job one pool task, a ``functools.partial`` of
 folder; finished jobs from ``get_finished()``. Paths are the FileMapper's
 shape: ``<base>_r0/<hhh>/<hh>_g<group>/<hash hex>.bin`` (``builtin_path``).
 What it leaves out of the manager is bookkeeping that moves no bytes (KV
-events); its lookups are ``BuiltinLookups`` (used by tools/bench/ttft.py and
+events); its lookups are ``BuiltinLookups`` (used by tools/bench/ttft_sides.py and
 tools/bench/lookup.py), over ``builtin_batch_lookup``.
 
 Python < 3.12: ``fs_io_C`` returns None without a new reference, so every

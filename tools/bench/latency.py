@@ -77,7 +77,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=64,
         help="brick I/O threads (delay-gen sleeps in them; GlusterFS's default is 16)",
     )
-    p.add_argument("--volume", help="use this volume (made by `loopback up`), not a new one")
+    p.add_argument(
+        "--volume", help="use this volume (made by `python -m tools.gluster up`), not a new one"
+    )
     p.add_argument("--lookup-keys", type=int, default=2048)
     p.add_argument("--lookup-threads", default="4,8,16,32,64")
     p.add_argument("--lookup-rounds", type=int, default=2)

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 
 from tools.gluster.glusterd import Unavailable, gluster, gluster_check, poll
 
-if TYPE_CHECKING:  # loopback's command line imports this module
+if TYPE_CHECKING:
     from tools.gluster.loopback import Volume
 
 __all__ = [
