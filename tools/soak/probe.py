@@ -4,15 +4,24 @@ A ``Snapshot`` is taken at a quiescent point (no transfer in flight, no
 request open), so what it counts is what the process keeps, not what a job
 in progress holds: resident memory, open fds and threads of this process,
 and the same for its children (the tier's worker processes with
-``io_workers`` > 0). ``none_refs`` is ``sys.getrefcount(None)``: vLLM
-0.33.0's built-in fs tier returns None from its C extension without taking
-a reference, so it falls by one a job until the interpreter aborts
-(``Fatal Python error: none_dealloc``, Python 3.10/3.11).
+``io_workers`` > 0). Descriptors of directories are counted apart: at a
+quiescent point the tier holds only its roots open, one descriptor per
+thread that has touched a root (llmkv_fs/volume/beneath.py), opened on that
+thread's first block -- which thread gets its first block after warm-up is
+the scheduler's and the machine's choice (CI: one more, 24 to 25), so they
+are bounded by threads x roots instead of held flat.
+
+``none_refs`` is ``sys.getrefcount(None)``: vLLM 0.33.0's built-in fs tier
+returns None from its C extension without taking a reference, so it falls
+by one a job until the interpreter aborts (``Fatal Python error:
+none_dealloc``, Python 3.10/3.11).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
+import stat
 import sys
 import threading
 
@@ -37,9 +46,8 @@ NONE_REFS_SLACK = 1000
 # start a thread after warm-up without leaking: it starts one only for a
 # batch whose first checks waited on the volume, which on tmpfs happens only
 # when the machine is busy enough to stall them (CI, a loaded 2-core guest:
-# one thread and its root descriptor more at the end). It is bounded by
-# ``lookup_threads``; each of its threads keeps one descriptor per root
-# (llmkv_fs/volume/beneath.py). Its threads are named ``<name>_stat_<i>``.
+# one thread more at the end). It is bounded by ``lookup_threads``. Its
+# threads are named ``<name>_stat_<i>``.
 LOOKUP_POOL_MARK = "_stat_"
 
 
@@ -54,6 +62,9 @@ class Snapshot:
     children_fds: int
     none_refs: int
     lookup_pool_threads: int = 0  # of ``threads``: the lookup's stat pool
+    dir_fds: int = 0  # directories open (not in ``fds``): root descriptors
+    children_dir_fds: int = 0
+    children_threads: int = 0
 
     def brief(self) -> str:
         text = (
@@ -68,41 +79,61 @@ class Snapshot:
         return f"{text}; None refs {self.none_refs:,}"
 
 
+def open_fds(pid: int) -> tuple[int, int]:
+    """(descriptors that are not directories, directories) open in ``pid``."""
+    others = dirs = 0
+    base = f"/proc/{pid}/fd"
+    for name in os.listdir(base):
+        try:
+            is_dir = stat.S_ISDIR(os.stat(f"{base}/{name}").st_mode)
+        except OSError:  # closed meanwhile, or the listing's own descriptor
+            continue
+        dirs += is_dir
+        others += not is_dir
+    return others, dirs
+
+
 def snapshot(jobs: int) -> Snapshot:
     me = psutil.Process()
-    rss = fds = alive = 0
+    rss = fds = dir_fds = threads = alive = 0
     for child in me.children(recursive=True):
         try:
             rss += child.memory_info().rss
-            fds += child.num_fds()
-            alive += 1
-        except psutil.NoSuchProcess:  # gone between listing and asking
+            child_fds, child_dirs = open_fds(child.pid)
+            threads += child.num_threads()
+        except (psutil.NoSuchProcess, FileNotFoundError):  # gone between listing and asking
             continue
+        fds, dir_fds, alive = fds + child_fds, dir_fds + child_dirs, alive + 1
+    my_fds, my_dirs = open_fds(os.getpid())
     return Snapshot(
         jobs=jobs,
         rss=me.memory_info().rss,
-        fds=me.num_fds(),
+        fds=my_fds,
         threads=me.num_threads(),
         children=alive,
         children_rss=rss,
         children_fds=fds,
         none_refs=sys.getrefcount(None),
         lookup_pool_threads=sum(LOOKUP_POOL_MARK in t.name for t in threading.enumerate()),
+        dir_fds=my_dirs,
+        children_dir_fds=dir_fds,
+        children_threads=threads,
     )
 
 
 def growth_problems(
     warm: Snapshot, end: Snapshot, rss_bound: int = RSS_GROWTH_BOUND, roots: int = 1
 ) -> list[str]:
-    """What grew beyond the bounds between two quiescent snapshots: fds,
-    threads and worker processes not at all -- except the lookup pool's
-    threads and their descriptor per root (``roots``), see
-    ``LOOKUP_POOL_MARK`` -- RSS by at most ``rss_bound`` (per process: the
-    children's allowance is one bound per child)."""
+    """What grew beyond the bounds between two quiescent snapshots: fds
+    (directories apart), threads (but for the lookup pool's, see
+    ``LOOKUP_POOL_MARK``) and worker processes not at all; open directories
+    at most one per thread and root (``roots``); RSS by at most
+    ``rss_bound`` (per process: the children's allowance is one bound per
+    child)."""
     problems = []
     pool_started = max(0, end.lookup_pool_threads - warm.lookup_pool_threads)
     flat = [
-        ("open fds", warm.fds, end.fds - pool_started * roots),
+        ("open fds", warm.fds, end.fds),
         ("threads", warm.threads, end.threads - pool_started),
         ("child processes", warm.children, end.children),
         ("children's open fds", warm.children_fds, end.children_fds),
@@ -110,6 +141,13 @@ def growth_problems(
     for what, before, after in flat:
         if after > before:
             problems.append(f"{what} grew from {before} to {after}")
+    bounded = [
+        ("open directories", end.dir_fds, end.threads * roots),
+        ("children's open directories", end.children_dir_fds, end.children_threads * roots),
+    ]
+    for what, count, bound in bounded:
+        if count > bound:
+            problems.append(f"{what}: {count}, more than one per thread and root ({bound})")
     rss = [
         ("RSS", warm.rss, end.rss, rss_bound),
         ("children's RSS", warm.children_rss, end.children_rss, rss_bound * warm.children),
