@@ -30,31 +30,18 @@ from tools.gluster import glusterd, loopback
 
 REQUIRE_ENV = "LLMKV_FS_REQUIRE_GLUSTER"
 PREFIX = "llmkvtest"
-BASE_DIR = loopback.BASE_DIR
-
-GlusterUnavailable = glusterd.Unavailable
-GlusterVolume = loopback.Volume
-
-
-def _gluster(*args: str, deadline_s: float = glusterd.CLI_TIMEOUT_S):
-    """``gluster --mode=script ARGS``, retried while glusterd is busy."""
-    return glusterd.gluster(*args, deadline_s=deadline_s)
 
 
 def _unavailable(reason: str):
     service_kit.unavailable("GlusterFS", REQUIRE_ENV, reason)
 
 
-def new_volume() -> GlusterVolume:
-    return loopback.new_volume(PREFIX, BASE_DIR)
-
-
 @pytest.fixture(scope="session")
 def gluster():
     """One GlusterFS volume for the whole session, mounted twice (two clients)."""
     try:
-        vol = loopback.bring_up(PREFIX, base_dir=BASE_DIR)
-    except (GlusterUnavailable, OSError) as exc:
+        vol = loopback.bring_up(PREFIX)
+    except (glusterd.Unavailable, OSError) as exc:
         _unavailable(str(exc))
     try:
         yield vol

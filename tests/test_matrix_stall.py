@@ -20,9 +20,9 @@ from clock_kit import JUST_BEFORE_S, ManualClock
 
 from llmkv_fs.engine import Direction, Failure, Outcome, lookup
 from llmkv_fs.engine.scheduling import accounting, jobs, scheduler
+from tools.gluster import glusterd
 
 from engine_kit import Gate, held_by_executor
-from gluster_kit import _gluster
 from matrix_kit import (
     HIT,
     HIT_PENDING,
@@ -59,7 +59,7 @@ STEPS = 20  # scheduler steps taken at each stage of the stall
 def _multiplexed() -> bool:
     """With brick multiplexing one glusterfsd serves every volume on the
     machine: stopping it would stall other sessions' volumes too."""
-    done = _gluster("volume", "get", "all", "cluster.brick-multiplex")
+    done = glusterd.gluster("volume", "get", "all", "cluster.brick-multiplex")
     return done.returncode == 0 and any(w in done.stdout.lower().split() for w in ("on", "enable"))
 
 
