@@ -24,8 +24,14 @@ __all__ = [
     "accepts",
     "boolean",
     "byte_size",
+    "directory_path",
     "fail",
     "int_between",
+    "io_workers_count",
+    "key_files",
+    "key_id_or_null",
+    "locality",
+    "numa_node",
     "number_between",
     "octal_mode",
     "one_of",
@@ -203,3 +209,88 @@ def seconds(low: float, high: float) -> Callable[[str, Any], float]:
 
 
 percent = number_between(1, 100, "a percentage")
+
+
+# -- the checks of one setting each (config.py) ------------------------------------------
+
+
+@accepts("a non-empty directory path")
+def directory_path(key: str, value: Any) -> str:
+    if not isinstance(value, str) or not value.strip():
+        raise fail(key, value, "a non-empty directory path")
+    if "\0" in value:
+        raise fail(key, value, "a path without NUL bytes")
+    return value
+
+
+@accepts("LOCAL, REMOTE or null")
+def locality(key: str, value: Any) -> str | None:
+    # Exactly what vLLM's Locality(value) takes: case-sensitive, unstripped.
+    if value is None or value in ("LOCAL", "REMOTE"):
+        return None if value is None else str(value)
+    raise fail(key, value, "LOCAL, REMOTE (upper case, as vLLM requires) or null", not_a="Locality")
+
+
+_MAX_NUMA_NODE = 1023  # Linux: MAX_NUMNODES is at most 1 << 10
+_NUMA_EXPECTED = f'"auto", "off" or a NUMA node id (an integer in [0, {_MAX_NUMA_NODE}])'
+
+
+@accepts(_NUMA_EXPECTED)
+def numa_node(key: str, value: Any) -> str | int:
+    if isinstance(value, str) and value in ("auto", "off"):
+        return value
+    if value is None:
+        return "off"
+    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= _MAX_NUMA_NODE:
+        return value
+    raise fail(key, value, _NUMA_EXPECTED)
+
+
+IO_WORKERS_MAX = 256
+SEAL_KEYS_MAX = 64
+_MAX_KEY_ID = (1 << 32) - 1  # a sealed trailer's u32 (layout/blockfile.py)
+_KEY_FILES_EXPECTED = (
+    f"null, or an object of at most {SEAL_KEYS_MAX} key ids (integers in [1, {_MAX_KEY_ID}]) "
+    "to key file paths"
+)
+
+
+def key_id(key: str, value: Any) -> int:
+    text = str(value) if isinstance(value, int) and not isinstance(value, bool) else value
+    canonical = isinstance(text, str) and text.isdigit() and text == str(int(text))
+    if canonical and 1 <= int(text) <= _MAX_KEY_ID:
+        return int(text)
+    raise fail(key, value, f"a key id: an integer in [1, {_MAX_KEY_ID}] (no leading zeros)")
+
+
+@accepts(_KEY_FILES_EXPECTED)
+def key_files(key: str, value: Any) -> tuple[tuple[int, str], ...] | None:
+    # Only paths here: the keys are read at start-up (volume/keyfiles.py)
+    # and never become part of the settings, their dict or their logs.
+    if value is None:
+        return None
+    if not isinstance(value, dict) or not 1 <= len(value) <= SEAL_KEYS_MAX:
+        raise fail(key, value, _KEY_FILES_EXPECTED)
+    files: dict[int, str] = {}
+    for given_id, path in value.items():
+        number = key_id(key, given_id)
+        if number in files:
+            raise fail(key, value, f"{_KEY_FILES_EXPECTED}; key id {number} is given twice")
+        if not isinstance(path, str) or not path.strip() or "\0" in path:
+            raise fail(key, value, f"{_KEY_FILES_EXPECTED}; key id {number} has no usable path")
+        files[number] = path
+    return tuple(sorted(files.items()))
+
+
+@accepts(f"null, or a key id of seal_key_files (an integer in [1, {_MAX_KEY_ID}])")
+def key_id_or_null(key: str, value: Any) -> int | None:
+    return None if value is None else key_id(key, value)
+
+
+@accepts(f'"auto" or an integer in [0, {IO_WORKERS_MAX}]')
+def io_workers_count(key: str, value: Any) -> str | int:
+    if value == "auto":
+        return "auto"
+    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= IO_WORKERS_MAX:
+        return value
+    raise fail(key, value, f'"auto" or an integer in [0, {IO_WORKERS_MAX}]')

@@ -14,6 +14,7 @@ from llmkv_fs import __version__
 from llmkv_fs.config import SETTINGS
 from llmkv_fs.harness import bench, demo
 from llmkv_fs.ops import gc, stats, verify
+from llmkv_fs.ops.events import snapshot as events
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -51,6 +52,7 @@ _VOLUME_TOOLS = (
     ("gc", gc, "keep a cache volume healthy: orphaned digests, stale temp files, capacity"),
     ("stats", stats, "what is on a cache volume, per digest"),
     ("verify", verify, "check every block's trailer and checksum"),
+    ("events", events, "KV events for a router: snapshot (a BlockStored for every block)"),
 )
 
 

@@ -24,12 +24,16 @@ from typing import Any
 
 from llmkv_fs.checks import (
     TierConfigError,
-    accepts,
     boolean,
     byte_size,
     byte_size_at_least,
-    fail,
+    directory_path,
     int_between,
+    io_workers_count,
+    key_files,
+    key_id_or_null,
+    locality,
+    numa_node,
     octal_mode,
     one_of,
     or_null,
@@ -42,50 +46,6 @@ from llmkv_fs.rootlist import split_root_list
 __all__ = ["SETTINGS", "Setting", "TierConfigError", "TierSettings", "store_queue_blocks"]
 
 
-@accepts("a non-empty directory path")
-def _root_dir(key: str, value: Any) -> str:
-    if not isinstance(value, str) or not value.strip():
-        raise fail(key, value, "a non-empty directory path")
-    if "\0" in value:
-        raise fail(key, value, "a path without NUL bytes")
-    return value
-
-
-@accepts("LOCAL, REMOTE or null")
-def _locality(key: str, value: Any) -> str | None:
-    # Exactly what vLLM's Locality(value) takes: case-sensitive, unstripped.
-    if value is None or value in ("LOCAL", "REMOTE"):
-        return None if value is None else str(value)
-    raise fail(key, value, "LOCAL, REMOTE (upper case, as vLLM requires) or null", not_a="Locality")
-
-
-_MAX_NUMA_NODE = 1023  # Linux: MAX_NUMNODES is at most 1 << 10
-_NUMA_EXPECTED = f'"auto", "off" or a NUMA node id (an integer in [0, {_MAX_NUMA_NODE}])'
-
-
-@accepts(_NUMA_EXPECTED)
-def _numa_node(key: str, value: Any) -> str | int:
-    if isinstance(value, str) and value in ("auto", "off"):
-        return value
-    if value is None:
-        return "off"
-    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= _MAX_NUMA_NODE:
-        return value
-    raise fail(key, value, _NUMA_EXPECTED)
-
-
-IO_WORKERS_MAX = 256
-
-
-@accepts(f'"auto" or an integer in [0, {IO_WORKERS_MAX}]')
-def _io_workers(key: str, value: Any) -> str | int:
-    if value == "auto":
-        return "auto"
-    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= IO_WORKERS_MAX:
-        return value
-    raise fail(key, value, f'"auto" or an integer in [0, {IO_WORKERS_MAX}]')
-
-
 @dataclasses.dataclass(frozen=True)
 class TierSettings:
     """Validated settings of one llmkv_fs tier. Immutable; safe to share
@@ -96,7 +56,9 @@ class TierSettings:
     table view of these fields)."""
 
     root_dir: str = dataclasses.field(
-        metadata=declare("Root directory of the shared cache volume.", _root_dir, vllm_builtin=True)
+        metadata=declare(
+            "Root directory of the shared cache volume.", directory_path, vllm_builtin=True
+        )
     )
     path_sharding: str = dataclasses.field(
         default="none",
@@ -155,7 +117,7 @@ class TierSettings:
         default=None,
         metadata=declare(
             "Whether the volume is LOCAL or REMOTE to this instance (KV events).",
-            _locality,
+            locality,
             vllm_builtin=True,
         ),
     )
@@ -193,6 +155,34 @@ class TierSettings:
             boolean,
         ),
     )
+    seal_key_files: tuple[tuple[int, str], ...] | None = dataclasses.field(
+        default=None,
+        metadata=declare(
+            "Seal every block: AES-256-GCM, authenticated and bound to its place "
+            "(model digest, rank, KV group, block hash), so nobody without a key reads "
+            "a prompt from the volume or plants KV in it (docs/reliability.md, "
+            '"Sealed blocks"). An object of key ids to files each holding one key '
+            '({"1": "/var/run/secrets/llmkv/key-1"}), a mounted Secret: 32 random '
+            "bytes as hex or base64 (openssl rand -base64 32), not readable by everyone. "
+            "Blocks sealed with any listed key are read; new ones are sealed with "
+            "seal_write_key_id. A block of a key not listed, or another key under a "
+            "listed id, is a miss (load_failures reason foreign_key), left in place. "
+            "Sealed blocks live in their own <model>_<digest> directory (the digest "
+            "names the scheme, never a key), where unsealed deployments and vLLM's "
+            "built-in tier never look. Not with accept_trailerless.",
+            key_files,
+        ),
+    )
+    seal_write_key_id: int | None = dataclasses.field(
+        default=None,
+        metadata=declare(
+            "The key id of seal_key_files new blocks are sealed with; may be left "
+            "out when there is one key. Rotation: add the new key, make it the write "
+            "key on every replica, and remove the old one once its blocks have aged "
+            "out (gc sweeps them like any block; no key needed).",
+            key_id_or_null,
+        ),
+    )
     io_mode: str = dataclasses.field(
         default="auto",
         metadata=declare(
@@ -207,7 +197,7 @@ class TierSettings:
             "auto: pin I/O threads to the CPUs of the NUMA node holding the "
             "primary buffer (multi-node machines only); an integer: that node; "
             '"off": never pin.',
-            _numa_node,
+            numa_node,
         ),
     )
     io_workers: str | int = dataclasses.field(
@@ -225,7 +215,7 @@ class TierSettings:
             "docs/benchmarks.md), else threads. Processes need the "
             "CPU tier as shared memory (vLLM's is); otherwise threads are used and "
             "the log says why.",
-            _io_workers,
+            io_workers_count,
         ),
     )
     io_workers_nice: int = dataclasses.field(
@@ -305,8 +295,9 @@ class TierSettings:
             '"20GB" or "20G" is 20 * 10^9 bytes, "20GiB" or "20Gi" 20 * 2^30. '
             "ENOSPC also trips the guard, "
             "until free space has grown by one block more than the tier can have in "
-            "flight (one per I/O thread, two per I/O worker process): someone, e.g. "
-            "gc, made room.",
+            "flight (one slice per I/O thread, two per I/O worker process; a slice is "
+            "up to 16 blocks of one job, at most 1 MiB of them, or one larger block): "
+            "someone, e.g. gc, made room.",
             byte_size,
         ),
     )
@@ -370,7 +361,23 @@ class TierSettings:
             values[setting.key] = setting.check(setting.key, config[setting.key])
         settings = cls(**values)
         settings.root_dirs  # noqa: B018  # the list's spelling checked now, naming the entry
+        settings.check_sealing()
         return settings
+
+    def check_sealing(self) -> None:
+        """The sealing settings agree with each other and the rest (the key
+        files themselves are read at start-up: volume/keyfiles.py)."""
+        ids = [key_id for key_id, _ in self.seal_key_files or ()]
+        if self.seal_write_key_id is not None and self.seal_write_key_id not in ids:
+            raise TierConfigError(
+                f"llmkv_fs: seal_write_key_id {self.seal_write_key_id} is not among the "
+                f"seal_key_files ids {ids}"
+            )
+        if ids and self.accept_trailerless:
+            raise TierConfigError(
+                "llmkv_fs: seal_key_files and accept_trailerless exclude each other: a "
+                "trailer-less file is neither sealed nor authenticated"
+            )
 
     @property
     def root_dirs(self) -> tuple[str, ...]:

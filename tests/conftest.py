@@ -7,12 +7,9 @@ from typing import NamedTuple
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(__file__))  # tests/tier_kit.py, tests/engine_kit.py
-
-from nfs_kit import MOUNT_A_ENV, MOUNT_B_ENV, NO_VLLM_ENV, in_guest
-
-from engine_kit import engines, gate_for, io_mode  # noqa: F401  (engine fixtures)
-from gluster_kit import gluster  # noqa: F401  (session fixture: GlusterFS mounted twice)
+from tests.kits.engine_kit import engines, gate_for, io_mode  # noqa: F401  (engine fixtures)
+from tests.kits.gluster_kit import gluster  # noqa: F401  (session fixture: GlusterFS mounted twice)
+from tests.kits.nfs_kit import MOUNT_A_ENV, MOUNT_B_ENV, NO_VLLM_ENV, in_guest
 
 SHM = "/dev/shm"
 
@@ -20,7 +17,7 @@ SHM = "/dev/shm"
 class _NoVllm:
     """Import hook of the NFS guest's CI batch: importing vLLM there costs
     ~6 min of emulated CPU (measured), so its tests skip (``importorskip``)
-    and run in the guest's vLLM batch instead (tests/test_nfs.py)."""
+    and run in the guest's vLLM batch instead (tests/system/test_nfs.py)."""
 
     def find_spec(self, name, path=None, target=None):
         if name.partition(".")[0] in ("vllm", "torch"):
@@ -40,7 +37,7 @@ def _tmpfs_dir() -> str:
     return path
 
 
-# "nfs" exists only inside the NFS guest that tests/test_nfs.py boots (the
+# "nfs" exists only inside the NFS guest that tests/system/test_nfs.py boots (the
 # mounts are there only); it passes the two client mounts in the environment.
 FILESYSTEMS = ["tmpfs", "ext4", "gluster"] + (["nfs"] if in_guest() else [])
 

@@ -15,8 +15,7 @@ from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
 from llmkv_fs.config import SETTINGS, TierConfigError, TierSettings
 from llmkv_fs.engine import EngineError
-
-from tier_kit import Replica, offloading_config, ours
+from tests.kits.tier_kit import Replica, offloading_config, ours
 
 VALID_KEYS = sorted(s.key for s in SETTINGS)
 DEFAULTS = {s.key: s.default for s in SETTINGS if not s.required}
@@ -157,7 +156,7 @@ def test_bad_values_are_rejected_naming_key_value_and_expectation(key, value, ex
 
 @pytest.mark.parametrize("given", ["LOCAL", "REMOTE", None])
 def test_locality_takes_exactly_what_vllm_takes(given):
-    """vLLM does Locality(value): upper case only (tests/test_root_dir.py
+    """vLLM does Locality(value): upper case only (tests/volume/test_pinned_root.py
     checks lowercase is refused by both tiers)."""
     assert TierSettings.from_mapping({"root_dir": "/r", "locality": given}).locality == given
     with pytest.raises(TierConfigError, match="locality"):

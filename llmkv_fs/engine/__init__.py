@@ -16,96 +16,68 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-if TYPE_CHECKING:
-    from llmkv_fs.engine.engine import FinishedJob, FsEngine
-    from llmkv_fs.engine.outcomes import (
-        CANCELLED,
-        DEADLINE,
-        Abandoned,
-        BlockMissing,
-        BlockNotMoved,
-        BlockResult,
-        CounterKey,
-        Direction,
-        Failed,
-        Failure,
-        LookupAnswer,
-        Outcome,
-        StoreRefused,
-        Tally,
-        VolumeFailed,
-        all_counter_keys,
-    )
-    from llmkv_fs.engine.startup.hash_path import xxh3_path
-    from llmkv_fs.engine.upkeep.prepare import (
-        EngineError,
-        PreparedVolume,
-        VolumeError,
-        prepare_volume,
-    )
-
-_WHERE = {
-    **dict.fromkeys(("FinishedJob", "FsEngine"), "llmkv_fs.engine.engine"),
-    **dict.fromkeys(
-        (
-            "CANCELLED",
-            "DEADLINE",
-            "Abandoned",
-            "BlockMissing",
-            "BlockNotMoved",
-            "BlockResult",
-            "CounterKey",
-            "Direction",
-            "Failed",
-            "Failure",
-            "LookupAnswer",
-            "Outcome",
-            "StoreRefused",
-            "Tally",
-            "VolumeFailed",
-            "all_counter_keys",
-        ),
-        "llmkv_fs.engine.outcomes",
+# Each public name and the module that holds it: the one list (``__all__``
+# is made from it; the imports below say the same to type checkers, and
+# tests/engine/test_package.py holds the two together).
+_WHERE: dict[str, tuple[str, ...]] = {
+    "llmkv_fs.engine.engine": ("FinishedJob", "FsEngine"),
+    "llmkv_fs.engine.outcomes": (
+        "CANCELLED",
+        "DEADLINE",
+        "Abandoned",
+        "BlockMissing",
+        "BlockNotMoved",
+        "BlockResult",
+        "CounterKey",
+        "Direction",
+        "Failed",
+        "Failure",
+        "LookupAnswer",
+        "Outcome",
+        "StoreRefused",
+        "Tally",
+        "VolumeFailed",
+        "all_counter_keys",
     ),
-    "xxh3_path": "llmkv_fs.engine.startup.hash_path",
-    **dict.fromkeys(
-        ("EngineError", "PreparedVolume", "VolumeError", "prepare_volume"),
-        "llmkv_fs.engine.upkeep.prepare",
+    "llmkv_fs.engine.startup.hash_path": ("xxh3_path",),
+    "llmkv_fs.engine.upkeep.prepare": (
+        "EngineError",
+        "PreparedVolume",
+        "VolumeError",
+        "prepare_volume",
     ),
 }
+_MODULE_OF = {name: module for module, names in _WHERE.items() for name in names}
+__all__ = list(_MODULE_OF)
 
-__all__ = [
-    "CANCELLED",
-    "DEADLINE",
-    "Abandoned",
-    "BlockMissing",
-    "BlockNotMoved",
-    "BlockResult",
-    "CounterKey",
-    "Direction",
-    "EngineError",
-    "Failed",
-    "Failure",
-    "FinishedJob",
-    "FsEngine",
-    "LookupAnswer",
-    "Outcome",
-    "PreparedVolume",
-    "StoreRefused",
-    "Tally",
-    "VolumeError",
-    "VolumeFailed",
-    "all_counter_keys",
-    "prepare_volume",
-    "xxh3_path",
-]
-
-
-assert set(__all__) == set(_WHERE)
+if TYPE_CHECKING:
+    from llmkv_fs.engine.engine import FinishedJob as FinishedJob
+    from llmkv_fs.engine.engine import FsEngine as FsEngine
+    from llmkv_fs.engine.outcomes import CANCELLED as CANCELLED
+    from llmkv_fs.engine.outcomes import DEADLINE as DEADLINE
+    from llmkv_fs.engine.outcomes import Abandoned as Abandoned
+    from llmkv_fs.engine.outcomes import BlockMissing as BlockMissing
+    from llmkv_fs.engine.outcomes import BlockNotMoved as BlockNotMoved
+    from llmkv_fs.engine.outcomes import BlockResult as BlockResult
+    from llmkv_fs.engine.outcomes import CounterKey as CounterKey
+    from llmkv_fs.engine.outcomes import Direction as Direction
+    from llmkv_fs.engine.outcomes import Failed as Failed
+    from llmkv_fs.engine.outcomes import Failure as Failure
+    from llmkv_fs.engine.outcomes import LookupAnswer as LookupAnswer
+    from llmkv_fs.engine.outcomes import Outcome as Outcome
+    from llmkv_fs.engine.outcomes import StoreRefused as StoreRefused
+    from llmkv_fs.engine.outcomes import Tally as Tally
+    from llmkv_fs.engine.outcomes import VolumeFailed as VolumeFailed
+    from llmkv_fs.engine.outcomes import all_counter_keys as all_counter_keys
+    from llmkv_fs.engine.startup.hash_path import xxh3_path as xxh3_path
+    from llmkv_fs.engine.upkeep.prepare import EngineError as EngineError
+    from llmkv_fs.engine.upkeep.prepare import PreparedVolume as PreparedVolume
+    from llmkv_fs.engine.upkeep.prepare import VolumeError as VolumeError
+    from llmkv_fs.engine.upkeep.prepare import prepare_volume as prepare_volume
 
 
 def __getattr__(name: str) -> Any:
-    module = _WHERE.get(name)
+    module = _MODULE_OF.get(name)
     if module is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     value = getattr(importlib.import_module(module), name)

@@ -23,36 +23,36 @@ from __future__ import annotations
 
 import collections
 import logging
-import os
 import time
 from collections.abc import Sequence
-
-import xxhash
 
 from llmkv_fs.config import TierSettings, store_queue_blocks
 from llmkv_fs.engine.block.bytepath import BytePathKind, VectoredBytes
 from llmkv_fs.engine.block.pause import PausePoints
-from llmkv_fs.engine.block.spec import StepSpec, build_step
+from llmkv_fs.engine.block.presence import COMPILED_PRESENCE, presence_path
+from llmkv_fs.engine.block.spec import StepSpec
+from llmkv_fs.engine.launch import (
+    Started,
+    log_start,
+    sealing,
+    slice_blocks,
+    start_executor,
+)
 from llmkv_fs.engine.lookup import AsyncExistence
 from llmkv_fs.engine.outcomes import CounterKey, Direction, Failure, LookupAnswer, Tally
+from llmkv_fs.engine.root_presence import each_key, on_their_roots
 from llmkv_fs.engine.roots import EngineRoot, open_roots
 from llmkv_fs.engine.scheduling.accounting import FinishedJob, JobAccountant, ThrottledErrorLog
 from llmkv_fs.engine.scheduling.executor import Executor
 from llmkv_fs.engine.scheduling.jobs import IoJob, QueueFull
 from llmkv_fs.engine.scheduling.scheduler import BlockScheduler
-from llmkv_fs.engine.startup.hash_path import xxh3_path
-from llmkv_fs.engine.startup.io_setup import for_worker_processes, io_thread_counts, rows_view
+from llmkv_fs.engine.startup.io_setup import rows_view
 from llmkv_fs.engine.startup.numa import PinningPlan, plan_pinning, read_topology
-from llmkv_fs.engine.threads.executor import ThreadExecutor
 from llmkv_fs.engine.upkeep.prepare import EngineError
-from llmkv_fs.engine.workers.crew import WorkerSpec, resolve_io_workers
-from llmkv_fs.engine.workers.executor import ProcessExecutor
-from llmkv_fs.engine.workers.region import NoHandover, RegionHandover, find_handover
 from llmkv_fs.layout.blockfile import Buffer
 from llmkv_fs.layout.paths import CacheLayout
 from llmkv_fs.layout.placement import RootPlacement
 from llmkv_fs.volume.leases import Lease
-from llmkv_fs.volume.root import RootGone
 
 __all__ = ["EngineError", "FinishedJob", "FsEngine"]
 
@@ -60,18 +60,6 @@ logger = logging.getLogger("vllm.llmkv_fs.engine")
 
 
 _LOOKUP_ANSWER = {True: LookupAnswer.HIT, False: LookupAnswer.MISS, None: LookupAnswer.RETRY}
-# An executor place takes up to this many bytes of one job's blocks at once
-# (a slice: one scheduler round trip, one record to a worker): a 2 MiB block
-# still travels alone, 64 KiB ones by 16 (docs/benchmarks.md, "Small blocks").
-_SLICE_BYTES = 1 << 20
-_SLICE_MAX_BLOCKS = 16
-
-
-def slice_blocks(block_size: int) -> int:
-    """How many blocks of one job an executor place may take at once."""
-    return max(1, min(_SLICE_MAX_BLOCKS, _SLICE_BYTES // block_size))
-
-
 # Lookups are one metadata call each; one that waits this long (or the job
 # deadline, if shorter) means the volume is not answering.
 _LOOKUP_TIMEOUT_CAP_S = 5.0
@@ -113,147 +101,101 @@ class FsEngine:
         self.block_size = block_size
         self._flat = rows_view(primary, block_size)
         self.num_chunks = self._flat.nbytes // block_size
-        if isinstance(layouts, CacheLayout):
-            layouts = (layouts,)
+        keyring, layouts = sealing(settings, layouts)
         # Every root prepared (and its housekeeping started) before any I/O
         # thread or worker exists.
         self.roots: list[EngineRoot] = open_roots(
-            settings, layouts, self._flat, block_size, byte_path
+            settings, layouts, self._flat, block_size, byte_path, keyring
         )
         self.placement = RootPlacement([root.root_dir for root in self.roots])
         # What every block step is built from, in threads and workers alike.
-        self.step_spec = StepSpec(tuple(r.spec for r in self.roots), self.placement, byte_path)
+        self.step_spec = StepSpec(
+            tuple(r.spec for r in self.roots), self.placement, byte_path, keyring
+        )
         self.pause = PausePoints.from_environment()  # tests only (block/pause.py)
         self.pinning: PinningPlan = plan_pinning(read_topology(), settings.numa_node, self._flat)
         # Cumulative, updated by the owner only; tier/metrics.py publishes them.
-        self.counters: collections.Counter[CounterKey] = collections.Counter()
+        self._counters: collections.Counter[CounterKey] = collections.Counter()
+        # Lookups by verdict, folded into the counters when read: a Counter
+        # increment keyed by an enum cost ~0.5 us a lookup (issue 33).
+        self._lookup_tally: dict[bool | None, int] = dict.fromkeys((True, False, None), 0)
         # Blocks by (root index, direction, succeeded), as placed (owner only).
         self.root_counters: collections.Counter[tuple[int, Direction, bool]] = collections.Counter()
         self._error_log = ThrottledErrorLog()
         self._rejected: list[FinishedJob] = []
-        self._stalled = False  # as of the last stalled() (lookups read this)
+        self._stalled = False  # as of the last recheck_stalled() (lookups read this)
         # Lost roots by index, as of the last end_step() (lookups read this).
         self._lost_roots: frozenset[int] = frozenset()
-        self._handover: RegionHandover | None = None
-        self._threads_why = ""  # why fewer I/O threads run than the settings ask, if so
         self.slice_blocks = slice_blocks(block_size)
         self._scheduler = BlockScheduler(
             store_queue_blocks(settings, block_size), self.slice_blocks
         )
-        self.io_workers = self._start_executor()  # worker processes in use (0: I/O threads)
+        self._started = self._start_io()
+        self.io_workers = self._started.io_workers  # worker processes in use (0: I/O threads)
         self._executor: Executor = self._scheduler.executor
-        for root in self.roots:
-            # Every block the executor can hold may start a store the moment
-            # the guard lifts after ENOSPC.
-            held = self._executor.capacity() * self.slice_blocks
-            root.guard.headroom_bytes = block_size * (held + 1)
-        self._lookups = AsyncExistence(
-            self._exists_on_its_roots,
-            settings.lookup_threads,
-            timeout=min(settings.job_timeout_s, _LOOKUP_TIMEOUT_CAP_S),
-            miss_for_s=settings.failed_load_miss_s,
-        )
+        self._lookups = self._start_lookups()
         self._accountant = JobAccountant(
-            self.counters,
+            self._counters,
             block_size,
             self._error_log,
             self._lookups.remember_misses,
             settings.failed_load_miss_s,
         )
         self.job_latencies = self._accountant.job_latencies
-        self._log_start()
+        log_start(settings, self._started, self.pinning, self._presence(), keyring, self.roots)
+
+    def _start_io(self) -> Started:
+        """The executor, then each root's headroom: every block the executor
+        can hold may start a store the moment the guard lifts after ENOSPC."""
+        started = start_executor(
+            self._scheduler,
+            self.settings,
+            self.step_spec,
+            self.roots,
+            self._flat,
+            self.pinning,
+            self.pause,
+        )
+        held = self._scheduler.executor.capacity() * self.slice_blocks
+        for root in self.roots:
+            root.guard.headroom_bytes = self.block_size * (held + 1)
+        return started
+
+    def _start_lookups(self) -> AsyncExistence:
+        settings = self.settings
+        return AsyncExistence(
+            self._exists_on_its_roots,
+            settings.lookup_threads,
+            timeout=min(settings.job_timeout_s, _LOOKUP_TIMEOUT_CAP_S),
+            miss_for_s=settings.failed_load_miss_s,
+            exist_many=self._exist_on_their_roots if self._checks_in_batches() else None,
+        )
 
     def _exists_on_its_roots(self, key: bytes) -> bool:
         """A lookup thread's check: the key's home root, then (several
         roots) its second choice (see ``RootPlacement``); a lost root
         answers no without being touched."""
-        for index in self.placement.choices(key):
-            root = self.roots[index]
-            if root.signals.root_lost:
-                continue
-            try:
-                if root.blockio.exists(key):
-                    return True
-            except RootGone:  # lost since its housekeeping last looked: as if lost
-                continue
-        return False
+        if self.pause is not None:  # tests only: a check held as in a stalled mount
+            self.pause.reached("exists", "lookup", key)
+        return on_their_roots(self.roots, self.placement, [key], each_key)[0]
 
-    def _log_start(self) -> None:
-        settings = self.settings
-        if self.io_workers:
-            workers = f"{self.io_workers} worker processes (nice +{settings.io_workers_nice})"
-        else:
-            executor = self._executor
-            assert isinstance(executor, ThreadExecutor)
-            workers = (
-                f"{executor.n_read_threads} read + {executor.n_write_threads} write "
-                f"threads{self._threads_why}"
-            )
-            if settings.io_workers_nice:
-                workers += " (io_workers_nice applies to worker processes only: not used)"
-        logger.info(
-            "llmkv_fs engine: %s, durability=%s, checksum=%s (xxh3 of python-xxhash %s: %s), "
-            "numa: %s",
-            workers,
-            settings.durability,
-            settings.checksum,
-            xxhash.VERSION,
-            xxh3_path(),
-            self.pinning.reason,
-        )
-        for root in self.roots:
-            logger.info(
-                "llmkv_fs engine root: %s, %s I/O",
-                root.layout.rank_dir,
-                "O_DIRECT" if root.use_o_direct else "buffered",
-            )
+    def _exist_on_their_roots(self, keys: list[bytes]) -> list[bool]:
+        """A lookup thread's check of a chunk of keys at once (the compiled
+        presence check; same roots and rules as ``_exists_on_its_roots``)."""
+        return on_their_roots(self.roots, self.placement, keys)
 
-    # -- executors ---------------------------------------------------------------------
+    def _presence(self) -> str:
+        """Which presence check the lookups run, for the start-up line."""
+        presence = presence_path()
+        if presence == COMPILED_PRESENCE and not self._checks_in_batches():
+            because = "test pause points" if self.pause is not None else "a root without openat2"
+            presence = f"python ({because})"
+        return presence
 
-    def _start_executor(self) -> int:
-        """Start worker processes when io_workers asks for them and the
-        primary can be handed over, else I/O threads (the reason logged
-        once). Returns the number of worker processes (0: threads)."""
-        wanted = resolve_io_workers(self.settings.io_workers)
-        if wanted:
-            try:
-                self._handover = handover = find_handover(self._flat)
-                options = [for_worker_processes(r.spec.options) for r in self.roots]
-                spec = WorkerSpec(
-                    self.step_spec.with_options(options),
-                    handover,
-                    tuple(r.signals for r in self.roots),
-                    self.pinning.cpus,
-                    self.settings.io_workers_nice,
-                )
-                self._scheduler.start(ProcessExecutor(spec, wanted))
-                return wanted
-            except (NoHandover, OSError, RuntimeError) as exc:
-                if self._handover is not None:
-                    self._handover.close()
-                    self._handover = None
-                logger.warning("llmkv_fs: I/O worker processes not used (%s); using threads", exc)
-        settings = self.settings
-        cpus = len(self.pinning.cpus) if self.pinning.cpus else len(os.sched_getaffinity(0))
-        reads, writes, self._threads_why = io_thread_counts(
-            settings, [root.fstype for root in self.roots], cpus
-        )
-        step = build_step(
-            self.step_spec,
-            self._flat,
-            [r.blockio for r in self.roots],
-            [r.signals for r in self.roots],
-            self.pause,
-        )
-        self._scheduler.start(
-            ThreadExecutor(
-                step,
-                reads,
-                writes,
-                pin_cpus=self.pinning.cpus,
-            )
-        )
-        return 0
+    def _checks_in_batches(self) -> bool:
+        """Lookups check chunks in one compiled call: every root can, and no
+        test pause point needs each key's check (``exists``)."""
+        return self.pause is None and all(r.blockio.checks_in_batches for r in self.roots)
 
     # -- owner side --------------------------------------------------------------------
 
@@ -261,9 +203,9 @@ class FsEngine:
         """Queue a store; False if it was refused -- the bounded queue is
         full, the space guard is tripped, the volume is stalled or failed. A
         refused job is reported failed by the next take_finished, without I/O."""
-        if self.volume_failed():
+        if self.recheck_volume_failed():
             return self._refuse(job_id, Direction.STORE, keys, Failure.VOLUME_FAILED)
-        if self.stalled():
+        if self.recheck_stalled():
             return self._refuse(job_id, Direction.STORE, keys, Failure.STALLED)
         if not any(root.guard.allows_store() for root in self.roots):
             # Each root's guard also refuses its own blocks in the step.
@@ -277,9 +219,9 @@ class FsEngine:
     def submit_load(self, job_id: int, keys: Sequence[bytes], chunks: Sequence[int]) -> bool:
         """Queue a load; False (reported failed at the next take_finished) if
         the volume is stalled or failed."""
-        if self.volume_failed():
+        if self.recheck_volume_failed():
             return self._refuse(job_id, Direction.LOAD, keys, Failure.VOLUME_FAILED)
-        if self.stalled():
+        if self.recheck_stalled():
             return self._refuse(job_id, Direction.LOAD, keys, Failure.STALLED)
         self._scheduler.submit(IoJob(job_id, True, keys, chunks, self.settings.job_timeout_s))
         return True
@@ -292,19 +234,21 @@ class FsEngine:
         self._rejected.append(FinishedJob(job_id, is_load, [], list(keys), 0.0, 0))
         return False
 
-    def stalled(self) -> bool:
-        """The volume stopped answering: an expired job still has a block
-        inside a syscall, or a lookup batch is overdue. Clears by itself
-        when the calls return."""
+    def recheck_stalled(self) -> bool:
+        """Look again whether the volume stopped answering (an expired job
+        still has a block inside a syscall, or no lookup check answered for
+        the lookup timeout), remember the verdict for lookups and return it.
+        Clears by itself when the calls return."""
         self._stalled = self._scheduler.stuck_blocks() > 0 or self._lookups.stuck()
         return self._stalled
 
-    def volume_failed(self) -> bool:
-        """Every root is lost: not the directory the engine started on (as
-        of each housekeeping thread's last check; never touches the
-        filesystem). With several roots, the blocks of a lost root fail one
+    def recheck_volume_failed(self) -> bool:
+        """Look again which roots are lost (as of each housekeeping thread's
+        last check; never touches the filesystem), remember them for
+        lookups and return whether every root is: none is the directory the
+        engine started on. With several roots, the blocks of a lost root fail one
         by one in the step, and lookups of its keys answer miss."""
-        lost = [index for index, root in enumerate(self.roots) if root.housekeeping.root_lost]
+        lost = [index for index, root in enumerate(self.roots) if root.lost]
         self._lost_roots = frozenset(lost)
         return len(lost) == len(self.roots)
 
@@ -313,7 +257,7 @@ class FsEngine:
             return []  # vLLM polls every millisecond: keep the empty case cheap
         expired = self._scheduler.expire_overdue()
         if expired:
-            self.stalled()
+            self.recheck_stalled()
             self.counters[Tally.DEADLINE_EXPIRED] += expired
             self._error_log.report("deadline", f"{expired} block(s) passed job_timeout_s")
         results, self._rejected = self._rejected, []
@@ -344,19 +288,32 @@ class FsEngine:
     def lookup(self, key: bytes, request_id: str) -> bool | None:
         # The step's cached verdict: a per-key clock read would cost more
         # than the lookup itself, and a stall is detected per step anyway.
-        lost = self._lost_roots
-        refused = self._stalled or (bool(lost) and self.placement.home(key) in lost)
-        verdict = False if refused else self._lookups.lookup(key, request_id)
-        self.counters[_LOOKUP_ANSWER[verdict]] += 1
+        # vLLM asks every key of a prompt every step: nothing more here.
+        if self._stalled or self._lost_roots:
+            refused = self._stalled or self.placement.home(key) in self._lost_roots
+            verdict = False if refused else self._lookups.lookup(key, request_id)
+        else:
+            verdict = self._lookups.lookup(key, request_id)
+        self._lookup_tally[verdict] += 1
         return verdict
+
+    @property
+    def counters(self) -> collections.Counter[CounterKey]:
+        """Cumulative counters (owner only), lookups included."""
+        tally = self._lookup_tally
+        if tally[True] or tally[False] or tally[None]:
+            for verdict, count in tally.items():
+                self._counters[_LOOKUP_ANSWER[verdict]] += count
+                tally[verdict] = 0
+        return self._counters
 
     def end_step(self) -> None:
         self._lookups.end_step()
         # Cumulative in the executor; copied here so that only the owner
         # writes counters.
         self.counters[Tally.WORKER_DEATHS] = self._executor.deaths()
-        self.stalled()
-        self.volume_failed()
+        self.recheck_stalled()
+        self.recheck_volume_failed()
         expired = self._lookups.expire_overdue()
         if expired:
             self.counters[LookupAnswer.DEADLINE_MISS] += expired
@@ -369,27 +326,30 @@ class FsEngine:
             root.housekeeping.set_lease(lease)
 
     def gauges(self) -> dict[str, float]:
-        """Point-in-time state for metrics; cheap, owner side. Each root's
-        own state is in ``root_gauges``."""
+        """Point-in-time state for metrics; cheap, owner side. Places are
+        the executor's (``Executor.capacity``): ``busy_places`` of
+        ``io_places`` hold a slice each, ``held_blocks`` are the blocks in
+        those slices. Each root's own state is in ``root_gauges``."""
+        scheduler = self._scheduler
         return {
-            "queued_store_blocks": self._scheduler.queued_store_blocks(),
-            "queued_load_blocks": self._scheduler.queued_load_blocks(),
-            "busy_threads": self._scheduler.blocks_in_flight(),
+            "queued_store_blocks": scheduler.queued_store_blocks(),
+            "queued_load_blocks": scheduler.queued_load_blocks(),
+            "busy_places": scheduler.busy_places(),
+            "io_places": scheduler.places,
+            "held_blocks": scheduler.blocks_in_flight(),
             "io_workers": len(self._executor.worker_pids()),
-            "stuck_blocks": self._scheduler.stuck_blocks(),
+            "stuck_blocks": scheduler.stuck_blocks(),
         }
 
     def root_gauges(self) -> dict[str, dict[str, float]]:
-        """Each root's state for metrics, by root_dir; cheap, owner side.
-        Also refreshes the volume-failed verdict lookups read, as every
-        step's metrics always have."""
-        self.volume_failed()
+        """Each root's state for metrics, by root_dir; cheap, owner side,
+        changes nothing (``end_step`` rechecks the roots every step)."""
         gauges: dict[str, dict[str, float]] = {}
         for root in self.roots:
             usage = root.guard.usage
             gauges[root.root_dir] = {
                 "space_guard_tripped": 0 if root.guard.allows_store() else 1,
-                "volume_failed": 1 if root.housekeeping.root_lost else 0,
+                "volume_failed": 1 if root.lost else 0,
                 "volume_used_bytes": usage.used_bytes if usage else 0,
                 "volume_free_bytes": usage.free_bytes if usage else 0,
             }
@@ -422,8 +382,8 @@ class FsEngine:
         started = time.monotonic()
         self._lookups.shutdown()
         self._scheduler.shutdown()
-        if self._handover is not None:
-            self._handover.close()
+        if self._started.handover is not None:
+            self._started.handover.close()
         for root in self.roots:
             root.close()
         # Our view pins the primary mmap; vLLM unmaps it right after us.

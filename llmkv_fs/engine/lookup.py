@@ -2,11 +2,13 @@
 
 A lookup that has no verdict yet returns None (vLLM: RETRY) and joins this
 step's batch; ``end_step`` hands the batch to a background thread, which
-checks the files (in parallel on ``n_threads`` for network filesystems,
-where each check is a round trip) and posts verdicts that the next step's
-first lookup applies. A key keeps its verdict while some request refers to
-it; ``set_verdict`` overrides it when a load fails or a store lands, so a
-failed promotion turns into MISS instead of being retried forever.
+checks the files (in parallel on up to ``n_threads`` once the volume makes
+checks wait, as on network filesystems, where each check is a round trip:
+engine/lookup_checks.py) and posts verdicts -- for the whole batch, or
+earlier up to a miss -- that the next step's first lookup applies. A key
+keeps its verdict while some request refers to it; ``set_verdict``
+overrides it when a load fails or a store lands, so a failed promotion
+turns into MISS instead of being retried forever.
 
 A key whose load failed in a way that would repeat -- the file is still
 there but unreadable (EIO), bad and could not be moved aside, or carries no
@@ -26,16 +28,21 @@ Threading rules
   ``_states``. A generation number lets the owner drop answers for states
   that were forgotten and recreated meanwhile.
 * ``expire_overdue`` (owner) answers MISS for keys whose batch has waited
-  longer than the deadline -- a stalled mount blocks the lookup thread
-  inside ``lstat`` -- so requests recompute instead of waiting. A late
+  longer than the deadline -- a stalled mount holds the lookup thread
+  inside its ``openat2``/``fstat`` (or the walk's) -- so requests
+  recompute instead of waiting. A late
   answer for a key decided that way is ignored (a failed load may have
-  overridden it meanwhile, and MISS is always safe).
+  overridden it meanwhile, and MISS is always safe). ``stuck`` says the
+  volume stopped answering only when no check has answered for the whole
+  timeout: a slow volume that answers is not a stalled one.
+* ``shutdown`` waits for the lookup thread and its helpers at most the
+  timeout: a thread held inside a stalled mount is left behind (a daemon),
+  and the log says so.
 """
 
 from __future__ import annotations
 
 import collections
-import concurrent.futures
 import itertools
 import logging
 import queue
@@ -44,16 +51,12 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from llmkv_fs.engine.lookup_checks import BatchChecks
+
 __all__ = ["AsyncExistence"]
 
 logger = logging.getLogger("vllm.llmkv_fs.lookup")
 
-# Below this many keys a batch is checked inline on the lookup thread:
-# handing tiny batches to the executor costs more than it saves. As many
-# are timed to tell a volume that answers in CPU time from one that makes a
-# check wait (a round trip of a network filesystem: 0.1 ms and up).
-_PARALLEL_MIN_KEYS = 8
-_WAITS_ON_THE_VOLUME_S = 100e-6
 # Bound of the remembered misses: ~100 bytes a key, so at most ~6 MiB.
 _MAX_REMEMBERED_MISSES = 1 << 16
 
@@ -77,6 +80,7 @@ class AsyncExistence:
         name: str = "llmkv_fs",
         timeout: float = 5.0,
         miss_for_s: float = 60.0,
+        exist_many: Callable[[list[bytes]], list[bool]] | None = None,
     ):
         self._exists = exists
         self._timeout = timeout
@@ -95,15 +99,10 @@ class AsyncExistence:
         self._to_worker: queue.SimpleQueue[tuple[int, list[tuple[bytes, int]]] | None] = (
             queue.SimpleQueue()
         )
-        self._answers: queue.SimpleQueue[tuple[int, list[tuple[bytes, int, bool]]]] = (
+        self._answers: queue.SimpleQueue[tuple[int, list[tuple[bytes, int, bool]], bool]] = (
             queue.SimpleQueue()
         )
-        self._n_threads = n_threads
-        self._executor = (
-            concurrent.futures.ThreadPoolExecutor(n_threads, thread_name_prefix=f"{name}_stat")
-            if n_threads > 1
-            else None
-        )
+        self._checks = BatchChecks(self._check, n_threads - 1, self._post, name, exist_many)
         self._thread = threading.Thread(target=self._worker, name=f"{name}_lookup", daemon=True)
         self._thread.start()
 
@@ -117,6 +116,13 @@ class AsyncExistence:
         if self._batches_out and not self._answers.empty():
             self._apply_answers()
         state = self._states.get(key)
+        if state is not None and request_id in state.requests:
+            return state.verdict  # vLLM asks every key again every step
+        return self._first_lookup(key, request_id, state)
+
+    def _first_lookup(self, key: bytes, request_id: str, state: _State | None) -> bool | None:
+        """A key this request has not asked before: tracked, and new to the
+        batch unless known."""
         if state is None:
             state = _State(self._next_generation)
             self._next_generation += 1
@@ -125,9 +131,11 @@ class AsyncExistence:
                 state.verdict = False  # no probe: the file would fail again
             else:
                 self._batch.append((key, state.generation))
-        if request_id not in state.requests:
-            state.requests.add(request_id)
-            self._request_keys.setdefault(request_id, set()).add(key)
+        state.requests.add(request_id)
+        keys = self._request_keys.get(request_id)
+        if keys is None:  # not setdefault: a new set per call, 8,192 per prompt
+            keys = self._request_keys[request_id] = set()
+        keys.add(key)
         return state.verdict
 
     def end_step(self) -> None:
@@ -170,10 +178,14 @@ class AsyncExistence:
         return decided
 
     def stuck(self, now: float | None = None) -> bool:
-        """Whether the oldest unanswered batch is past the timeout (the
-        volume is not answering metadata calls)."""
+        """Whether the volume stopped answering metadata calls: a batch is
+        unanswered and no check has answered for the timeout since it was
+        posted (a volume that answers slowly keeps ``progress_at`` moving)."""
+        if not self._unanswered:
+            return False
         now = time.monotonic() if now is None else now
-        return bool(self._unanswered) and self._unanswered[0][1] + self._timeout <= now
+        posted: float = self._unanswered[0][1]
+        return max(posted, self._checks.progress_at) + self._timeout <= now
 
     def remember_misses(self, keys: Iterable[bytes], now: float | None = None) -> None:
         """These keys' loads failed and would fail again: MISS, without a
@@ -237,21 +249,40 @@ class AsyncExistence:
         return len(self._states)
 
     def shutdown(self) -> None:
+        """Stop the lookup thread and its helpers, waiting at most the
+        timeout: a check still inside the volume then is left behind (a
+        daemon thread) and named in the log, as the workers' shutdown
+        bounds its wait (workers/crew.py)."""
+        deadline = time.monotonic() + self._timeout
         self._to_worker.put(None)
-        self._thread.join()
-        if self._executor is not None:
-            self._executor.shutdown(wait=True)
+        self._thread.join(self._timeout)
+        left = self._checks.stop(deadline)
+        if self._thread.is_alive():
+            left.append(self._thread)
         self._apply_answers()
+        if left:
+            keys = sum(len(entry[2]) for entry in self._unanswered)
+            logger.warning(
+                "llmkv_fs: shutdown did not wait for %d lookup thread(s) (%s) still inside "
+                "an existence check after %.1fs -- the volume is not answering; left behind "
+                "with %d unanswered batch(es), %d key(s)",
+                len(left),
+                ", ".join(thread.name for thread in left),
+                self._timeout,
+                len(self._unanswered),
+                keys,
+            )
 
     def _apply_answers(self) -> None:
         while True:
             try:
-                batch_id, answers = self._answers.get_nowait()
+                batch_id, answers, final = self._answers.get_nowait()
             except queue.Empty:
                 return
-            self._batches_out -= 1
-            while self._unanswered and self._unanswered[0][0] <= batch_id:
-                self._unanswered.popleft()  # answers come in posting order
+            if final:
+                self._batches_out -= 1
+                while self._unanswered and self._unanswered[0][0] <= batch_id:
+                    self._unanswered.popleft()  # batches end in posting order
             for key, generation, found in answers:
                 state = self._states.get(key)
                 if state is None or state.generation != generation:
@@ -279,41 +310,12 @@ class AsyncExistence:
             logger.warning("llmkv_fs: existence check failed (%s); treating as a miss", exc)
             return False
 
-    def _check_all(self, keys: list[bytes]) -> list[bool]:
-        return [self._check(key) for key in keys]
-
-    def _check_batch(self, keys: list[bytes]) -> list[bool]:
-        """Every key checked, in order. The first few on this thread, timed:
-        a check that answers in CPU time (tmpfs, a local disk's cached
-        dentries) gains nothing from more threads, which only queue for the
-        GIL (2,048 keys on tmpfs, 2 cores: 20 us a key on one thread, 34-71
-        on 4-16), so the rest follows on this thread too; a check that waits
-        on the volume (a network round trip) sends the rest to the pool, one
-        contiguous share per thread (a future per key cost more than a check
-        on tmpfs). docs/benchmarks.md, issue 26."""
-        if self._executor is None or len(keys) <= _PARALLEL_MIN_KEYS:
-            return self._check_all(keys)
-        started = time.perf_counter()
-        found = self._check_all(keys[:_PARALLEL_MIN_KEYS])
-        each = (time.perf_counter() - started) / _PARALLEL_MIN_KEYS
-        rest = keys[_PARALLEL_MIN_KEYS:]
-        if each < _WAITS_ON_THE_VOLUME_S:
-            return found + self._check_all(rest)
-        share = -(-len(rest) // self._n_threads)
-        parts = [rest[i : i + share] for i in range(0, len(rest), share)]
-        return found + [f for part in self._executor.map(self._check_all, parts) for f in part]
+    def _post(self, batch_id: int, answers: list[tuple[bytes, int, bool]], final: bool) -> None:
+        self._answers.put((batch_id, answers, final))
 
     def _worker(self) -> None:
         while True:
             item = self._to_worker.get()
             if item is None:
                 return
-            batch_id, batch = item
-            keys = [key for key, _ in batch]
-            try:
-                found = self._check_batch(keys)
-            except Exception:
-                # Every batch must be answered, or its keys say RETRY forever.
-                logger.exception("llmkv_fs: lookup batch failed; answering miss")
-                found = [False] * len(keys)
-            self._answers.put((batch_id, [(k, g, f) for (k, g), f in zip(batch, found)]))
+            self._checks.check(*item)

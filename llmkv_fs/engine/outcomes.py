@@ -3,7 +3,7 @@
 This is the engine's contract with whoever publishes its counters
 (tier/metrics.py maps every key below onto a Prometheus series). Adding a
 failure reason is one edit: a ``Failure`` member, whose value is its metric
-label; tests/test_metrics.py then asks for its line in docs/metrics.md.
+label; tests/tier/test_metrics.py then asks for its line in docs/metrics.md.
 
 Threading: plain immutable values. An I/O thread creates a block's result
 (``Outcome`` or ``Failed``); only the owner counts it.
@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from typing import ClassVar, TypeAlias
 
 from llmkv_fs.layout.blockfile import BlockFileError, Corruption
+from llmkv_fs.layout.sealed import ForeignKey
 
 __all__ = [
     "CANCELLED",
@@ -98,6 +99,10 @@ class Failure(_CounterKeyEnum):
     # a directory on the block's path below root_dir is a symlink: never
     # followed (volume.beneath), so nothing is stored or read through it
     LINK_IN_TREE = "link_in_tree"
+    # load: a sealed block of a key this reader does not hold (an unknown key
+    # id, or another deployment's key under one of ours): not corrupt, left
+    # in place (layout/sealed.py)
+    FOREIGN_KEY = "foreign_key"
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -163,6 +168,8 @@ def failed(exc: Exception) -> Failed:
         return Failed(exc.failure, exc)
     if isinstance(exc, BlockFileError):
         return Failed(Failure.CORRUPT, exc)
+    if isinstance(exc, ForeignKey):
+        return Failed(Failure.FOREIGN_KEY, exc)
     if isinstance(exc, OSError) and exc.errno == errno.ELOOP:
         # Only a walk beneath the root that met a symlink raises ELOOP
         # (volume.beneath.LinkInTree; a link at the block's own name is a

@@ -26,6 +26,7 @@ from llmkv_fs.engine.upkeep.prepare import check_root, prepare_volume
 from llmkv_fs.engine.upkeep.signals import VolumeSignals
 from llmkv_fs.engine.upkeep.space import SpaceGuard
 from llmkv_fs.layout.paths import CacheLayout
+from llmkv_fs.layout.sealed import Keyring
 from llmkv_fs.rootlist import check_roots_distinct
 from llmkv_fs.volume.fsinfo import filesystem_type
 
@@ -40,9 +41,16 @@ class EngineRoot:
     run_config_state: str  # "created", "matched" or "repaired": what became of config.json
     fstype: str  # the filesystem holding it, from the mount table
     blockio: BlockIO  # the engine's own: I/O threads, lookups, access stamps
-    signals: VolumeSignals
+    signals: VolumeSignals  # the one place that says whether the root is lost
     guard: SpaceGuard
     housekeeping: Housekeeping
+
+    @property
+    def lost(self) -> bool:
+        """The root is missing or another directory, as of its housekeeping
+        thread's last check (its signals page, which I/O workers read too;
+        never touches the filesystem)."""
+        return self.signals.root_lost
 
     @property
     def layout(self) -> CacheLayout:
@@ -69,6 +77,7 @@ def open_roots(
     flat: memoryview,
     block_size: int,
     byte_path: BytePathKind,
+    keyring: Keyring | None = None,
 ) -> list[EngineRoot]:
     """Prepare every root and start its housekeeping, in list order. Raises
     RootListError when two roots are one directory or nested, VolumeError
@@ -83,7 +92,7 @@ def open_roots(
     roots: list[EngineRoot] = []
     try:
         for layout in layouts:
-            roots.append(_open_root(settings, layout, flat, block_size, byte_path))
+            roots.append(_open_root(settings, layout, flat, block_size, byte_path, keyring))
     except BaseException:
         for root in roots:
             root.close()
@@ -97,6 +106,7 @@ def _open_root(
     flat: memoryview,
     block_size: int,
     byte_path: BytePathKind,
+    keyring: Keyring | None,
 ) -> EngineRoot:
     prepared = prepare_volume(
         layout, settings.file_mode, settings.dir_mode, settings.require_mounted_root
@@ -104,7 +114,8 @@ def _open_root(
     use_o_direct = choose_o_direct(settings.io_mode, flat, block_size, layout.rank_dir)
     fstype = filesystem_type(layout.root_dir)
     options = io_options(settings, block_size, use_o_direct, fstype, prepared.root)
-    blockio = BlockIO(layout, options, byte_path(options))
+    spec = RootSpec(layout, options)
+    blockio = spec.blockio(byte_path, keyring)
     signals = VolumeSignals.create()
     guard = SpaceGuard(
         layout.root_dir,
@@ -123,7 +134,7 @@ def _open_root(
         root=prepared.root,
     )
     return EngineRoot(
-        RootSpec(layout, options),
+        spec,
         prepared.run_config_state,
         fstype,
         blockio,

@@ -35,6 +35,7 @@ from typing import Any
 
 from llmkv_fs.harness import bench_report
 from llmkv_fs.harness.bench_media import KINDS, roots_of
+from llmkv_fs.harness.machine import fs_of, machine_info
 
 __all__ = ["add_arguments", "run_bench"]
 
@@ -236,8 +237,8 @@ def run_case(
     case: dict[str, Any] = {
         "medium": medium,
         "roots": roots,
-        "fs": bench_report.fs_of(roots[0]),
-        "fs_roots": [bench_report.fs_of(r) for r in roots],
+        "fs": fs_of(roots[0]),
+        "fs_roots": [fs_of(r) for r in roots],
         "block_mib": block_mib,
         "threads": threads,
         "rounds": args.rounds,
@@ -310,7 +311,7 @@ def run_bench(args: argparse.Namespace) -> int:
         os.makedirs(root, exist_ok=True)
     result: dict[str, Any] = {
         "args": {k: v for k, v in vars(args).items() if k != "func"},
-        "machine": bench_report.machine_info(all_roots),
+        "machine": machine_info(all_roots),
         "cases": [],
     }
     log = sys.stderr

@@ -12,17 +12,20 @@ import importlib.util
 import json
 import math
 import os
-import platform
 import re
 import sys
-from typing import Any
+import textwrap
+from typing import TYPE_CHECKING, Any
 
-from llmkv_fs.volume.fsinfo import mount_of
+from llmkv_fs.harness.machine import describe_machine
+
+if TYPE_CHECKING:  # matplotlib is the optional [bench] extra
+    from matplotlib.backend_bases import RendererBase
+    from matplotlib.figure import Figure
+    from matplotlib.text import Text
 
 __all__ = [
-    "fs_of",
-    "loop_backing",
-    "machine_info",
+    "fit_text",
     "markdown",
     "plot_all",
     "plotting_missing",
@@ -40,89 +43,6 @@ SERIES = (
 def chunk_size(block_mib: float) -> str:
     """A chunk size for tables: "64 KiB" below a MiB, else "2 MiB"."""
     return f"{block_mib * 1024:g} KiB" if block_mib < 1 else f"{block_mib:g} MiB"
-
-
-# -- the machine -------------------------------------------------------------------
-
-
-def loop_backing(device: str) -> str | None:
-    """The file behind a loop device (/dev/loopN), else None."""
-    name = os.path.basename(device)
-    if not name.startswith("loop"):
-        return None
-    try:
-        with open(f"/sys/block/{name}/loop/backing_file", encoding="utf-8") as f:
-            return f.read().strip() or None
-    except OSError:
-        return None
-
-
-def fs_of(path: str) -> dict[str, str]:
-    """Mount point, filesystem type and device of ``path`` (the mount table);
-    for a loop device also the file behind it (``backing``)."""
-    mount = mount_of(path)
-    if mount is None:
-        return {"mount": "/", "fstype": "?", "device": "?"}
-    out = {"mount": mount.mount_point, "fstype": mount.fstype, "device": mount.device}
-    backing = loop_backing(mount.device)
-    if backing:
-        out["backing"] = f"{backing} ({fs_of(backing)['fstype']})"
-    return out
-
-
-def _ram_gib() -> float | None:
-    try:
-        with open("/proc/meminfo", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("MemTotal:"):
-                    return int(line.split()[1]) / (1 << 20)
-    except OSError:
-        pass
-    return None
-
-
-def machine_info(dirs: list[str]) -> dict:
-    from importlib.metadata import PackageNotFoundError, version
-
-    from llmkv_fs.engine.startup.numa import read_topology
-
-    try:
-        vllm_version = version("vllm")
-    except PackageNotFoundError:
-        vllm_version = None
-    try:  # the built-in tier's native batch I/O; without it, a Python loop
-        fsio_c = importlib.util.find_spec("vllm.fs_io_C") is not None
-    except ImportError:
-        fsio_c = False
-    topo = read_topology()
-    ram = _ram_gib()
-    return {
-        "node": platform.node(),
-        "cpus": os.cpu_count(),
-        "allowed_cpus": len(topo.allowed_cpus),
-        "numa_nodes": sum(1 for cpus in topo.nodes.values() if cpus),
-        "ram_gib": round(ram, 1) if ram else None,
-        "kernel": platform.release(),
-        "python": platform.python_version(),
-        "vllm": vllm_version,
-        "vllm_fs_io_C": fsio_c,
-        "media": {d: fs_of(d) for d in dirs},
-    }
-
-
-def describe_machine(m: dict) -> str:
-    media = "; ".join(
-        f"`{d}` {fs['fstype']} ({fs['device']} on {fs['mount']}"
-        + (f", backed by {fs['backing']})" if fs.get("backing") else ")")
-        for d, fs in m["media"].items()
-    )
-    return (
-        f"Machine `{m['node']}`: {m['cpus']} CPUs ({m['allowed_cpus']} allowed), "
-        f"{m['numa_nodes']} NUMA node(s), {m['ram_gib']} GiB RAM, Linux {m['kernel']}, "
-        f"Python {m['python']}, vLLM {m['vllm']} "
-        f"(fs_io_C {'loaded' if m['vllm_fs_io_C'] else 'absent'}). "
-        f"Media: {media}."
-    )
 
 
 # -- tables ------------------------------------------------------------------------
@@ -293,16 +213,18 @@ def plot_one(
     subtitle: str,
     xs: list[int],
     series: list[tuple[str, tuple[int, int, int], list[float | None], bool]],
-) -> None:
+) -> Figure:
     """GB/s against thread counts (evenly spaced), one line per series, the
-    dashed ones for the physical reference; 1100 x 600 pixels."""
+    dashed ones for the physical reference; 1100 x 600 pixels, every word
+    inside them. Returns the figure drawn."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure  # no pyplot: no GUI backend, no global state
 
     fig = Figure(figsize=(11, 6), dpi=100)
+    renderer = FigureCanvasAgg(fig).get_renderer()
     fig.subplots_adjust(left=0.082, right=0.773, top=0.85, bottom=0.133)
     ax = fig.add_subplot()
-    fig.text(0.082, 0.945, title, fontsize=15)
-    fig.text(0.082, 0.905, subtitle, fontsize=10, color="#505050")
+    _headings(fig, renderer, title, subtitle)
     for name, color, ys, dashed in series:
         points = [(i, v) for i, v in enumerate(ys) if v is not None]
         ax.plot(
@@ -327,9 +249,42 @@ def plot_one(
     ax.spines[["top", "right"]].set_visible(False)
     ax.set_xlabel("I/O threads per side (n_read_threads = n_write_threads)")
     ax.set_ylabel("GB/s")
-    # Right of the plot area: never over a line.
-    ax.legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), frameon=True)
+    # Right of the plot area: never over a line. The plot area gives way
+    # to a legend wider than its margin (long series names).
+    legend = ax.legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), frameon=True)
+    legend_width = legend.get_window_extent(renderer).width / fig.bbox.width
+    left = ax.get_position().x0
+    fig.subplots_adjust(right=min(0.773, left + (1 - _EDGE - legend_width - left) / 1.02))
     fig.savefig(path)
+    return fig
+
+
+_EDGE = 0.01  # of the figure's width, kept clear at its right edge
+
+
+def _headings(fig: Figure, renderer: RendererBase, title: str, subtitle: str) -> None:
+    """Title and subtitle above the plot area, top-aligned, each below the
+    one before: a long medium path, node name or mount path shrinks and
+    wraps downwards, never off the figure."""
+    width = (1 - _EDGE - 0.082) * fig.bbox.width
+    heading = fig.text(0.082, 0.98, title, fontsize=15, va="top")
+    fit_text(heading, renderer, width, min_size=10)
+    below = (heading.get_window_extent(renderer).y0 - 5) / fig.bbox.height
+    sub = fig.text(0.082, below, subtitle, fontsize=10, color="#505050", va="top")
+    fit_text(sub, renderer, width, min_size=8)
+
+
+def fit_text(text: Text, renderer: RendererBase, width_px: float, min_size: float) -> None:
+    """Make ``text`` at most ``width_px`` wide: a smaller font (down to
+    ``min_size`` points), then lines broken at spaces (or inside a word
+    longer than a line)."""
+    while text.get_window_extent(renderer).width > width_px and text.get_fontsize() > min_size:
+        text.set_fontsize(max(min_size, text.get_fontsize() - 0.5))
+    lines = text.get_text().splitlines()
+    columns = max((len(line) for line in lines), default=0)
+    while columns > 10 and text.get_window_extent(renderer).width > width_px:
+        columns = int(columns * 0.9)
+        text.set_text("\n".join(textwrap.fill(line, columns) if line else "" for line in lines))
 
 
 def _slug(text: str) -> str:

@@ -88,6 +88,13 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         choices=["sha256", "sha256_cbor", "xxhash", "xxhash_cbor"],
         help="vLLM prefix-caching hash algorithm (default sha256)",
     )
+    p.add_argument(
+        "--seal-key-file",
+        metavar="PATH",
+        help="seal every block with the key in PATH (seal_key_files, key id 1; "
+        "make one with: (umask 077; openssl rand -base64 32 > PATH)); every loaded "
+        "byte is still compared",
+    )
     p.add_argument("--damage", choices=["bitflip", "trailerless"], help=argparse.SUPPRESS)
     p.add_argument("--accept-trailerless", action="store_true", help=argparse.SUPPRESS)
     return p
@@ -173,6 +180,7 @@ def _start(names: list[str], args, root, env) -> list[ReplicaProcess]:
         "--hash-algo",
         args.hash_algo,
         *(["--accept-trailerless"] if args.accept_trailerless else []),
+        *(["--seal-key-file", os.path.abspath(args.seal_key_file)] if args.seal_key_file else []),
     ]
     procs = [ReplicaProcess(n, options, env) for n in names]
     for p in procs:
@@ -287,6 +295,8 @@ def _introduce(args: argparse.Namespace, root: str, seed: str) -> None:
         f"CPU tier {args.cpu_chunks} chunks per replica; {args.threads} read + "
         f"{args.threads} write threads"
     )
+    if args.seal_key_file:
+        say(f"  blocks sealed (AES-256-GCM) with the key in {args.seal_key_file}")
     say(
         f"  keys: vLLM's hash_block_tokens chained from NONE_HASH "
         f"({args.hash_algo}, PYTHONHASHSEED={seed}, same in every replica)"

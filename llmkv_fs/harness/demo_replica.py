@@ -178,6 +178,7 @@ class ReplicaServer:
                     n_read_threads=args.threads,
                     n_write_threads=args.threads,
                     accept_trailerless=args.accept_trailerless,
+                    **({"seal_key_files": {"1": args.seal_key_file}} if args.seal_key_file else {}),
                 )
             ],
             block_bytes=args.block_bytes,
@@ -304,6 +305,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=4)
     p.add_argument("--hash-algo", default="sha256")
     p.add_argument("--accept-trailerless", action="store_true")
+    p.add_argument("--seal-key-file", help="seal blocks with the key in this file (key id 1)")
     return p.parse_args(argv)
 
 

@@ -7,18 +7,13 @@ from typing import Any
 
 from llmkv_fs.harness.demo_replica import ReplicaProcess
 from llmkv_fs.ops.stats import volume_stats
+from llmkv_fs.units import format_bytes
 
-__all__ = ["describe", "fmt_bytes", "print_tally", "print_volume", "say", "volume_summary"]
-
-MiB = 1 << 20
+__all__ = ["describe", "print_tally", "print_volume", "say", "volume_summary"]
 
 
 def say(text: str = "") -> None:
     print(text, flush=True)
-
-
-def fmt_bytes(n: float) -> str:
-    return f"{n / MiB:.1f} MiB" if n < 1 << 30 else f"{n / (1 << 30):.2f} GiB"
 
 
 def _rate(nbytes: int, seconds: float) -> str:
@@ -54,8 +49,8 @@ def print_tally(p: ReplicaProcess, label: str = "") -> None:
         else f"{len(t.mismatched)} loaded chunks WRONG ({t.bad_bytes} bytes differ)"
     )
     say(
-        f"  loads  {fmt_bytes(t.load_bytes)} volume->CPU at {_rate(t.load_bytes, t.load_s)}"
-        f" (lookup to HIT, wall); stores {fmt_bytes(t.store_bytes)} CPU->volume at "
+        f"  loads  {format_bytes(t.load_bytes)} volume->CPU at {_rate(t.load_bytes, t.load_s)}"
+        f" (lookup to HIT, wall); stores {format_bytes(t.store_bytes)} CPU->volume at "
         f"{_rate(t.store_bytes, t.store_s)} (until published, wall)"
     )
     corrupt = {k: v for k, v in c.items() if k.startswith("load_corrupt_") and v}
@@ -75,6 +70,7 @@ def volume_summary(root: str) -> dict[str, Any]:
             {
                 "name": d["name"],
                 "blocks": d["blocks"],
+                "sealed": d["sealed_blocks"],
                 "bytes": d["bytes"],
                 "chunk": d["chunk_bytes"],
                 "quarantined": d["quarantined"]["count"],
@@ -96,8 +92,9 @@ def print_volume(root: str, during: dict[str, Any] | None) -> None:
     for d in summary["digests"]:
         reasons = ", ".join(f"{k} {n}" for k, n in d["reasons"].items())
         say(
-            f"  {d['name']}/: {d['blocks']} blocks, {fmt_bytes(d['bytes'])}"
-            f"{' (' + fmt_bytes(d['chunk']) + ' chunks + 4 KiB trailer)' if d['chunk'] else ''}"
+            f"  {d['name']}/: {d['blocks']} blocks{' (sealed)' if d['sealed'] else ''}, "
+            f"{format_bytes(d['bytes'])}"
+            f"{' (' + format_bytes(d['chunk']) + ' chunks + 4 KiB trailer)' if d['chunk'] else ''}"
             f"; {d['quarantined']} quarantined{' (' + reasons + ')' if reasons else ''}; "
             f"{d['temp']} temp files; leases now {d['live']} live, {d['stale']} stale"
         )

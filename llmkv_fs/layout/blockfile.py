@@ -27,6 +27,21 @@ Trailer (little-endian, rest of the page zero)::
     ..  Q   xxh3-64 of bytes [0, 42 + key length): the trailer's own checksum
 
 One page keeps O_DIRECT I/O aligned and leaves room for later fields.
+
+A sealed block (``seal_key_files``; layout/sealed.py) has the same shape:
+the payload is its AES-256-GCM ciphertext and the trailer is format
+version ``SEALED_VERSION``, whose offset 12 holds the key id (reserved in
+version 1), whose xxh3 field is zero (a plaintext hash would let a reader
+test a guess of the prompt), and whose key is followed by a seal record
+before the trailer's own checksum::
+
+    ..  12s nonce (fresh, random, per write)
+    ..  8s  key check (identifies the key under its id: layout/sealed.py)
+    ..  16s GCM tag over the payload, with every trailer byte before it
+            and the block's place as associated data
+
+A version 1 reader refuses it (bad-version) and vLLM's built-in never
+looks where sealed blocks live (the namespace digest names the scheme).
 """
 
 from __future__ import annotations
@@ -43,12 +58,17 @@ __all__ = [
     "FLAG_CHECKSUM",
     "FORMAT_VERSION",
     "MAGIC",
+    "SEALED_VERSION",
     "TRAILER_SIZE",
     "BlockFileError",
     "Corruption",
+    "SealRecord",
     "Trailer",
+    "check_trailer_names",
     "file_sizes",
+    "finish_sealed_trailer",
     "length_fault",
+    "pack_sealed_trailer",
     "pack_trailer",
     "payload_checksum",
     "unpack_trailer",
@@ -60,12 +80,15 @@ Buffer: TypeAlias = bytes | bytearray | memoryview | mmap.mmap
 
 MAGIC = b"LLMKVFS\x00"
 FORMAT_VERSION = 1
+SEALED_VERSION = 2
 FLAG_CHECKSUM = 0x1
 TRAILER_SIZE = 4096
 MAX_KEY_LEN = 1024
 
 _HEAD = struct.Struct("<8sHHIQQQH")  # up to and including the key length
 _TAIL = struct.Struct("<Q")
+_SEAL = struct.Struct("<12s8s16s")  # nonce, key check, tag
+_TAG_SIZE = 16
 
 
 class Corruption(str, enum.Enum):
@@ -90,6 +113,9 @@ class Corruption(str, enum.Enum):
     BAD_VERSION = "bad-version"
     BAD_TRAILER = "bad-trailer"
     SYMLINK = "symlink"
+    # a sealed block whose key we hold failed authentication: forged,
+    # tampered with, or moved from another place (layout/sealed.py)
+    BAD_SEAL = "bad-seal"
 
 
 class BlockFileError(Exception):
@@ -103,6 +129,18 @@ class BlockFileError(Exception):
         self.left_because = "not moved aside"
 
 
+class SealRecord(NamedTuple):
+    """What a sealed trailer adds: the key it was sealed with (``key_id``,
+    ``key_check``), the nonce and the tag; ``tag_at`` is the tag's offset
+    in the page (every byte before it is associated data)."""
+
+    key_id: int
+    nonce: bytes
+    key_check: bytes
+    tag: bytes
+    tag_at: int
+
+
 class Trailer(NamedTuple):
     """A trailer as read (a NamedTuple: built for every block loaded, and a
     frozen dataclass's constructor cost several microseconds of it)."""
@@ -113,6 +151,7 @@ class Trailer(NamedTuple):
     payload_xxh3: int
     created_ns: int
     key: bytes
+    seal: SealRecord | None = None  # a sealed block's (SEALED_VERSION)
 
     @property
     def has_checksum(self) -> bool:
@@ -161,22 +200,69 @@ def unpack_trailer(buf: Buffer) -> Trailer:
     view = memoryview(buf).cast("B")
     if len(view) < _HEAD.size + _TAIL.size:
         raise BlockFileError(Corruption.TRUNCATED, "trailer shorter than its header")
-    magic, version, flags, _reserved, payload_len, xxh, created, key_len = _HEAD.unpack_from(
-        view, 0
-    )
+    magic, version, flags, key_id, payload_len, xxh, created, key_len = _HEAD.unpack_from(view, 0)
     if magic != MAGIC:
         raise BlockFileError(Corruption.BAD_MAGIC, f"trailer magic {magic!r}")
-    if version != FORMAT_VERSION:
+    if version not in (FORMAT_VERSION, SEALED_VERSION):
         raise BlockFileError(
-            Corruption.BAD_VERSION, f"format version {version}, this reader knows {FORMAT_VERSION}"
+            Corruption.BAD_VERSION,
+            f"format version {version}, this reader knows {FORMAT_VERSION} and {SEALED_VERSION}",
         )
     key_end = _HEAD.size + key_len
-    if key_len > MAX_KEY_LEN or key_end + _TAIL.size > len(view):
+    sums_end = key_end + (_SEAL.size if version == SEALED_VERSION else 0)
+    if key_len > MAX_KEY_LEN or sums_end + _TAIL.size > len(view):
         raise BlockFileError(Corruption.BAD_TRAILER, f"key length {key_len}")
-    (stored,) = _TAIL.unpack_from(view, key_end)
-    if stored != xxhash.xxh3_64_intdigest(view[:key_end]):
+    (stored,) = _TAIL.unpack_from(view, sums_end)
+    if stored != xxhash.xxh3_64_intdigest(view[:sums_end]):
         raise BlockFileError(Corruption.BAD_TRAILER, "trailer checksum mismatch")
-    return Trailer(version, flags, payload_len, xxh, created, bytes(view[_HEAD.size : key_end]))
+    key = bytes(view[_HEAD.size : key_end])
+    if version == FORMAT_VERSION:
+        return Trailer(version, flags, payload_len, xxh, created, key)
+    nonce, check, tag = _SEAL.unpack_from(view, key_end)
+    seal = SealRecord(key_id, nonce, check, tag, sums_end - _TAG_SIZE)
+    return Trailer(version, flags, payload_len, xxh, created, key, seal)
+
+
+def pack_sealed_trailer(
+    out: memoryview,
+    key: bytes,
+    payload_len: int,
+    created_ns: int,
+    key_id: int,
+    nonce: bytes,
+    key_check: bytes,
+) -> int:
+    """Fill ``out`` with a sealed trailer whose tag is still zero; returns
+    the tag's offset (every byte before it is associated data). Call
+    ``finish_sealed_trailer`` with the tag once the payload is sealed."""
+    if len(key) > MAX_KEY_LEN:
+        raise ValueError(f"key of {len(key)} bytes exceeds {MAX_KEY_LEN}")
+    _HEAD.pack_into(out, 0, MAGIC, SEALED_VERSION, 0, key_id, payload_len, 0, created_ns, len(key))
+    key_end = _HEAD.size + len(key)
+    out[_HEAD.size : key_end] = key
+    _SEAL.pack_into(out, key_end, nonce, key_check, bytes(_TAG_SIZE))
+    tail_end = key_end + _SEAL.size + _TAIL.size
+    out[tail_end:] = _ZEROS[: len(out) - tail_end]
+    return key_end + _SEAL.size - _TAG_SIZE
+
+
+def finish_sealed_trailer(out: memoryview, tag_at: int, tag: bytes) -> None:
+    """Write the tag at ``tag_at`` and the trailer's own checksum after it."""
+    out[tag_at : tag_at + _TAG_SIZE] = tag
+    sums_end = tag_at + _TAG_SIZE
+    _TAIL.pack_into(out, sums_end, xxhash.xxh3_64_intdigest(out[:sums_end]))
+
+
+def check_trailer_names(trailer: Trailer, key: bytes, payload_len: int) -> None:
+    """The trailer is this block's: it records ``payload_len`` bytes and
+    ``key`` (sealed or not); raises BlockFileError."""
+    if trailer.payload_len != payload_len:
+        raise BlockFileError(
+            Corruption.BAD_LENGTH,
+            f"trailer says {trailer.payload_len} bytes, block is {payload_len}",
+        )
+    if trailer.key != key:
+        raise BlockFileError(Corruption.WRONG_KEY, "file holds another block's key")
 
 
 def verify_block(
@@ -190,14 +276,9 @@ def verify_block(
     writer recorded one and the reader wants it) the xxh3 checksum --
     ``payload_xxh3`` if the caller already hashed the payload while reading."""
     trailer = unpack_trailer(trailer_page)
-    payload_len = memoryview(payload).nbytes
-    if trailer.payload_len != payload_len:
-        raise BlockFileError(
-            Corruption.BAD_LENGTH,
-            f"trailer says {trailer.payload_len} bytes, block is {payload_len}",
-        )
-    if trailer.key != key:
-        raise BlockFileError(Corruption.WRONG_KEY, "file holds another block's key")
+    check_trailer_names(trailer, key, memoryview(payload).nbytes)
+    if trailer.seal is not None:  # only a sealed reader opens it (layout/sealed.py)
+        raise BlockFileError(Corruption.BAD_VERSION, "a sealed block where unsealed blocks live")
     if verify_checksum and trailer.has_checksum:
         actual = payload_checksum(payload) if payload_xxh3 is None else payload_xxh3
         if actual != trailer.payload_xxh3:

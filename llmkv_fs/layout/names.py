@@ -1,6 +1,6 @@
 """Every name on the volume: one function builds each kind, one parses it.
 Pure string functions, no I/O; the engine, the tier and the ops tools build
-and recognise names only through these (tests/test_names.py round-trips
+and recognise names only through these (tests/layout/test_names.py round-trips
 every kind and feeds the parsers look-alikes).
 
     <root>/<model>_<digest>/                         digest_dir_name    parse_digest_dir_name

@@ -1,6 +1,7 @@
 """Checking one block file from the outside, for ``llmkv-fs verify`` (and the
-chunk-size probe ``llmkv-fs stats`` shares). Layout room only: no vLLM, no
-engine; safe against a volume that live tiers are writing.
+chunk-size probe ``llmkv-fs stats`` shares). Reads through ``volume`` and
+``layout`` only: no vLLM, no engine; safe against a volume that live tiers
+are writing.
 
 The chunk size (payload bytes per block) is not in ``config.json``: vLLM
 takes it from the CPU tier's row stride, i.e. the model's KV bytes per
@@ -30,6 +31,7 @@ from llmkv_fs.layout.blockfile import (
     verify_block,
 )
 from llmkv_fs.layout.names import parse_block_path
+from llmkv_fs.layout.sealed import ForeignKey, Keyring, check_unopened, open_payload
 from llmkv_fs.ops.problems import kind_of
 from llmkv_fs.volume.beneath import open_path_beneath
 from llmkv_fs.volume.quarantine import file_ident
@@ -38,6 +40,8 @@ from llmkv_fs.volume.vectored import read_all
 __all__ = [
     "BAD",
     "ERROR",
+    "FOREIGN",
+    "SEALED",
     "UNVERIFIED",
     "VANISHED",
     "VERIFIED",
@@ -50,6 +54,10 @@ __all__ = [
 ]
 
 VERIFIED, UNVERIFIED, BAD, ERROR, VANISHED = "verified", "unverified", "bad", "error", "vanished"
+# Sealed blocks (layout/sealed.py): SEALED could not be authenticated, no
+# key given (its length and key were checked); FOREIGN is sealed with a key
+# not given (another deployment's, or a retired one). Neither is bad.
+SEALED, FOREIGN = "sealed", "foreign-key"
 
 _PAGE = mmap.PAGESIZE
 O_NOATIME = getattr(os, "O_NOATIME", 0)
@@ -188,10 +196,34 @@ def _size_reason(n: int, chunk: int) -> tuple[str, str]:
     return str(fault.reason), str(fault).split(": ", 1)[1]
 
 
-def check_block(rank_dir: str, path: str, lst: os.stat_result, chunk: int) -> Result:
-    """Judge one block file: ``lst`` is its lstat from the walk, ``chunk``
-    its digest's payload size. Never follows a symlink, never opens a
-    non-regular file, reads at most ``chunk`` + 2 pages."""
+def _judge(
+    rank_dir: str, key: bytes, payload: memoryview, page: memoryview, keyring: Keyring | None
+) -> str:
+    """The status of a whole-sized block read into ``payload`` and ``page``;
+    BlockFileError when it is bad. A sealed one is opened with ``keyring``
+    (decrypted in ``payload``) where given."""
+    trailer = unpack_trailer(page)
+    if trailer.seal is None:
+        trailer = verify_block(payload, page, key, verify_checksum=True)
+        # Written with checksum: false: key and length only, never "verified".
+        return VERIFIED if trailer.has_checksum else UNVERIFIED
+    if keyring is None:
+        check_unopened(page, key, payload.nbytes)
+        return SEALED
+    place = os.path.basename(rank_dir).encode("utf-8", "surrogateescape")
+    try:
+        open_payload(keyring, place, payload, page, key)
+    except ForeignKey:
+        return FOREIGN
+    return VERIFIED
+
+
+def check_block(
+    rank_dir: str, path: str, lst: os.stat_result, chunk: int, keyring: Keyring | None = None
+) -> Result:
+    """Judge one block file (``lst``: its lstat from the walk; ``chunk``: its
+    digest's payload size; ``keyring``: to open sealed blocks, None: SEALED).
+    Never follows a link or opens a non-regular file; reads <= chunk + 2 pages."""
     if stat.S_ISLNK(lst.st_mode):
         try:
             target = os.readlink(path)
@@ -233,12 +265,10 @@ def check_block(rank_dir: str, path: str, lst: os.stat_result, chunk: int) -> Re
         result.atime_preserved = undo_atime(fd, st)
         if n == chunk + TRAILER_SIZE:
             try:
-                trailer = verify_block(payload, scratch[:TRAILER_SIZE], key, verify_checksum=True)
+                result.status = _judge(rank_dir, key, payload, scratch[:TRAILER_SIZE], keyring)
             except BlockFileError as exc:
                 result.reason, result.detail = exc.reason, str(exc)
                 return result
-            # Written with checksum: false: key and length only, never "verified".
-            result.status = VERIFIED if trailer.has_checksum else UNVERIFIED
         elif n == chunk:
             result.status = UNVERIFIED  # vLLM's built-in tier wrote it
         else:

@@ -1,6 +1,6 @@
 """Reading a cache volume's tree: digests, their rank directories, and every
-file under them. Shared by gc, stats and verify; layout room only (no vLLM,
-no engine), safe to run against a volume that live tiers are writing.
+file under them. Shared by gc, stats and verify; reads through ``volume`` and ``layout`` only
+(no vLLM, no engine), safe to run against a volume that live tiers are writing.
 
 The root is sorted out here (``list_root``); the directories below it are
 listed by ``walk`` (``ops/walker.py``: a pool of threads, every directory
@@ -21,52 +21,19 @@ from llmkv_fs.layout.names import (
     is_trash_name,
     parse_digest_dir_name,
     parse_rank_dir_name,
-    temp_writer,
 )
 from llmkv_fs.layout.names import lease_dir as lease_dir_path
-from llmkv_fs.ops.kinds import (
-    BLOCK,
-    CONFIG,
-    CONFIG_AREA,
-    LEASE,
-    OTHER,
-    QUARANTINED,
-    RANK_AREA,
-    SILLY_RENAMED,
-    SYMLINK,
-    TEMP,
-    FileEntry,
-    classify,
-)
 from llmkv_fs.ops.problems import Problems
-from llmkv_fs.ops.walker import Listing, walk
 from llmkv_fs.volume.fsinfo import filesystem_type
 from llmkv_fs.volume.leases import Lease, LeaseDir, read_lease_dir
 from llmkv_fs.volume.run_config import read_run_config, run_config_proves
 
 __all__ = [
-    "BLOCK",
-    "CONFIG",
-    "CONFIG_AREA",
-    "LEASE",
-    "OTHER",
-    "QUARANTINED",
-    "RANK_AREA",
-    "SILLY_RENAMED",
-    "SYMLINK",
-    "TEMP",
     "Digest",
-    "FileEntry",
-    "Listing",
     "RootListing",
-    "classify",
     "default_threads",
-    "filesystem_type",
     "is_network_fs",
-    "list_digests",
     "list_root",
-    "temp_writer",
-    "walk",
 ]
 
 
@@ -226,10 +193,3 @@ def list_root(root: str) -> RootListing:
         sorted(other),
         problems,
     )
-
-
-def list_digests(root: str) -> list[Digest]:
-    """Every digest under ``root``, sorted by name. Entries that are not
-    directories, or symlinks, are ignored: gc must never follow a link out of
-    the volume."""
-    return list_root(root).digests

@@ -27,15 +27,16 @@ from typing import Any
 from llmkv_fs.layout.blockfile import TRAILER_SIZE, last_used
 from llmkv_fs.layout.names import in_quarantine, is_block_name, parse_quarantine_name
 from llmkv_fs.layout.paths import run_config_digest
-from llmkv_fs.ops import scan
+from llmkv_fs.layout.sealed import NAMESPACE_FIELD
+from llmkv_fs.ops import kinds, scan, walker
 from llmkv_fs.ops.blockcheck import infer_chunk_size
-from llmkv_fs.ops.problems import Problems
-from llmkv_fs.ops.roots import (
+from llmkv_fs.ops.per_root import (
     RootOutcome,
     add_root_argument,
     run_listed_roots,
     sum_totals,
 )
+from llmkv_fs.ops.problems import Problems
 from llmkv_fs.ops.stats_text import print_report
 from llmkv_fs.units import format_bytes
 from llmkv_fs.volume.fsinfo import volume_usage
@@ -114,6 +115,12 @@ def _config_summary(config: dict | None) -> dict[str, Any] | None:
     return summary
 
 
+def _sealing(config: dict | None) -> str | None:
+    """The sealing scheme a digest's config.json names (None: not sealed)."""
+    scheme = (config or {}).get(NAMESPACE_FIELD)
+    return scheme if isinstance(scheme, str) else None
+
+
 def _config_digest_ok(d: scan.Digest, config: dict | None) -> bool | None:
     if config is None:
         return None
@@ -185,25 +192,25 @@ class _DigestFiles:
 def _walk_digest(d: scan.Digest, now: float, threads: int, problems: Problems) -> _DigestFiles:
     found = _DigestFiles(ranks={rank: {"blocks": 0, "bytes": 0} for rank in sorted(d.rank_dirs)})
     ranks = found.ranks
-    tops: list[tuple[str, str]] = [(d.rank_dirs[r], scan.RANK_AREA) for r in ranks]
+    tops: list[tuple[str, str]] = [(d.rank_dirs[r], kinds.RANK_AREA) for r in ranks]
     top_rank = list(ranks)
     if d.has_config_dir:
-        tops.append((d.config_dir, scan.CONFIG_AREA))
-    for listing in scan.walk(tops, threads):
+        tops.append((d.config_dir, kinds.CONFIG_AREA))
+    for listing in walker.walk(tops, threads):
         if listing.error is not None:
             found.unreadable.append({"path": listing.path, "detail": str(listing.error)})
             problems.add(listing.error, listing.path, "list")
         for op, path, exc in listing.problems:
             problems.add(exc, path, op)
         top_dir, area = tops[listing.top]
-        quarantined_here = area == scan.RANK_AREA and in_quarantine(top_dir, listing.path)
+        quarantined_here = area == kinds.RANK_AREA and in_quarantine(top_dir, listing.path)
         for e in listing.files:
             name = os.path.basename(e.path)
             if quarantined_here:  # whatever it is: the tiers or verify put it there
                 found.quarantined_count += 1
                 found.quarantined_bytes += e.st.st_size
                 found.quarantined_reasons[_quarantine_reason(name)] += 1
-            elif e.kind == scan.BLOCK and stat.S_ISREG(e.st.st_mode) and is_block_name(name):
+            elif e.kind == kinds.BLOCK and stat.S_ISREG(e.st.st_mode) and is_block_name(name):
                 r = ranks[top_rank[listing.top]]
                 r["blocks"] += 1
                 r["bytes"] += e.st.st_size
@@ -216,15 +223,15 @@ def _walk_digest(d: scan.Digest, now: float, threads: int, problems: Problems) -
                 age = now - used
                 bucket = next(b for b, limit in AGE_BUCKETS if limit is None or age < limit)
                 found.buckets[bucket] += 1
-            elif e.kind == scan.TEMP:
+            elif e.kind == kinds.TEMP:
                 found.temp_count += 1
                 found.temp_bytes += e.st.st_size
                 if found.temp_oldest_mtime is None or e.st.st_mtime < found.temp_oldest_mtime:
                     found.temp_oldest_mtime = e.st.st_mtime
-            elif e.kind == scan.SILLY_RENAMED:
+            elif e.kind == kinds.SILLY_RENAMED:
                 found.silly_count += 1
                 found.silly_bytes += e.st.st_size
-            elif e.kind in (scan.CONFIG, scan.LEASE):
+            elif e.kind in (kinds.CONFIG, kinds.LEASE):
                 continue
             else:  # OTHER, SYMLINK, and any kind scan may add later
                 found.other_count += 1
@@ -299,6 +306,10 @@ def _digest_stats(
         "ranks": {str(k): v for k, v in ranks.items()},
         "blocks": sum(r["blocks"] for r in ranks.values()),
         "bytes": sum(r["bytes"] for r in ranks.values()),
+        # The digest names its sealing scheme (layout/sealed.py): every block
+        # in it is sealed; counted without a key.
+        "sealing": _sealing(config),
+        "sealed_blocks": sum(r["blocks"] for r in ranks.values()) if _sealing(config) else 0,
         "chunk_bytes": chunk.payload,
         "chunk_source": chunk.source,
         "trailer_bytes": TRAILER_SIZE if chunk.source == "trailer" else None,
@@ -346,7 +357,7 @@ def _unexpected_in_root(listing: scan.RootListing, problems: Problems) -> list[d
     return sorted(out, key=lambda e: e["path"])
 
 
-def _statvfs(root: str) -> dict[str, int]:
+def _statvfs(root: str) -> dict[str, float]:
     usage = volume_usage(root)
     # free_bytes counts the root reserve too (f_bfree); available_bytes does not.
     return {
@@ -354,6 +365,7 @@ def _statvfs(root: str) -> dict[str, int]:
         "free_bytes": usage.total_bytes - usage.used_bytes,
         "available_bytes": usage.free_bytes,
         "used_bytes": usage.used_bytes,
+        "used_percent": round(usage.used_percent, 2),  # df's, as gc and the guard count
         "inodes": usage.inodes,
         "inodes_free": usage.inodes_free,
     }
@@ -371,7 +383,7 @@ def volume_stats(
     unexpected = [] if digest_names else _unexpected_in_root(listing, problems)
     totals = {
         "digests": len(per),
-        **{k: sum(p[k] for p in per) for k in ("blocks", "bytes")},
+        **{k: sum(p[k] for p in per) for k in ("blocks", "bytes", "sealed_blocks")},
         "temp_files": sum(p["temp"]["count"] for p in per),
         "temp_bytes": sum(p["temp"]["bytes"] for p in per),
         "quarantined_files": sum(p["quarantined"]["count"] for p in per),

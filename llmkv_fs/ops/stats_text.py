@@ -90,6 +90,8 @@ def _print_blocks(p: dict[str, Any], out: TextIO) -> None:
         f"{'  (' + per_rank + ')' if len(p['ranks']) > 1 else ''}",
         file=out,
     )
+    if p["sealing"]:
+        print(f"  sealed     {p['sealed_blocks']} blocks ({p['sealing']})", file=out)
     lu = p["last_used"]
     hist = "  ".join(f"{b} {n}" for b, n in lu["buckets"].items())
     print(
@@ -165,11 +167,11 @@ def _print_volume(report: dict[str, Any], out: TextIO) -> None:
         f"leases {t['live_leases']} live, {t['stale_leases']} stale",
         file=out,
     )
-    used_pct = 100.0 * fs["used_bytes"] / fs["size_bytes"] if fs["size_bytes"] else 0.0
     inode_pct = (100.0 * (fs["inodes"] - fs["inodes_free"]) / fs["inodes"]) if fs["inodes"] else 0.0
     print(
         f"filesystem {format_bytes(fs['size_bytes'])} size, {format_bytes(fs['used_bytes'])} used "
-        f"({used_pct:.0f}%), {format_bytes(fs['available_bytes'])} available; "
+        f"({fs['used_percent']:.1f}%, as df and gc count it), "
+        f"{format_bytes(fs['available_bytes'])} available; "
         f"inodes {inode_pct:.0f}% used",
         file=out,
     )

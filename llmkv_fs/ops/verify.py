@@ -8,7 +8,8 @@ directory that cannot be listed included: its blocks went unchecked).
 
 With --repair, bad files move into their rank directory's .quarantine/ --
 only if the path still names the inode that was read, so it is safe while
-tiers are live: a block republished meanwhile is left alone.
+tiers are live: a block republished meanwhile is left alone. With
+--kv-events-config, each such move is announced first (a BlockRemoved).
 
 Several roots (a tier's root_dir list with path_sharding by_block_hash, or
 several ROOT arguments): each root verified on its own, then the total; the
@@ -27,15 +28,19 @@ import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tqdm import tqdm
 
+from llmkv_fs.checks import TierConfigError
 from llmkv_fs.layout.names import in_quarantine, is_block_name
-from llmkv_fs.ops import scan
+from llmkv_fs.layout.sealed import Keyring
+from llmkv_fs.ops import kinds, scan, walker
 from llmkv_fs.ops.blockcheck import (
     BAD,
     ERROR,
+    FOREIGN,
+    SEALED,
     UNVERIFIED,
     VANISHED,
     VERIFIED,
@@ -43,17 +48,22 @@ from llmkv_fs.ops.blockcheck import (
     check_block,
     infer_chunk_size,
 )
-from llmkv_fs.ops.problems import EXAMPLES_PER_KIND, Problems
-from llmkv_fs.ops.roots import (
+from llmkv_fs.ops.events.options import add_event_arguments, announcer_from_args
+from llmkv_fs.ops.per_root import (
     RootOutcome,
     add_root_argument,
     run_listed_roots,
     sum_totals,
 )
+from llmkv_fs.ops.problems import EXAMPLES_PER_KIND, Problems
+from llmkv_fs.ops.repair import quarantine
 from llmkv_fs.ops.stats import add_digest_argument, select_digests
 from llmkv_fs.ops.verify_text import print_report
 from llmkv_fs.units import format_bytes
-from llmkv_fs.volume.quarantine import move_to_quarantine
+from llmkv_fs.volume.keyfiles import keyring_from_args
+
+if TYPE_CHECKING:
+    from llmkv_fs.ops.events.announcer import Announcer
 
 __all__ = ["add_arguments", "quarantine", "run", "verify_volume"]
 
@@ -75,7 +85,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="parallel readers and directory listers (default 8; per root, one root after another)",
     )
+    parser.add_argument(
+        "--seal-key-file",
+        action="append",
+        default=[],
+        metavar="[ID=]PATH",
+        help="authenticate sealed blocks with the key in PATH under key id ID (default 1); "
+        "repeat for every key (seal_key_files). Without one, sealed blocks are counted "
+        "sealed_unchecked: they cannot be authenticated, which says nothing bad of them",
+    )
     parser.add_argument("--json", action="store_true", help="machine-readable output")
+    add_event_arguments(parser, "a BlockRemoved for every file --repair moves aside")
 
 
 class _Progress:
@@ -110,40 +130,25 @@ class _Progress:
         self.bar.close()
 
 
-def quarantine(
-    rank_dir: str, result: Result, problems: Problems | None = None
-) -> tuple[str, str | None]:
-    """Move a bad file aside if its path still names the inode judged bad.
-    Returns (outcome, new path): "quarantined", "replaced" (another file is
-    there now: left alone), "vanished", "skipped" or "failed: ..." (also
-    recorded in ``problems``)."""
-    if result.ident is None:
-        return "skipped", None
-    try:
-        target = move_to_quarantine(result.path, rank_dir, result.reason, result.ident)
-    except IsADirectoryError:  # never move a tree aside
-        return "skipped", None
-    except FileNotFoundError:
-        return "vanished", None
-    except OSError as exc:
-        if problems is not None:
-            problems.add(exc, result.path, "quarantine")
-        return f"failed: {exc}", None
-    return ("quarantined", target) if target is not None else ("replaced", None)
-
-
-def _work(item, out: queue.SimpleQueue) -> None:
+def _work(item, out: queue.SimpleQueue, keyring: Keyring | None) -> None:
     digest, rank_dir, entry, chunk = item
     try:
-        result = check_block(rank_dir, entry.path, entry.st, chunk)
+        result = check_block(rank_dir, entry.path, entry.st, chunk, keyring)
     except BaseException as exc:  # a bug must not hang the run
         result = Result(entry.path, ERROR, 0, "internal-error", repr(exc))
     out.put((digest, rank_dir, result))
 
 
-def _check_all(items: list, threads: int, on_result: Callable, tick: Callable[[], None]) -> None:
-    """Check ``items`` on ``threads`` readers; ``on_result`` runs on this
-    thread, in completion order. At most 2 x threads items are in flight."""
+def _check_all(
+    items: list,
+    threads: int,
+    on_result: Callable,
+    tick: Callable[[], None],
+    keyring: Keyring | None = None,
+) -> None:
+    """Check ``items`` on ``threads`` readers (sealed blocks opened with
+    ``keyring``); ``on_result`` runs on this thread, in completion order.
+    At most 2 x threads items are in flight."""
     results: queue.SimpleQueue = queue.SimpleQueue()
     pending: Iterator = iter(items)
     in_flight = 0
@@ -153,7 +158,7 @@ def _check_all(items: list, threads: int, on_result: Callable, tick: Callable[[]
             item = next(pending, None)
             if item is None:
                 return 0
-            pool.submit(_work, item, results)
+            pool.submit(_work, item, results, keyring)
             return 1
 
         for _ in range(2 * threads):
@@ -177,6 +182,8 @@ _COUNT = {
     BAD: "bad",
     ERROR: "errors",
     VANISHED: "vanished",
+    SEALED: "sealed_unchecked",  # no key given: cannot authenticate (not bad)
+    FOREIGN: "foreign_key",  # sealed with a key not given (not bad)
 }
 
 
@@ -206,7 +213,7 @@ def _collect(digests: list[scan.Digest], threads: int, unread: _Unread) -> tuple
     What could not be listed, and the symlinks seen, go to ``unread``."""
     tops = [(d, d.rank_dirs[r]) for d in digests for r in sorted(d.rank_dirs)]
     found: dict[str, list] = {d.name: [] for d in digests}
-    for listing in scan.walk([rank_dir for _, rank_dir in tops], threads):
+    for listing in walker.walk([rank_dir for _, rank_dir in tops], threads):
         d, rank_dir = tops[listing.top]
         if listing.error is not None:
             unread.add(d.name, "list", listing.path, listing.error)
@@ -217,11 +224,11 @@ def _collect(digests: list[scan.Digest], threads: int, unread: _Unread) -> tuple
         for entry in listing.files:
             # By name, not by scan's kind: a symlink or FIFO named like a
             # block is reported (and never followed or opened).
-            if entry.kind != scan.TEMP and is_block_name(os.path.basename(entry.path)):
+            if entry.kind != kinds.TEMP and is_block_name(os.path.basename(entry.path)):
                 found[d.name].append((rank_dir, entry))
-            elif entry.kind == scan.SYMLINK:
+            elif entry.kind == kinds.SYMLINK:
                 unread.symlinks.append(entry.path)
-    items: list[tuple[str, str, scan.FileEntry, int]] = []
+    items: list[tuple[str, str, kinds.FileEntry, int]] = []
     per_digest: dict[str, dict[str, Any]] = {}
     for d in digests:
         entries = found[d.name]
@@ -245,8 +252,15 @@ class _Results:
     """Counts and lists of one run, filled from the checkers' results
     (owner thread only: _check_all calls ``add`` there)."""
 
-    def __init__(self, per_digest: dict[str, dict[str, Any]], unread: _Unread, repair: bool):
+    def __init__(
+        self,
+        per_digest: dict[str, dict[str, Any]],
+        unread: _Unread,
+        repair: bool,
+        announce: Announcer | None,
+    ):
         self.per_digest = per_digest
+        self.announce = announce
         self.errors = unread.errors
         self.problems = unread.problems
         self.repair = repair
@@ -274,7 +288,7 @@ class _Results:
             }
             if self.repair:
                 record["repair"], record["quarantined_to"] = quarantine(
-                    rank_dir, result, self.problems
+                    rank_dir, result, self.problems, self.announce
                 )
             self.bad.append(record)
         elif result.status == ERROR:
@@ -297,8 +311,12 @@ def verify_volume(
     threads: int = 8,
     repair: bool = False,
     progress_stream=None,
+    announce: Announcer | None = None,
+    keyring: Keyring | None = None,
 ) -> dict:
-    """The whole run as a JSON-able report (see docs/operations.md)."""
+    """The whole run as a JSON-able report (see docs/operations.md); sealed
+    blocks are authenticated with ``keyring`` (None: counted
+    ``sealed_unchecked``, checked up to their key and length)."""
     threads = max(1, threads)
     root_listing = scan.list_root(root)
     digests = select_digests(root, digest_names, root_listing)
@@ -306,7 +324,7 @@ def verify_volume(
     listed = time.monotonic()
     items, per_digest = _collect(digests, threads, unread)
     listing_s = time.monotonic() - listed
-    results = _Results(per_digest, unread, repair)
+    results = _Results(per_digest, unread, repair, announce if repair else None)
     totals, bad, errors = results.totals, results.bad, results.errors
     total_bytes = sum(e.st.st_size for _, _, e, _ in items if stat.S_ISREG(e.st.st_mode))
     progress = _Progress(len(items), total_bytes, progress_stream)
@@ -318,6 +336,7 @@ def verify_volume(
             threads,
             results.add,
             lambda: progress.update(totals["files"], totals["bytes_read"], totals["bad"]),
+            keyring,
         )
     finally:
         progress.done()
@@ -344,11 +363,18 @@ def verify_volume(
     }
 
 
-def _one_root(args: argparse.Namespace, root: str) -> RootOutcome:
+def _one_root(
+    args: argparse.Namespace,
+    root: str,
+    announce: Announcer | None,
+    keyring: Keyring | None = None,
+) -> RootOutcome:
     if not os.path.isdir(root):
         return RootOutcome(2, error=f"{root}: not a directory")
     try:
-        report = verify_volume(root, args.digest, args.threads, args.repair)
+        report = verify_volume(
+            root, args.digest, args.threads, args.repair, announce=announce, keyring=keyring
+        )
     except LookupError as exc:
         return RootOutcome(2, error=str(exc))
     text = io.StringIO()
@@ -375,11 +401,21 @@ def _totals(done: Sequence[tuple[str, RootOutcome]]) -> tuple[dict[str, Any], li
 
 
 def run(args: argparse.Namespace) -> int:
-    return run_listed_roots(
-        "verify",
-        args.root,
-        lambda root: _one_root(args, root),
-        as_json=args.json,
-        dumps=lambda obj: json.dumps(obj, indent=1),
-        totals=_totals,
-    )
+    try:
+        keyring = keyring_from_args(args.seal_key_file)
+    except TierConfigError as exc:
+        print(f"llmkv-fs verify: {exc}", file=sys.stderr)
+        return 2
+    announce = announcer_from_args("verify", args) if args.repair else None
+    try:
+        return run_listed_roots(
+            "verify",
+            args.root,
+            lambda root: _one_root(args, root, announce, keyring),
+            as_json=args.json,
+            dumps=lambda obj: json.dumps(obj, indent=1),
+            totals=_totals,
+        )
+    finally:
+        if announce is not None:
+            announce.close()

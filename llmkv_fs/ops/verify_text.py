@@ -34,6 +34,12 @@ def print_report(report: dict[str, Any], out: TextIO) -> None:
             f"unreadable {d['errors']}  vanished {d['vanished']}",
             file=out,
         )
+        if d["sealed_unchecked"] or d["foreign_key"]:
+            print(
+                f"    sealed: {d['sealed_unchecked']} not authenticated (no key given: "
+                f"--seal-key-file; not bad), {d['foreign_key']} of a key not given",
+                file=out,
+            )
     if report["bad"]:
         print(f"bad files ({len(report['bad'])}):", file=out)
         for b in report["bad"]:

@@ -28,10 +28,11 @@ from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, Tra
 
 from llmkv_fs import __version__
 from llmkv_fs.config import TierSettings
-from llmkv_fs.engine import FsEngine, xxh3_path
+from llmkv_fs.engine import FinishedJob, FsEngine, xxh3_path
 from llmkv_fs.layout.paths import CacheLayout, RunIdentity
 from llmkv_fs.tier.hashing import hashing_identity
 from llmkv_fs.tier.metrics import TierMetrics, metric_definitions
+from llmkv_fs.tier.removals import RemovalWatch
 from llmkv_fs.volume.leases import lease_for
 
 if TYPE_CHECKING:
@@ -97,9 +98,12 @@ class FsTier(SecondaryTierManager):
         self.settings = TierSettings.from_mapping(tier_config)
         self.locality = Locality(self.settings.locality) if self.settings.locality else None
         self._events: list[OffloadingEvent] | None = None
+        # What the tier knows is on the volume, to announce what it finds gone.
+        self._removals: RemovalWatch | None = None
         if self.settings.enable_kv_events:
             if offloading_spec.kv_events_config.enable_kv_cache_events:
                 self._events = []
+                self._removals = RemovalWatch()
             else:
                 logger.warning(
                     "enable_kv_events is set on tier %r but KV cache events are "
@@ -131,7 +135,10 @@ class FsTier(SecondaryTierManager):
     # -- lookups -----------------------------------------------------------------
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
-        return _VERDICT[self.engine.lookup(key, req_context.req_id)]
+        verdict = self.engine.lookup(key, req_context.req_id)
+        if self._removals is not None and verdict is not None:
+            self._removals.looked_up(key, verdict)
+        return _VERDICT[verdict]
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
         return RequestOffloadingContext()
@@ -181,29 +188,42 @@ class FsTier(SecondaryTierManager):
                     transfer_bytes=len(job.succeeded) * self.block_size_bytes,
                 )
             )
-            if self._events is None:
-                continue
-            if not job.is_load and job.succeeded:
-                self._events.append(
-                    OffloadingEvent(
-                        keys=job.succeeded,
-                        medium=self.medium,
-                        removed=False,
-                        locality=self.locality,
-                    )
-                )
-            if job.quarantined:
-                self._events.append(
-                    OffloadingEvent(
-                        keys=job.quarantined,
-                        medium=self.medium,
-                        removed=True,
-                        locality=self.locality,
-                    )
-                )
+            if self._events is not None:
+                self._note_events(job)
         return results
 
+    def _note_events(self, job: FinishedJob) -> None:
+        """BlockStored for stores that landed, BlockRemoved for files the
+        job quarantined; what it found present or gone, for RemovalWatch."""
+        assert self._events is not None and self._removals is not None
+        removals = self._removals
+        removals.present(job.succeeded)
+        if not job.is_load and job.succeeded:
+            self._events.append(
+                OffloadingEvent(
+                    keys=job.succeeded, medium=self.medium, removed=False, locality=self.locality
+                )
+            )
+        if job.quarantined:
+            removals.announced(job.quarantined)
+            self._events.append(
+                OffloadingEvent(
+                    keys=job.quarantined, medium=self.medium, removed=True, locality=self.locality
+                )
+            )
+        if job.missing:
+            removals.gone(job.missing)
+
     def take_events(self) -> Iterable[OffloadingEvent]:
+        if self._removals is not None:
+            gone = self._removals.take()
+            if gone:
+                assert self._events is not None
+                self._events.append(
+                    OffloadingEvent(
+                        keys=gone, medium=self.medium, removed=True, locality=self.locality
+                    )
+                )
         if self._events:
             events, self._events = self._events, []
             yield from events

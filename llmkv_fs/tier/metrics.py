@@ -107,7 +107,8 @@ METRICS = {
             "counter",
             "Load blocks not delivered, by reason: missing, corrupt, no_checksum, "
             "skipped (an earlier block of the job failed), link_in_tree, deadline, "
-            "stalled, volume_failed, error, worker_died, cancelled.",
+            "stalled, volume_failed, error, worker_died, cancelled, foreign_key (a "
+            "sealed block of a key this replica does not hold, left in place).",
             "reason",
         ),
         _m(
@@ -129,9 +130,30 @@ METRICS = {
         _m("store_job_seconds", "histogram", "Store job latency, submit to result, seconds."),
         _m("load_job_seconds", "histogram", "Load job latency, submit to result, seconds."),
         _m(
-            "queued_blocks", "gauge", "Blocks waiting for an I/O thread, by direction.", "direction"
+            "queued_blocks",
+            "gauge",
+            "Blocks waiting for an I/O place (not handed out yet), by direction.",
+            "direction",
         ),
-        _m("busy_threads", "gauge", "I/O threads inside a block transfer."),
+        _m(
+            "busy_places",
+            "gauge",
+            "I/O places holding blocks: an I/O thread moving a slice of blocks, or one "
+            "of a worker process's two places (one slice running, one waiting in its "
+            "pipe). At most io_places; equal to it, the tier is saturated.",
+        ),
+        _m(
+            "io_places",
+            "gauge",
+            "I/O places the tier has: n_read_threads + n_write_threads threads, or two "
+            "per worker process (io_workers).",
+        ),
+        _m(
+            "held_blocks",
+            "gauge",
+            "Blocks handed to I/O places and not given back yet (a place holds a slice: "
+            "consecutive blocks of one job, up to 16 and about 1 MiB).",
+        ),
         _m(
             "io_workers",
             "gauge",
@@ -183,7 +205,7 @@ METRICS = {
 }
 
 # Engine counter key -> the series it feeds. Every key type is handled in
-# counter_series, and every member has a series (tests/test_metrics.py walks
+# counter_series, and every member has a series (tests/tier/test_metrics.py walks
 # all_counter_keys): a new enum member needs no edit here unless it is a Tally.
 _SUCCESSES = {Direction.STORE: "stored_blocks", Direction.LOAD: "loaded_blocks"}
 _FAILURES = {Direction.STORE: "store_failures", Direction.LOAD: "load_failures"}
@@ -197,7 +219,9 @@ _TALLIES = {
 _JOB_SECONDS = {Direction.STORE: "store_job_seconds", Direction.LOAD: "load_job_seconds"}
 
 _GAUGES: dict[str, tuple[str, tuple[str, ...]]] = {
-    "busy_threads": ("busy_threads", ()),
+    "busy_places": ("busy_places", ()),
+    "io_places": ("io_places", ()),
+    "held_blocks": ("held_blocks", ()),
     "io_workers": ("io_workers", ()),
     "stuck_blocks": ("stuck_blocks", ()),
     "queued_store_blocks": ("queued_blocks", ("store",)),

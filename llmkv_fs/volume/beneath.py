@@ -16,6 +16,15 @@ component at a time, each opened relative to its parent's descriptor with
 (``LinkInTree``), and every mkdir, open, rename, unlink, stat and utime is
 then made relative to the descriptor the walk returns (``dir_fd=``).
 
+Another filesystem mounted inside the tree (a tmpfs, or anything bind-mounted
+at a fan-out directory) is not the root's either: ``openat2`` refuses to
+cross a mount point (``RESOLVE_NO_XDEV``), the walk compares each level's
+``st_dev`` with the root's, and either way the level is ``MountInTree`` (a
+LinkInTree: a miss, a refused store). A bind mount of the root's own
+filesystem has the root's ``st_dev``: where ``openat2`` works, a directory
+the creating walk made or found is opened once more in one call to be sure;
+without it, only another device is seen.
+
 One call where the kernel can: ``openat2`` with ``RESOLVE_BENEATH |
 RESOLVE_NO_SYMLINKS`` (volume/openat2.py) gives the same guarantee for a
 whole path in one system call instead of an open and a close per level, so
@@ -48,19 +57,20 @@ import threading
 
 from llmkv_fs.volume.files import (
     DEFAULT_DIR_MODE,
-    is_transient,
+    missing_or_stale,
     needs_chmod,
     retry_transient,
 )
 from llmkv_fs.volume.openat2 import AVAILABLE as OPENAT2
 from llmkv_fs.volume.openat2 import open_beneath
-from llmkv_fs.volume.root import PinnedRoot, parts_below
+from llmkv_fs.volume.pinned_root import PinnedRoot, parts_below
 
 __all__ = [
     "DIR_FLAGS",
     "OPEN_DIR_FLAGS",
     "Beneath",
     "LinkInTree",
+    "MountInTree",
     "make_dir_at",
     "open_child_dir",
     "open_path_beneath",
@@ -83,6 +93,21 @@ class LinkInTree(OSError):
     """A symlink where a directory of the cache tree belongs (below the
     root): never followed. errno ELOOP, so it keeps its meaning when it
     crosses a process boundary as a bare OSError."""
+
+
+class MountInTree(LinkInTree):
+    """A mount point where a directory of the cache tree belongs: another
+    filesystem (or a bind mount) inside the root, never crossed. Handled
+    as a link everywhere (errno ELOOP, counted ``link_in_tree``)."""
+
+    def __init__(self, shown: str):
+        super().__init__(errno.ELOOP, "a mount point, not crossed", shown)
+
+
+def _mount_on_the_way(exc: OSError, shown: str) -> None:
+    """``openat2``'s EXDEV for a path without ``..``: a mount point on it."""
+    if exc.errno == errno.EXDEV:
+        raise MountInTree(shown) from None
 
 
 def open_child_dir(
@@ -163,18 +188,19 @@ def _creation_race(exc: OSError) -> bool:
     # A parent removed meanwhile (gc pruning), a stale handle on a network
     # filesystem, or a name another client is creating right now. Never a
     # symlink: LinkInTree is final.
-    return is_transient(exc) or isinstance(exc, NotADirectoryError)
+    return missing_or_stale(exc) or isinstance(exc, NotADirectoryError)
 
 
 class _RootFd:
-    """One thread's root descriptor; closed with it (thread end, or the
-    Beneath collected)."""
+    """One thread's root descriptor and the root's device; closed with it
+    (thread end, or the Beneath collected)."""
 
-    __slots__ = ("fd",)
+    __slots__ = ("dev", "fd")
     _close = staticmethod(os.close)  # still bound while the interpreter exits
 
-    def __init__(self, fd: int):
+    def __init__(self, fd: int, dev: int):
         self.fd = fd
+        self.dev = dev
 
     def __del__(self) -> None:
         try:
@@ -207,24 +233,35 @@ class Beneath:
 
     def root_fd(self) -> int:
         """This thread's descriptor of the root (do not close it)."""
+        return self._root().fd
+
+    def root_dev(self) -> int:
+        """The root's ``st_dev``: a name below it on another device is
+        behind a mount point (MountInTree)."""
+        return self._root().dev
+
+    def _root(self) -> _RootFd:
         held: _RootFd | None = getattr(self._local, "root", None)
         if held is None:
-            held = self._local.root = _RootFd(self._open_root())
-        return held.fd
+            held = self._local.root = self._open_root()
+        return held
 
-    def _open_root(self) -> int:
+    def _open_root(self) -> _RootFd:
         try:
             fd = os.open(self.path, _ROOT_FLAGS)
         except OSError:
             if self.pin is None:
                 raise
             raise self.pin.gone() from None
-        if self.pin is not None:
+        try:
             st = os.fstat(fd)
-            if (st.st_dev, st.st_ino) != self.pin.ident:
-                os.close(fd)
-                raise self.pin.gone()
-        return fd
+        except BaseException:
+            os.close(fd)
+            raise
+        if self.pin is not None and (st.st_dev, st.st_ino) != self.pin.ident:
+            os.close(fd)
+            raise self.pin.gone()
+        return _RootFd(fd, st.st_dev)
 
     def _drop_removed_root(self, exc: OSError | None = None) -> bool:
         """Forget this thread's root descriptor if its directory was removed,
@@ -271,20 +308,43 @@ class Beneath:
         if self.one_call and not (revalidate or after_race) and (not create or rel in self._known):
             try:
                 return open_beneath(self.root_fd(), rel, DIR_FLAGS)
-            except OSError:
-                pass  # the walk says what is wrong, or makes what is missing
+            except OSError as exc:
+                _mount_on_the_way(exc, self._shown(rel))
+                # else the walk says what is wrong, or makes what is missing
         last = OPEN_DIR_FLAGS if revalidate else DIR_FLAGS
-        if create:
-            return self._walk_creating_retried(parts, dir_mode, last, after_race)
-        return self._walk(parts, last)
+        if not create:
+            return self._walk(parts, last)
+        fd = self._walk_creating_retried(parts, dir_mode, last, after_race)
+        if self.one_call:
+            try:  # a bind mount of the root's own device: only openat2 sees it
+                os.close(open_beneath(self.root_fd(), rel, DIR_FLAGS))
+            except OSError as exc:
+                os.close(fd)
+                _mount_on_the_way(exc, self._shown(rel))
+        return fd
 
     def open_file(self, rel: str, flags: int) -> int:
         """The file (or directory) ``rel`` below the root opened with
         ``flags`` in one ``openat2`` call, never through a link. Raises
         OSError on any failure with its errno alone -- ENOSYS where
         ``one_call`` is False -- so the caller decides what it settles and
-        takes the walk (``open_dir`` and a relative open) for the rest."""
-        return open_beneath(self.root_fd(), rel, flags)
+        takes the walk (``open_dir`` and a relative open) for the rest --
+        except a mount point on the way: MountInTree, final."""
+        try:
+            return open_beneath(self.root_fd(), rel, flags)
+        except OSError as exc:
+            _mount_on_the_way(exc, self._shown(rel))
+            raise
+
+    def _shown(self, rel: str) -> str:
+        return f"{self.path.rstrip('/')}/{rel}"
+
+    @staticmethod
+    def _same_device(fd: int, dev: int, name: str) -> None:
+        """The walk's check of one level: on the root's device, or behind a
+        mount point (one fstat per level; openat2 spares the common case)."""
+        if os.fstat(fd).st_dev != dev:
+            raise MountInTree(name)
 
     def _walk_creating_retried(
         self, parts: list[str], dir_mode: int, last: int, careful: bool
@@ -314,7 +374,8 @@ class Beneath:
         return retry_transient(walk, recover, _creation_race)
 
     def _walk(self, parts: list[str], last: int, again: bool = True) -> int:
-        top = fd = self.root_fd()
+        root = self._root()
+        top = fd = root.fd
         final = len(parts) - 1
         i = 0
         try:
@@ -327,12 +388,13 @@ class Beneath:
                 except OSError as exc:
                     # The root's child missing or stale: the root itself may
                     # be gone, or its descriptor stale.
-                    if is_transient(exc) and i == 0 and again and self._drop_removed_root(exc):
+                    if missing_or_stale(exc) and i == 0 and again and self._drop_removed_root(exc):
                         return self._walk(parts, last, again=False)
                     raise
                 if fd != top:
                     os.close(fd)
                 fd = child
+                self._same_device(fd, root.dev, name)
         except BaseException as exc:
             self._failed(exc, fd, top, parts, i)
             raise
@@ -341,7 +403,8 @@ class Beneath:
     def _walk_creating(
         self, parts: list[str], dir_mode: int, last: int, middle: int = DIR_FLAGS
     ) -> int:
-        top = fd = self.root_fd()
+        root = self._root()
+        top = fd = root.fd
         final = len(parts) - 1
         known = self._known
         prefix = ""
@@ -364,12 +427,13 @@ class Beneath:
                         child = make_dir_at(fd, name, dir_mode)
                         if child < 0:
                             child = open_child_dir(fd, name, flags)
-                if len(known) >= _KNOWN_DIRS_MAX:
-                    known.clear()
-                known.add(prefix)
                 if fd != top:
                     os.close(fd)
                 fd = child
+                self._same_device(fd, root.dev, name)
+                if len(known) >= _KNOWN_DIRS_MAX:
+                    known.clear()
+                known.add(prefix)
         except BaseException as exc:
             self._failed(exc, fd, top, parts, i)
             raise

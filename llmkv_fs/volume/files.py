@@ -39,8 +39,8 @@ __all__ = [
     "UnsafeFileError",
     "create_exclusive",
     "create_in_dir",
-    "is_transient",
     "make_dirs",
+    "missing_or_stale",
     "needs_chmod",
     "read_small_regular_file",
     "read_small_regular_file_at",
@@ -91,16 +91,19 @@ def needs_chmod(mode: int) -> bool:
     return bool(mode & PROCESS_UMASK) or bool(mode & 0o7000)
 
 
-def is_transient(exc: OSError) -> bool:
-    """ENOENT or ESTALE: a parent missing or stale for a moment (see
-    SHARED_FS_ATTEMPTS)."""
+def missing_or_stale(exc: OSError) -> bool:
+    """ENOENT or ESTALE: the name is not there, or was removed through
+    another client while this one still had it cached (GlusterFS and NFS
+    answer ESTALE, not ENOENT). The one answer to "is it gone?": a block
+    that is gone is a miss, a parent gone for a moment is retried (see
+    SHARED_FS_ATTEMPTS), a directory gone takes no new file."""
     return isinstance(exc, FileNotFoundError) or exc.errno == errno.ESTALE
 
 
 def retry_transient(
     operation: Callable[[], _T],
     recover: Callable[[OSError], object],
-    transient: Callable[[OSError], bool] = is_transient,
+    transient: Callable[[OSError], bool] = missing_or_stale,
 ) -> _T:
     """``operation()``, tried up to SHARED_FS_ATTEMPTS times while it fails
     with an error ``transient`` accepts; ``recover(error)`` runs between
@@ -124,7 +127,7 @@ def _dir_race(exc: OSError) -> bool:
     # A parent vanished between two mkdirs (NotADirectoryError also stands
     # for EEXIST whose name is not yet a visible directory), or two clients
     # of a network filesystem creating one path at once left a stale handle.
-    return isinstance(exc, NotADirectoryError) or is_transient(exc)
+    return isinstance(exc, NotADirectoryError) or missing_or_stale(exc)
 
 
 def _ancestry(path: str) -> list[str]:
@@ -242,7 +245,7 @@ def create_in_dir(
             make_dirs(directory, dir_mode)
 
     def transient(exc: OSError) -> bool:
-        return is_transient(exc) or (replace_leftover and isinstance(exc, FileExistsError))
+        return missing_or_stale(exc) or (replace_leftover and isinstance(exc, FileExistsError))
 
     return retry_transient(lambda: os.open(path, flags, file_mode), recover, transient)
 

@@ -39,9 +39,15 @@ class VolumeUsage:
 
     @property
     def used_percent(self) -> float:
-        # df's definition: used / (used + available), root reserve excluded.
-        usable = self.usable_bytes
-        return 100.0 * self.used_bytes / usable if usable else 100.0
+        return used_percent(self.used_bytes, self.usable_bytes)
+
+
+def used_percent(used: int, usable: int) -> float:
+    """A volume's use as ``df`` shows it: used / (used + available to
+    non-root), the root reserve excluded. The one definition the space
+    guard, gc and stats print and act on; an empty volume (no usable bytes)
+    counts as full."""
+    return 100.0 * used / usable if usable else 100.0
 
 
 def volume_usage(path: str) -> VolumeUsage:

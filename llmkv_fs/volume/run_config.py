@@ -32,7 +32,7 @@ from llmkv_fs.volume.files import (
     read_small_regular_file_at,
     write_file_atomically_at,
 )
-from llmkv_fs.volume.root import PinnedRoot
+from llmkv_fs.volume.pinned_root import PinnedRoot
 
 __all__ = [
     "CONFIG_FILE_LIMIT",

@@ -60,6 +60,7 @@ from typing import Any
 from llmkv_fs.config import TierSettings
 from llmkv_fs.engine import FsEngine
 from llmkv_fs.engine.workers.crew import resolve_io_workers
+from llmkv_fs.harness.machine import machine_info
 from llmkv_fs.layout.paths import CacheLayout
 from tools.bench.engine_cli import io_workers_setting, parse_args
 from tools.bench.engine_report import print_report, ratios, root_scaling
@@ -69,7 +70,6 @@ from tools.bench.support import (
     Primary,
     StandIn,
     drive,
-    machine,
     make_keys,
     standin_idle_rate,
     worker_page_tables_kib,
@@ -129,6 +129,7 @@ def open_tier(
             "durability": args.durability,
             "max_pending_store_bytes": max(2 << 30, primary.size),
             "io_workers_nice": int(variant.get("nice", 0)),
+            **({"seal_key_files": {"1": variant["seal"]}} if "seal" in variant else {}),
         }
     )
     layouts = [CacheLayout.for_identity(r, IDENTITY) for r in settings.root_dirs]
@@ -252,7 +253,7 @@ def main() -> int:
     all_roots = list(dict.fromkeys(r for medium in args.media for r in medium))
     for d in all_roots:
         os.makedirs(d, exist_ok=True)
-    info = machine(all_roots)
+    info = machine_info(all_roots)
     args.payload = None
     if args.builtin:
         from tools.bench.builtin import load_payload
@@ -262,7 +263,7 @@ def main() -> int:
     print(
         f"# {info['node']}: {info['cpus']} CPUs ({info['cpu_model']}), {info['ram_gib']} GiB, "
         f"Linux {info['kernel']}, Python {info['python']}; NUMA nodes "
-        f"{info['numa_nodes']}, allowed CPUs {info['allowed_cpus']}; load {os.getloadavg()}"
+        f"{info['numa_cpus']}, allowed CPUs {info['allowed_cpulist']}; load {os.getloadavg()}"
         + (f"; vLLM {info['builtin_payload']['vllm_version']} payload" if args.builtin else ""),
         flush=True,
     )

@@ -47,8 +47,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from llmkv_fs.harness.machine import machine_info
 from tools.bench.latency_report import default_lookup_threads, render
-from tools.bench.support import machine
 from tools.gluster import delay, glusterd, loopback
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -281,7 +281,7 @@ def run_matrix(m: Matrix, result: dict[str, Any]) -> int:
     """Every delay in turn, ``result`` saved after each; returns 1 when
     any benchmark failed."""
     status = 0
-    result["machine"] = machine([m.vol.mount_a, m.vol.mount_b])
+    result["machine"] = machine_info([m.vol.mount_a, m.vol.mount_b])
     os.makedirs(m.engine_dir, exist_ok=True)
     delay.profile_start(m.vol.volume)
     if not m.args.skip_lookup:

@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import dataclasses
 import functools
 import json
 import os
@@ -61,6 +62,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from llmkv_fs.engine import FsEngine, LookupAnswer
+from llmkv_fs.harness.machine import machine_info
 from llmkv_fs.layout.paths import CacheLayout
 from tools.bench.lookup_cli import parse_args
 from tools.bench.lookup_files import (
@@ -72,7 +74,7 @@ from tools.bench.lookup_files import (
     prepare,
 )
 from tools.bench.lookup_report import CASES, render, single_rows, speedups, summarize
-from tools.bench.support import IDENTITY, machine
+from tools.bench.support import IDENTITY
 from tools.gluster.delay import profile_counts, profile_start
 
 # -- timing ------------------------------------------------------------------------------
@@ -82,28 +84,60 @@ def verdicts_wrong(verdicts: Sequence[bool | None], expected: bool) -> int:
     return sum(1 for v in verdicts if v is not expected)
 
 
+@dataclasses.dataclass
+class Stepped:
+    """What stepping one prompt until every key was known took: seconds
+    from the first lookup to the step that saw the last verdict, steps,
+    the scheduler thread's CPU seconds in lookups and ends of steps (its
+    sleeps between steps not counted), and the verdicts."""
+
+    s: float
+    steps: int
+    sched_cpu_s: float
+    verdicts: list[bool | None]
+
+
+def prefix_scan(lookup: Callable[[bytes], bool | None], keys: Sequence[bytes]) -> list:
+    """One step of vLLM's ``_maximal_prefix_lookup``: every key asked in
+    order, a RETRY (None) does not stop the scan, a MISS does. Returns the
+    verdicts of the keys asked."""
+    verdicts = []
+    for key in keys:
+        verdict = lookup(key)
+        verdicts.append(verdict)
+        if verdict is False:
+            break
+    return verdicts
+
+
 def step_until_known(
     lookup: Callable[[bytes], bool | None],
     end_step: Callable[[], None],
     keys: Sequence[bytes],
     step_s: float,
     deadline_s: float = 600.0,
-) -> tuple[float, int, list[bool | None]]:
-    """Scheduler steps: every key looked up, then the end of the step,
-    until every key has a verdict. Returns (seconds from the first lookup
-    to the step that saw the last verdict, steps, verdicts)."""
-    clock = time.perf_counter
-    start = clock()
+) -> Stepped:
+    """Scheduler steps (``prefix_scan``, then the end of the step) until
+    the prefix is known: every key up to the first miss has a verdict, as
+    vLLM's scheduler needs. Timed to there; then, untimed, stepped on until
+    every key has a verdict, so that all of them can be checked."""
+    clock, cpu = time.perf_counter, time.thread_time
+    start, cpu_start = clock(), cpu()
     steps = 0
-    while True:
-        steps += 1
-        verdicts = [lookup(k) for k in keys]
-        if all(v is not None for v in verdicts):
-            return clock() - start, steps, verdicts
+    while None in prefix_scan(lookup, keys):
         if clock() - start > deadline_s:
             raise RuntimeError(f"verdicts still missing after {deadline_s:.0f} s")
         end_step()
         time.sleep(step_s)
+        steps += 1
+    steps += 1
+    took, sched = clock() - start, cpu() - cpu_start
+    while None in (verdicts := [lookup(k) for k in keys]):
+        if clock() - start > deadline_s:
+            raise RuntimeError(f"verdicts still missing after {deadline_s:.0f} s")
+        end_step()
+        time.sleep(step_s)
+    return Stepped(took, steps, sched, verdicts)
 
 
 def plain_stat(paths: Sequence[str], threads: int) -> tuple[float, list[bool]]:
@@ -201,14 +235,13 @@ class Bench:
             ask: Callable[[bytes], bool | None] = functools.partial(
                 engine.lookup, request_id=request
             )
-            s, steps, verdicts = step_until_known(
-                ask, engine.end_step, self.keys[case], self.step_s
-            )
+            got = step_until_known(ask, engine.end_step, self.keys[case], self.step_s)
             engine.forget_request(request)
             return {
-                "s": s,
-                "steps": steps,
-                "wrong": verdicts_wrong(verdicts, case == "hit"),
+                "s": got.s,
+                "steps": got.steps,
+                "sched_cpu_s": got.sched_cpu_s,
+                "wrong": verdicts_wrong(got.verdicts, case == "hit"),
                 "expired": engine.counters[LookupAnswer.DEADLINE_MISS],
             }
         finally:
@@ -224,14 +257,13 @@ class Bench:
         try:
             for case in CASES:
                 self.settle()
-                s, steps, verdicts = step_until_known(
-                    lookups.lookup, lookups.flush, self.keys[case], self.step_s
-                )
+                got = step_until_known(lookups.lookup, lookups.flush, self.keys[case], self.step_s)
                 lookups.cleanup()
                 out[case] = {
-                    "s": s,
-                    "steps": steps,
-                    "wrong": verdicts_wrong(verdicts, case == "hit"),
+                    "s": got.s,
+                    "steps": got.steps,
+                    "sched_cpu_s": got.sched_cpu_s,
+                    "wrong": verdicts_wrong(got.verdicts, case == "hit"),
                 }
         finally:
             lookups.close()
@@ -341,7 +373,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         payload = load_payload(args.builtin)
     places = Places(args.dir, args.check_dir)
     os.makedirs(args.dir, exist_ok=True)
-    info = machine([args.dir, args.check_dir])
+    info = machine_info([args.dir, args.check_dir])
     print(f"# {info['node']}: {info['cpus']} CPUs, load {info['load_average']}", flush=True)
     try:
         if args.phase in ("prepare", "all"):

@@ -38,6 +38,9 @@ def summarize(runs: dict[str, dict[str, list[dict]]]) -> dict[str, dict[str, dic
             out[label][case] = {
                 "s": median_or_none([r["s"] for r in rs]),
                 "steps": median_or_none([r["steps"] for r in rs if r.get("steps") is not None]),
+                "sched_cpu_s": median_or_none(
+                    [r["sched_cpu_s"] for r in rs if r.get("sched_cpu_s") is not None]
+                ),
                 "wrong": sum(r["wrong"] for r in rs),
                 "expired": sum(r.get("expired", 0) for r in rs),
                 "samples": [r["s"] for r in rs],
@@ -109,19 +112,26 @@ def _configurations_table(result: dict) -> list[str]:
     lines = [
         f"### Lookup of one prompt of {a['keys']} blocks, delay {a['delay_us']:g} µs per file "
         f"operation (median of {a['rounds']} rounds; written through {a['dir']}, checked "
-        f"through {a['check_dir']})",
+        f"through {a['check_dir']}; a scheduler step every {a.get('step_ms', 1.0):g} ms; "
+        "sched ms: the stepping thread's CPU in lookups and ends of steps)",
         "",
-        "| configuration | all hits s | steps | all misses s | steps | wrong | expired |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "| configuration | all hits s | steps | sched ms | all misses s | steps | sched ms "
+        "| wrong | expired |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for label, cases in result["summary"].items():
         hit, miss = cases["hit"], cases["miss"]
         lines.append(
             f"| {label} | {fmt(hit['s'], '.3f')} | {fmt(hit['steps'], '.0f')} | "
-            f"{fmt(miss['s'], '.3f')} | {fmt(miss['steps'], '.0f')} | "
+            f"{_ms(hit.get('sched_cpu_s'))} | {fmt(miss['s'], '.3f')} | "
+            f"{fmt(miss['steps'], '.0f')} | {_ms(miss.get('sched_cpu_s'))} | "
             f"{hit['wrong'] + miss['wrong']} | {hit['expired'] + miss['expired']} |"
         )
     return lines
+
+
+def _ms(seconds: float | None) -> str:
+    return fmt(None if seconds is None else seconds * 1e3, ".1f")
 
 
 def _speedups_table(result: dict) -> list[str]:

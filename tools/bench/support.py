@@ -1,21 +1,17 @@
 """What tools/bench/engine.py's configurations share: the primary buffer,
-the scheduler stand-in, the keys, the driving loop and the machine's
-description. Stdlib only (and llmkv_fs's layout/NUMA helpers)."""
+the scheduler stand-in, the keys and the driving loop (the machine's
+description is llmkv_fs.harness.machine). Stdlib only (and llmkv_fs's layout)."""
 
 from __future__ import annotations
 
 import hashlib
 import mmap
 import os
-import platform
 import threading
 import time
 from typing import Any, Protocol
 
-from llmkv_fs.engine.startup.numa import format_cpulist, read_topology
-from llmkv_fs.harness.bench_report import loop_backing
 from llmkv_fs.layout.paths import RunIdentity
-from llmkv_fs.volume.fsinfo import mount_of
 
 MiB = 1 << 20
 IDENTITY = RunIdentity(
@@ -25,42 +21,6 @@ IDENTITY = RunIdentity(
     blocks_per_file=1,
     kv_cache_groups=((16, ("layer.0", "layer.1")),),
 )
-
-
-def fs_of(path: str) -> str:
-    mount = mount_of(path)
-    if mount is None:
-        return "?"
-    backing = loop_backing(mount.device)
-    return f"{mount.fstype} ({mount.device} on {mount.mount_point}" + (
-        f", backed by {backing} on {fs_of(backing)})" if backing else ")"
-    )
-
-
-def machine(dirs: list[str]) -> dict:
-    topo = read_topology()
-    model = "?"
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            model = next(
-                (line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "?"
-            )
-    except OSError:
-        pass
-    with open("/proc/meminfo", encoding="ascii") as f:
-        ram = int(f.readline().split()[1]) / (1 << 20)
-    return {
-        "node": platform.node(),
-        "cpus": os.cpu_count(),
-        "cpu_model": model,
-        "ram_gib": round(ram, 1),
-        "kernel": platform.release(),
-        "python": platform.python_version(),
-        "numa_nodes": {str(n): format_cpulist(c) for n, c in sorted(topo.nodes.items())},
-        "allowed_cpus": format_cpulist(topo.allowed_cpus),
-        "media": {d: fs_of(d) for d in dirs},
-        "load_average": os.getloadavg(),
-    }
 
 
 def make_keys(n: int, seed: str) -> list[bytes]:

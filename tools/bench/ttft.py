@@ -54,9 +54,9 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from llmkv_fs.harness.machine import machine_info
 from llmkv_fs.layout.paths import RunIdentity
 from llmkv_fs.volume.fsinfo import filesystem_type
-from tools.bench.support import machine
 from tools.bench.ttft_cases import run_case
 from tools.bench.ttft_cli import parse_args
 from tools.bench.ttft_plot import plot, render_tables
@@ -216,7 +216,7 @@ def save(args, result: dict) -> None:
 
 
 def describe_machine(args, torch: Any) -> dict[str, Any]:
-    info = machine(args.dirs)
+    info = machine_info(args.dirs)
     info["torch"] = torch.__version__
     info["device"] = args.device
     if args.device.startswith("cuda"):

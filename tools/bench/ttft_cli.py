@@ -130,6 +130,11 @@ def _add_driving_options(p: argparse.ArgumentParser) -> None:
         help="start no case after this many seconds (the JSON keeps what ran)",
     )
     p.add_argument("--shm", action="store_true", help="CPU tier in a /dev/shm file, not a memfd")
+    p.add_argument(
+        "--seal-key-file",
+        metavar="PATH",
+        help="ours: seal blocks with the key in PATH (seal_key_files, key id 1)",
+    )
 
 
 def _add_output_options(p: argparse.ArgumentParser) -> None:

@@ -15,6 +15,8 @@ import json
 import sys
 from typing import Any
 
+from llmkv_fs.harness.bench_report import fit_text
+
 TIERS = (("ours", "-", "ours"), ("builtin", "--", "vLLM built-in"))
 GiB = 1 << 30
 TARGET_SHAPE, TARGET_TOKENS = "llama-3.1-8b", 32768
@@ -194,8 +196,14 @@ def plot(result: dict[str, Any], path: str) -> str:
         ax.legend(fontsize=8)
     gpu = result.get("machine", {}).get("gpu", result.get("machine", {}).get("device", ""))
     fig.suptitle(f"Recompute against a KV hit from a filesystem tier ({gpu})", fontsize=11)
-    fig.text(0.01, 0.005, result.get("not_in_figures", ""), fontsize=6, wrap=True)
-    fig.tight_layout(rect=(0, 0.06, 1, 0.95))
+    # The footnote is wrapped here, not at draw time, and the figure grows
+    # by its height: the panels are laid out above its last line, however
+    # many lines it takes.
+    note = fig.text(0.01, 0.005, result.get("not_in_figures", ""), fontsize=6, va="bottom")
+    fit_text(note, fig.canvas.get_renderer(), 0.98 * fig.bbox.width, min_size=6)
+    note_in = (note.get_window_extent(fig.canvas.get_renderer()).height + 8) / fig.dpi
+    fig.set_size_inches(fig.get_figwidth(), 5 + note_in)
+    fig.tight_layout(rect=(0, note_in / fig.get_figheight(), 1, 1 - 0.25 / fig.get_figheight()))
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path

@@ -114,16 +114,22 @@ class OursSide(Side):
     name = "ours"
 
     def __init__(self, root: str, identity: RunIdentity, region: PinnedRegion, chunk: int, args):
-        settings = TierSettings.from_mapping({"root_dir": root, "io_workers": args.io_workers})
-        self.layout = CacheLayout.for_identity(root, identity)
+        key = getattr(args, "seal_key_file", None)
+        sealing = {"seal_key_files": {"1": key}} if key else {}
+        settings = TierSettings.from_mapping(
+            {"root_dir": root, "io_workers": args.io_workers, **sealing}
+        )
+        layout = CacheLayout.for_identity(root, identity)
         self._view = memoryview(region.mm)[: region.nbytes // chunk * chunk]
-        self.tier = self.engine = FsEngine(settings, [self.layout], self._view, chunk)
+        self.tier = self.engine = FsEngine(settings, [layout], self._view, chunk)
+        self.layout = self.engine.roots[0].layout  # sealed blocks have their own namespace
         # Under its store-queue bound (1,024 blocks or 2 GiB, whichever applies).
         self.max_pending_blocks = max(1, min(1024, GiB // chunk))
         self.info = {
             "io_workers": self.engine.io_workers,
             "n_threads": settings.n_read_threads if not self.engine.io_workers else 0,
             "checksum": settings.checksum,
+            "sealed": bool(settings.seal_key_files),
             "o_direct": self.engine.roots[0].use_o_direct,
         }
 

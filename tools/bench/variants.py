@@ -13,6 +13,9 @@ A variant is ``NAME:key=value,...`` with keys
   (``engine/workers/prefault.py``) through a ``sitecustomize`` on the
   workers' PYTHONPATH: the engine itself has no such switch;
 * ``nice`` -- the workers' nice increment (the ``io_workers_nice`` setting);
+* ``seal`` -- a key file: blocks sealed with it (``seal_key_files``, key id
+  1; layout/sealed.py), e.g. ``--ours plain: --ours sealed:seal=/tmp/k``
+  for sealed against unsealed in one run;
 * ``site`` -- a directory put first on the workers' PYTHONPATH, e.g. an
   unpacked wheel of another xxhash, so two builds of a dependency are
   compared in one run (workers mode: I/O threads hash in the benchmark's
@@ -35,7 +38,7 @@ from collections.abc import Iterator
 
 __all__ = ["Variant", "applied", "parse_variant"]
 
-_KEYS = ("io_workers", "hash_kib", "prefault", "nice", "site")
+_KEYS = ("io_workers", "hash_kib", "prefault", "nice", "site", "seal")
 _SITECUSTOMIZE = """
 import os
 if os.environ.get("LLMKV_BENCH_NO_PREFAULT"):

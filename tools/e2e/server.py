@@ -1,7 +1,7 @@
 """One real ``vllm serve`` process with the OffloadingConnector, the tiering
 spec and a secondary tier, driven over HTTP on 127.0.0.1.
 
-Used by the end-to-end tests (tests/test_e2e_serve.py) and the TTFT
+Used by the end-to-end tests (tests/system/test_e2e_serve.py) and the TTFT
 benchmark (tools.e2e.ttft). It imports neither vLLM nor torch: the
 server runs in the e2e venv (tools.e2e.venv) and this side talks
 HTTP and asks psutil about processes.
@@ -34,7 +34,7 @@ import psutil
 from llmkv_fs.engine.block.pause import PAUSE_DIR_ENV
 
 SPEC_NAME = "CpuTieringOffloadingSpec"
-SPEC_MODULE = "e2e_cpu_spec"  # tests/e2e_cpu_spec.py, through PYTHONPATH
+SPEC_MODULE = "e2e_cpu_spec"  # tests/kits/e2e_cpu_spec.py, through PYTHONPATH
 OUR_PREFIX = "vllm:kv_offload_llmkv_fs_"
 
 

@@ -27,12 +27,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import random
 import statistics
 import time
 from pathlib import Path
 
+from llmkv_fs.harness.machine import machine_info
 from tools.e2e import venv as e2e_venv
 from tools.e2e.server import ServeConfig, Server, block_files, temp_files, wait_for
 
@@ -167,15 +167,6 @@ def _serve_restarted(
     return rows
 
 
-def machine() -> dict:
-    return {
-        "cpus": os.cpu_count(),
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "loadavg": os.getloadavg(),
-    }
-
-
 def summary(rows: list[dict]) -> list[dict]:
     """One row per (tier, length, page cache): medians over the samples."""
     groups: dict[tuple, list[dict]] = {}
@@ -257,7 +248,7 @@ def run(args: argparse.Namespace) -> int:
     unknown = set(tiers) - set(TIERS)
     if unknown:
         raise SystemExit(f"--tiers: unknown {sorted(unknown)}; valid: {', '.join(TIERS)}")
-    spec_dir = e2e_venv.REPO / "tests"
+    spec_dir = e2e_venv.REPO / "tests" / "kits"
     if not (spec_dir / "e2e_cpu_spec.py").exists():
         raise SystemExit(f"{spec_dir}/e2e_cpu_spec.py not found: run from a checkout")
     started = time.time()
@@ -270,7 +261,7 @@ def run(args: argparse.Namespace) -> int:
         rows += run_tier(tier, lengths, args, venv, model, site, spec_dir)
         print(table([r for r in rows if r["tier"] == tier]), flush=True)
     result = {
-        "machine": machine(),
+        "machine": machine_info([args.log_dir]),
         "loadavg_before": load_before,
         "loadavg_after": os.getloadavg(),
         "model": json.loads((model / "llmkv_fs_shape.json").read_text()),

@@ -3,7 +3,7 @@ loopback, mounted twice through FUSE (two independent clients, like two vLLM
 replicas on two nodes sharing one volume) -- its bring-up and teardown.
 
 The one implementation of that bring-up: the tests' session fixture
-(tests/gluster_kit.py) and the latency benchmarks (tools/bench/latency.py)
+(tests/kits/gluster_kit.py) and the latency benchmarks (tools/bench/latency.py)
 both use it. The server under it is tools/gluster/glusterd.py's; latency
 added on the server side, and its measurement, tools/gluster/delay.py's.
 From Python::

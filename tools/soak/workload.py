@@ -1,6 +1,6 @@
 """A soak: a tier inside vLLM's real scheduler-side manager for a very long
 run of small jobs, every load checked byte for byte, the process measured
-for growth (tools/soak/run.py, tests/test_soak.py).
+for growth (tools/soak/run.py, tests/system/test_soak.py).
 
 The driver's ``Replica`` holds the real ``TieringOffloadingSpec`` ->
 ``TieringOffloadingManager`` and its ``/dev/shm`` CPU tier; this module plays

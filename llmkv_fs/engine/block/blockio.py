@@ -5,13 +5,17 @@ immutable settings; the per-thread scratch pages and root descriptors live
 in ``threading.local``. Callers run ``store``/``load``/``exists`` on I/O
 threads only -- they block on the filesystem.
 
-Every name is resolved beneath the root (``volume.beneath``): the block's
-directory ``<rank>/<hhh>/<hh>_g<g>`` is walked from the root's descriptor
-one component at a time without following a link, and the block and its
-temp file are then opened, renamed, stat'ed and unlinked relative to that
-directory's descriptor. A symlink where a directory of the tree belongs
-makes a lookup a miss and a store or load fail (``LinkInTree``, counted
-``link_in_tree``); nothing is ever made, written or moved through it.
+Every name is resolved beneath the root (``volume.beneath``): a block is
+first opened from the root's descriptor in one ``openat2`` call
+(``RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS``) where the kernel has it; any
+failure of that call, and every store's directory, takes the walk: the
+block's directory ``<rank>/<hhh>/<hh>_g<g>`` opened one component at a
+time without following a link, the block and its temp file then opened,
+renamed, stat'ed and unlinked relative to that directory's descriptor.
+A symlink or a mount point where a directory of the tree belongs makes a
+lookup a miss and a store or load fail
+(``LinkInTree``, ``MountInTree``, counted ``link_in_tree``); nothing is
+ever made, written or moved through it.
 
 How the bytes themselves move, once the file is open, is the byte path's
 (block/bytepath.py, the seam for another implementation): by default zero
@@ -20,6 +24,9 @@ page-aligned primary mmap) and the file with ``pwritev``/``preadv``, the
 trailer in the same syscall from a per-thread aligned page. Everything
 around it -- resolving, creating, renaming, the trailer's contents, the
 checksum check, quarantine, stamps -- is here, whatever the byte path.
+Sealed blocks (``options.sealed``) move through ``SealedBytes`` instead
+(block/sealed.py: AES-256-GCM where the checksum would be); a sealed block
+of a key this reader does not hold is a ``ForeignKey`` miss, never moved.
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ from collections.abc import Callable
 from llmkv_fs.engine.block.bytepath import BytePath, VectoredBytes
 from llmkv_fs.engine.block.options import O_DIRECT, IoOptions
 from llmkv_fs.engine.block.presence import BlockPresence
+from llmkv_fs.engine.block.sealed import SealedBytes
 from llmkv_fs.engine.block.stamps import AccessStamps
 from llmkv_fs.engine.block.tempfiles import DirectoryGone, TempFiles
 from llmkv_fs.engine.outcomes import Abandoned, BlockMissing, NoChecksum, Outcome
@@ -51,8 +59,9 @@ from llmkv_fs.layout.blockfile import (
 )
 from llmkv_fs.layout.names import block_rel_parts, temp_name
 from llmkv_fs.layout.paths import CacheLayout
-from llmkv_fs.volume.beneath import Beneath
-from llmkv_fs.volume.files import SHARED_FS_ATTEMPTS
+from llmkv_fs.layout.sealed import Keyring
+from llmkv_fs.volume.beneath import Beneath, MountInTree
+from llmkv_fs.volume.files import SHARED_FS_ATTEMPTS, missing_or_stale
 from llmkv_fs.volume.quarantine import file_ident, quarantine_at
 
 __all__ = ["Abandoned", "BlockIO", "BlockMissing", "IoOptions", "Outcome"]
@@ -60,14 +69,36 @@ __all__ = ["Abandoned", "BlockIO", "BlockMissing", "IoOptions", "Outcome"]
 _PAGE = mmap.PAGESIZE
 
 
+class BytePathFault(OSError):
+    """A byte path returned normally but left a file that is no block file
+    (short, long, or never sealed): the store fails, nothing is published."""
+
+    def __init__(self, detail: str):
+        super().__init__(errno.EIO, detail)
+
+
 class BlockIO:
     """One root's blocks, moved by ``byte_path`` (default: ``VectoredBytes``
     of the options)."""
 
-    def __init__(self, layout: CacheLayout, options: IoOptions, byte_path: BytePath | None = None):
+    def __init__(
+        self,
+        layout: CacheLayout,
+        options: IoOptions,
+        byte_path: BytePath | None = None,
+        keyring: Keyring | None = None,
+    ):
         self.layout = layout
         self.options = options
         self._bytes = VectoredBytes(options) if byte_path is None else byte_path
+        # Sealed blocks move through SealedBytes instead of the byte path
+        # (block/sealed.py); options and keyring must agree, so no process
+        # ever writes a plain block where sealed ones live, nor the reverse.
+        if options.sealed != (keyring is not None):
+            raise ValueError(f"sealed={options.sealed} with {keyring!r}: a keyring iff sealed")
+        self._sealed = (
+            None if keyring is None else SealedBytes(options, keyring, layout.rank_dir_rel)
+        )
         self._host = socket.gethostname()
         self._pid = os.getpid()
         self._local = threading.local()
@@ -113,6 +144,16 @@ class BlockIO:
         """A regular file of a size our reader accepts is at the block's path
         (see BlockPresence)."""
         return self._presence.at(*self._place(key))
+
+    def exists_many(self, keys: list[bytes]) -> list[bool]:
+        """``exists`` for each key, in order: in one compiled call without
+        the GIL where ``checks_in_batches`` (see BlockPresence.many)."""
+        return self._presence.many([self._place(key) for key in keys])
+
+    @property
+    def checks_in_batches(self) -> bool:
+        """``exists_many`` runs the compiled check (else ``exists`` per key)."""
+        return self._presence.compiled
 
     # -- store -----------------------------------------------------------------
 
@@ -171,6 +212,7 @@ class BlockIO:
             try:
                 try:
                     self._write(fd, key, row, trailer)
+                    self._check_written(fd, row.nbytes + TRAILER_SIZE, key)
                 finally:
                     os.close(fd)
                 if still_wanted is not None and not still_wanted():
@@ -193,16 +235,35 @@ class BlockIO:
             os.close(dir_fd)
 
     def _write(self, fd: int, key: bytes, row: memoryview, trailer: memoryview) -> None:
+        if self._sealed is not None:
+            self._sealed.write(fd, key, row, trailer)
+            if self.options.fsync_file:
+                os.fsync(fd)
+            return
         checksum = self.options.checksum
+        sealed = False
 
         def seal(digest: int | None) -> None:
+            nonlocal sealed
             if checksum and digest is None:
                 digest = payload_checksum(row)
             pack_trailer(trailer, key, row.nbytes, digest if checksum else None, time.time_ns())
+            sealed = True
 
         self._bytes.write(fd, row, trailer, seal)
+        if not sealed:  # the trailer page holds another block's trailer, or nothing
+            raise BytePathFault(f"the byte path never sealed the trailer of {key.hex()}")
         if self.options.fsync_file:
             os.fsync(fd)
+
+    @staticmethod
+    def _check_written(fd: int, size: int, key: bytes) -> None:
+        """The temp file is as long as a block file (one fstat): a byte path
+        that returned normally after a short write must not get its file
+        published and counted written (it would only be caught on load)."""
+        got = os.fstat(fd).st_size
+        if got != size:
+            raise BytePathFault(f"the byte path left {got} bytes of {size} for {key.hex()}")
 
     @staticmethod
     def _fsync_dir(dir_fd: int) -> None:
@@ -230,16 +291,16 @@ class BlockIO:
         if below.one_call:  # the common case in one call; any failure takes the walk
             try:
                 fd = below.open_file(f"{rel_dir}/{name}", self._read_flags)
+            except MountInTree:
+                raise  # final: the walk would not see a bind mount of the same device
             except OSError:
                 pass
             else:
                 return self._load_from(fd, -1, rel_dir, name, key, row, scratch)
         try:
             dir_fd = below.open_dir(rel_dir)
-        except FileNotFoundError as exc:
-            raise BlockMissing(self.layout.block_path(key)) from exc
         except OSError as exc:
-            if exc.errno == errno.ESTALE:  # removed through another client: see _load_from
+            if missing_or_stale(exc):
                 raise BlockMissing(self.layout.block_path(key)) from exc
             raise
         try:
@@ -251,10 +312,8 @@ class BlockIO:
     def _open_block_in(self, dir_fd: int, name: str, key: bytes) -> int:
         try:
             return os.open(name, self._read_flags, dir_fd=dir_fd)
-        except FileNotFoundError as exc:
-            raise BlockMissing(self.layout.block_path(key)) from exc
         except OSError as exc:
-            if exc.errno == errno.ESTALE:  # removed through another client: see _load_from
+            if missing_or_stale(exc):
                 raise BlockMissing(self.layout.block_path(key)) from exc
             if exc.errno == errno.ELOOP:  # a symlink planted at a block path
                 link = BlockFileError(Corruption.SYMLINK, self.layout.block_path(key))
@@ -276,22 +335,20 @@ class BlockIO:
         is moved aside through ``dir_fd``, its directory (-1: opened now)."""
         try:
             try:
-                n, digest = self._bytes.read(fd, row, scratch, self._valid_sizes)
+                outcome = self._read_checked(fd, key, row, scratch)
             except OSError as exc:
                 # The file (or a directory above it) was removed through
                 # another client -- gc on another node -- while this client
-                # still had it cached: GlusterFS and NFS answer ESTALE, not
-                # ENOENT. The block is gone: a clean miss (test_cross_client.py).
-                if exc.errno == errno.ESTALE:
+                # still had it cached: a clean miss (test_cross_client.py).
+                if missing_or_stale(exc):
                     raise BlockMissing(self.layout.block_path(key)) from exc
                 raise
-            try:
-                outcome = self._check(key, row, scratch, n, digest)
+            except BlockFileError as exc:
+                bad, ident = exc, file_ident(os.fstat(fd))
+            else:
                 if self.options.stamp_access:
                     self._stamps.note(rel_dir, name)
                 return outcome
-            except BlockFileError as exc:
-                bad, ident = exc, file_ident(os.fstat(fd))
         finally:
             # A read-only descriptor: closing it can lose nothing, and a
             # GlusterFS client answers the close of a file removed through
@@ -325,6 +382,16 @@ class BlockIO:
             # Still a bad file (counted as such); the engine remembers the
             # key as a miss so new requests do not re-read it.
             bad.left_because = f"could not be moved aside: {exc}"
+
+    def _read_checked(self, fd: int, key: bytes, row: memoryview, scratch: memoryview) -> Outcome:
+        """Fill ``row`` from ``fd`` and check it: OSError from the read,
+        BlockFileError for a bad file (ForeignKey: sealed with a key we
+        do not hold, left alone)."""
+        if self._sealed is not None:
+            self._sealed.read(fd, key, row, scratch)
+            return Outcome.VERIFIED
+        n, digest = self._bytes.read(fd, row, scratch, self._valid_sizes)
+        return self._check(key, row, scratch, n, digest)
 
     def _check(
         self, key: bytes, row: memoryview, scratch: memoryview, n: int, digest: int | None

@@ -1,7 +1,8 @@
 """What BlockIO is told once: the block size, how to move and check bytes,
 the modes of what it creates, the root it resolves every name beneath.
-Immutable; JSON-able but for ``root`` (worker processes get it as (path,
-dev, ino), workers/crew.py)."""
+Immutable and picklable: a worker process gets it inside its launch's
+pickled ``StepSpec`` (workers/crew.py), the pinned root as its path and
+``(st_dev, st_ino)``."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import dataclasses
 import os
 
 from llmkv_fs.volume.files import DEFAULT_DIR_MODE, DEFAULT_FILE_MODE
-from llmkv_fs.volume.root import PinnedRoot
+from llmkv_fs.volume.pinned_root import PinnedRoot
 
 __all__ = ["O_DIRECT", "IoOptions"]
 
@@ -27,10 +28,11 @@ class IoOptions:
     file_mode: int = DEFAULT_FILE_MODE
     dir_mode: int = DEFAULT_DIR_MODE
     stamp_access: bool = True
-    # Loads read and hash the payload in pieces of this many bytes (0: one
-    # read, then one hash). On memory-backed volumes the read is a memcpy and
-    # hashing each piece while it is still in cache saves most of the hash's
-    # memory traffic; on disks one large read matters more.
+    # Loads and stores move and hash the payload in pieces of this many
+    # bytes (0: one vectored call, then one hash; block/bytepath.py). On
+    # memory-backed volumes each move is a memcpy and hashing each piece
+    # while it is still in cache saves most of the hash's memory traffic; on
+    # disks one large call matters more.
     hash_chunk: int = 0
     # The root the tier started on: everything is resolved beneath it, and
     # only a descriptor of that very directory is used (None: the layout's
@@ -42,3 +44,7 @@ class IoOptions:
     # exists, which forces a GETATTR of that directory (close-to-open) and so
     # drops stale negative entries under it (docs/reliability.md, NFS).
     revalidate_misses: bool = False
+    # Blocks are sealed (seal_key_files): BlockIO then refuses to be built
+    # without the keyring (a worker whose keys did not arrive must never
+    # write plain blocks where sealed ones live; block/sealed.py).
+    sealed: bool = False

@@ -14,7 +14,8 @@ The protocol is files in that directory, so it crosses process boundaries:
   or ``store``, only) stop at ``<point>`` (``enter``: before any I/O of the
   block; ``read``: a load past its checks, right before it opens the file;
   ``publish``: a store whose temp file is written and closed, right before
-  its rename);
+  its rename; ``exists``, op ``lookup``: an existence check of the engine's
+  lookup threads, before it touches the volume);
 * on stopping, a block creates ``at.<point>.<op>.<key hex>.<pid>.<thread>``
   (what the test waits for), then waits while ``open`` is missing or
   ``hold.<key hex>`` exists, polling every millisecond, at most

@@ -10,6 +10,16 @@ revalidating the directories above it (``IoOptions.revalidate_misses``): a
 client keeps a name it found missing "missing" for up to acdirmax after
 another client created it.
 
+A batch of blocks (``many``, a lookup's chunk of keys) is checked by the
+compiled module ``_presence`` (``_presence.c``) where it is built and
+``openat2`` works: the same one call, ``fstat`` and ``close`` per path in one
+C loop without the GIL, so a long prompt's checks no longer take the
+scheduler's interpreter lock for every key (issue 33). Whatever that loop
+cannot settle is decided here, key by key, as without it. The module is
+optional (built by the package's install where a C compiler is; see
+``presence_path``), and ``LLMKV_FS_PRESENCE=python`` in the environment of
+the process that builds a BlockIO keeps the Python path (tests run both).
+
 Threading: shared by the I/O and lookup threads of one BlockIO; it holds
 only settings (descriptors are the Beneath's, per thread). Blocks on the
 filesystem.
@@ -18,26 +28,89 @@ filesystem.
 from __future__ import annotations
 
 import errno
+import importlib
 import os
 import stat
-from collections.abc import Container
+from collections.abc import Callable, Collection
 
 from llmkv_fs.volume.beneath import Beneath, LinkInTree
-from llmkv_fs.volume.files import is_transient
+from llmkv_fs.volume.files import missing_or_stale
+from llmkv_fs.volume.openat2 import AVAILABLE as OPENAT2
 
-__all__ = ["BlockPresence"]
+__all__ = ["COMPILED_PRESENCE", "PRESENCE_ENV", "BlockPresence", "compiled_check", "presence_path"]
 
 # What a one-call open of a block's path answers when no block is there.
 _NOT_A_BLOCK = frozenset((errno.ENOENT, errno.ELOOP, errno.ENOTDIR))
+# The environment variable that keeps the Python path ("python").
+PRESENCE_ENV = "LLMKV_FS_PRESENCE"
+# The compiled check's answers per path (_presence.c).
+_BLOCK, _UNSETTLED = 1, 2
+COMPILED_PRESENCE = "compiled (_presence: openat2 and fstat in C, the GIL released per chunk)"
+CompiledCheck = Callable[[int, list[str], tuple[int, ...], bool], bytes]
+
+
+def _built() -> CompiledCheck | None:
+    try:  # optional: compiled by the package's install where it can be
+        module = importlib.import_module("llmkv_fs.engine.block._presence")
+    except ImportError:
+        return None
+    check: CompiledCheck = module.check_many
+    return check
+
+
+_BUILT = _built()
+
+
+def _forced_python() -> bool:
+    return os.environ.get(PRESENCE_ENV, "").strip().lower() == "python"
+
+
+def compiled_check() -> CompiledCheck | None:
+    """The compiled batch check this process would use, or None (not
+    built, no ``openat2``, or ``LLMKV_FS_PRESENCE=python``)."""
+    return None if not OPENAT2 or _forced_python() else _BUILT
+
+
+def presence_path() -> str:
+    """Which presence check this process runs, for the start-up log."""
+    if not OPENAT2:
+        return "python (no openat2 here: the walk, one level at a time)"
+    if _BUILT is None:
+        return "python (the compiled _presence is not built: no C compiler at install)"
+    if _forced_python():
+        return f"python ({PRESENCE_ENV}=python)"
+    return COMPILED_PRESENCE
 
 
 class BlockPresence:
     """See the module doc. ``sizes``: the file lengths a block may have."""
 
-    def __init__(self, below: Beneath, sizes: Container[int], revalidate_misses: bool):
+    def __init__(self, below: Beneath, sizes: Collection[int], revalidate_misses: bool):
         self._below = below
         self._sizes = sizes
+        self._size_list = tuple(sizes)
         self._revalidate_misses = revalidate_misses
+        self._compiled = compiled_check()
+
+    @property
+    def compiled(self) -> bool:
+        """``many`` runs the compiled loop (else it is ``at`` per block)."""
+        return self._compiled is not None and self._below.one_call
+
+    def many(self, places: list[tuple[str, str]]) -> list[bool]:
+        """``at`` for each (rel_dir, name), in order: in one compiled call
+        without the GIL where it runs, each block it cannot settle (a mount
+        point on the way, NFS revalidation, ...) then by ``at`` itself.
+        Raises what ``at`` raises (RootGone, OSError) for such a block."""
+        check = self._compiled
+        if check is None or not self._below.one_call:
+            return [self.at(rel_dir, name) for rel_dir, name in places]
+        paths = [f"{rel_dir}/{name}" for rel_dir, name in places]
+        codes = check(self._below.root_fd(), paths, self._size_list, self._revalidate_misses)
+        return [
+            code == _BLOCK if code != _UNSETTLED else self.at(*place)
+            for code, place in zip(codes, places)
+        ]
 
     def at(self, rel_dir: str, name: str) -> bool:
         """A block file is ``name`` in ``rel_dir`` (below the root). One
@@ -79,9 +152,13 @@ class BlockPresence:
 
     def block_at(self, dir_fd: int, name: str) -> bool:
         """``name`` in the directory open as ``dir_fd`` is a block file
-        (lstat: a symlink at the name is not)."""
+        (lstat: a symlink at the name is not; nor is a file mounted there)."""
         st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
-        return stat.S_ISREG(st.st_mode) and st.st_size in self._sizes
+        return (
+            stat.S_ISREG(st.st_mode)
+            and st.st_size in self._sizes
+            and st.st_dev == self._below.root_dev()
+        )
 
     def published_at(self, dir_fd: int, name: str) -> bool:
         """``block_at`` for a store about to write: a file another writer
@@ -91,7 +168,7 @@ class BlockPresence:
         try:
             return self.block_at(dir_fd, name)
         except OSError as exc:
-            if is_transient(exc):
+            if missing_or_stale(exc):
                 return False
             raise
 

@@ -22,6 +22,7 @@ from llmkv_fs.engine.block.step import BlockStep, StepRoot
 from llmkv_fs.engine.upkeep.signals import VolumeSignals
 from llmkv_fs.layout.paths import CacheLayout
 from llmkv_fs.layout.placement import RootPlacement
+from llmkv_fs.layout.sealed import Keyring
 
 __all__ = ["RootSpec", "StepSpec", "build_step"]
 
@@ -34,22 +35,37 @@ class RootSpec:
     layout: CacheLayout
     options: IoOptions
 
+    def blockio(self, byte_path: BytePathKind, keyring: Keyring | None = None) -> BlockIO:
+        """A fresh BlockIO for this root: the owner's (lookups, stamps) and
+        each I/O place's are built here alike, each process its own
+        (descriptors and per-thread scratch are not shared)."""
+        return BlockIO(self.layout, self.options, byte_path(self.options), keyring)
+
 
 @dataclasses.dataclass(frozen=True)
 class StepSpec:
     """Every root of the engine in list order, the placement over them and
     the byte path (a class, or any picklable callable, taking a root's
-    ``IoOptions``; see block/bytepath.py)."""
+    ``IoOptions``; see block/bytepath.py), and the sealing keys when blocks
+    are sealed. The keys never travel pickled (``Keyring`` refuses): a
+    worker's spec goes without them (``without_keys``) and its keys through
+    a pipe (workers/crew.py)."""
 
     roots: tuple[RootSpec, ...]
     placement: RootPlacement
     byte_path: BytePathKind = VectoredBytes
+    keyring: Keyring | None = dataclasses.field(default=None, repr=False)
 
     def blockio(self, index: int) -> BlockIO:
-        """A fresh BlockIO for root ``index`` (each process builds its own:
-        descriptors and per-thread scratch are not shared)."""
-        root = self.roots[index]
-        return BlockIO(root.layout, root.options, self.byte_path(root.options))
+        """A fresh BlockIO for root ``index`` (``RootSpec.blockio``)."""
+        return self.roots[index].blockio(self.byte_path, self.keyring)
+
+    def without_keys(self) -> StepSpec:
+        """The spec to pickle; ``with_keys`` puts them back."""
+        return dataclasses.replace(self, keyring=None)
+
+    def with_keys(self, keyring: Keyring | None) -> StepSpec:
+        return dataclasses.replace(self, keyring=keyring)
 
     def with_options(self, options: Sequence[IoOptions]) -> StepSpec:
         """The same spec with other options per root (worker processes hash

@@ -43,7 +43,7 @@ from llmkv_fs.engine.outcomes import (
 from llmkv_fs.engine.upkeep.signals import VolumeSignals
 from llmkv_fs.engine.upkeep.space import trip_on_enospc
 from llmkv_fs.layout.placement import RootPlacement
-from llmkv_fs.volume.root import RootGone
+from llmkv_fs.volume.pinned_root import RootGone
 
 __all__ = ["BlockStep", "StepRoot"]
 

@@ -7,11 +7,10 @@ worker process); it holds only settings.
 
 from __future__ import annotations
 
-import errno
 import os
 from typing import TYPE_CHECKING
 
-from llmkv_fs.volume.files import create_exclusive, needs_chmod
+from llmkv_fs.volume.files import create_exclusive, missing_or_stale, needs_chmod
 
 if TYPE_CHECKING:
     from llmkv_fs.engine.block.options import IoOptions
@@ -43,7 +42,7 @@ class TempFiles:
         try:
             fd = create_exclusive(tmp, self._flags, self.options.file_mode, True, dir_fd)
         except OSError as exc:
-            if isinstance(exc, FileNotFoundError) or exc.errno == errno.ESTALE:
+            if missing_or_stale(exc):
                 raise DirectoryGone(exc.errno, exc.strerror, tmp) from exc
             raise
         if self._chmod_files:

@@ -34,8 +34,9 @@ logger = logging.getLogger("vllm.llmkv_fs.engine")
 
 # Load failures after which the key answers MISS for failed_load_miss_s:
 # the file is still there and would fail the same way (EIO, a bad file that
-# could not be moved aside, no checksum) for every new request.
-_KEEP_MISSING = frozenset((Failure.ERROR, Failure.NO_CHECKSUM))
+# could not be moved aside, no checksum, another key's seal) for every new
+# request.
+_KEEP_MISSING = frozenset((Failure.ERROR, Failure.NO_CHECKSUM, Failure.FOREIGN_KEY))
 
 
 def loaded_prefix(outcomes: list[BlockResult | None]) -> list[BlockResult | None]:
@@ -60,6 +61,7 @@ class FinishedJob:
     nbytes: int  # bytes actually moved (existing blocks and failures excluded)
     latency: float = 0.0  # submit to reported, seconds
     quarantined: list[bytes] = dataclasses.field(default_factory=list)  # bad files moved aside
+    missing: list[bytes] = dataclasses.field(default_factory=list)  # loads: no file (any more)
 
     @property
     def success(self) -> bool:
@@ -131,6 +133,7 @@ class JobAccountant:
         succeeded: list[bytes] = []
         failed: list[bytes] = []
         quarantined: list[bytes] = []
+        missing: list[bytes] = []
         unreadable: list[bytes] = []  # failed loads whose file is still there
         count = self.counters
         direction = Direction.LOAD if job.is_load else Direction.STORE
@@ -164,13 +167,15 @@ class JobAccountant:
                         self._miss_for_s,
                     )
                 continue
+            if outcome.reason is Failure.MISSING:
+                missing.append(key)
             if outcome.reason in _KEEP_MISSING:
                 unreadable.append(key)
             if outcome.reason is Failure.ERROR:
                 self._error_log.report(direction.value, error)
         if unreadable and job.is_load:
             self._remember_misses(unreadable)
-        return self._finished(job, succeeded, failed, moved_blocks, quarantined)
+        return self._finished(job, succeeded, failed, moved_blocks, quarantined, missing)
 
     def _finished(
         self,
@@ -179,6 +184,7 @@ class JobAccountant:
         failed: list[bytes],
         moved_blocks: int,
         quarantined: list[bytes],
+        missing: list[bytes] | None = None,
     ) -> FinishedJob:
         moved = moved_blocks * self.block_size
         self.counters[Tally.BYTES_READ if job.is_load else Tally.BYTES_WRITTEN] += moved
@@ -193,4 +199,5 @@ class JobAccountant:
             moved,
             latency,
             quarantined,
+            missing or [],
         )

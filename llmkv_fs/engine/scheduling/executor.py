@@ -6,8 +6,8 @@ blocks (a slice of one job; read priority or write priority), give them
 back with their results. ``Executor``
 is what the scheduler drives: started once, woken when work arrives, told
 when a job passes its deadline while some of its blocks are out, stopped
-once. I/O threads (threads/executor.py) and worker processes
-(workers/executor.py) implement it; a third way to move bytes implements
+once. I/O threads (threads/thread_executor.py) and worker processes
+(workers/process_executor.py) implement it; a third way to move bytes implements
 these methods and touches nothing in the scheduler.
 
 Threading: ``work_arrived`` and ``job_expired`` are called on the owner's
@@ -67,7 +67,9 @@ class Executor(Protocol):
         ...
 
     def capacity(self) -> int:
-        """Blocks the executor can hold at once (running or waiting in it)."""
+        """Its places: slices (of one or more blocks) it can hold at once,
+        running or waiting in it -- an I/O thread is one place, a worker
+        process two. The ``busy_places`` gauge counts those in use."""
         ...
 
     def worker_pids(self) -> list[int]:

@@ -83,6 +83,7 @@ class BlockScheduler:
         self._jobs_in = 0
         self._jobs_out = 0
         self._in_flight = 0  # blocks handed out, not back yet
+        self._slices_out = 0  # slices handed out: one per busy place
         self._stuck = 0  # of those, blocks of expired jobs
         self._finished: collections.deque[IoJob] = collections.deque()
         # Jobs with a deadline in submission order (hence deadline order:
@@ -133,7 +134,19 @@ class BlockScheduler:
         return self._blocks_in[True] - self._blocks_out[True]
 
     def blocks_in_flight(self) -> int:
+        """Blocks handed to the executor and not given back yet (a place
+        holds a whole slice: up to ``slice_blocks`` of them)."""
         return self._in_flight
+
+    def busy_places(self) -> int:
+        """Executor places holding a slice: never more than ``places``."""
+        return self._slices_out
+
+    @property
+    def places(self) -> int:
+        """Slices the executor can hold at once (its ``capacity()``): an
+        I/O thread is one place, a worker process DEPTH."""
+        return self._places
 
     def stuck_blocks(self) -> int:
         """Blocks still out although their job's deadline passed: nonzero
@@ -237,6 +250,7 @@ class BlockScheduler:
                 queue.popleft()
             self._blocks_out[is_load] += count
             self._in_flight += count
+            self._slices_out += 1
             job.running += count
             if job.first_start is None:
                 job.first_start = time.monotonic()
@@ -250,6 +264,7 @@ class BlockScheduler:
         with self._lock:
             job.running -= taken.n_blocks
             self._in_flight -= taken.n_blocks
+            self._slices_out -= 1
             if job.expired:
                 self._stuck -= taken.n_blocks
             if job.reported:

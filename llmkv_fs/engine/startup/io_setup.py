@@ -16,7 +16,7 @@ from llmkv_fs.engine.block.options import IoOptions
 from llmkv_fs.engine.startup.probe import probe_o_direct
 from llmkv_fs.engine.upkeep.prepare import EngineError
 from llmkv_fs.layout.blockfile import Buffer
-from llmkv_fs.volume.root import PinnedRoot
+from llmkv_fs.volume.pinned_root import PinnedRoot
 
 __all__ = [
     "choose_o_direct",
@@ -88,6 +88,7 @@ def io_options(
         # stored for up to acdirmax (measured ~30 s; docs/reliability.md).
         revalidate_misses=fstype.startswith("nfs"),
         root=root,
+        sealed=settings.seal_key_files is not None,
     )
 
 

@@ -28,7 +28,7 @@ from collections.abc import Callable
 from llmkv_fs.engine.upkeep.space import SpaceGuard
 from llmkv_fs.volume.files import DEFAULT_DIR_MODE, DEFAULT_FILE_MODE
 from llmkv_fs.volume.leases import Lease, read_leases, refresh_lease, remove_lease, write_lease
-from llmkv_fs.volume.root import PinnedRoot
+from llmkv_fs.volume.pinned_root import PinnedRoot
 
 __all__ = ["Housekeeping"]
 
@@ -70,13 +70,6 @@ class Housekeeping:
         self._thread = threading.Thread(target=self._run, name="llmkv_fs_housekeeping", daemon=True)
         self._thread.start()
 
-    @property
-    def root_lost(self) -> bool:
-        """True while root_dir is missing or another directory (the volume
-        was unmounted): the engine then treats the volume as failed. Kept in
-        the guard's shared page, so I/O workers see it too."""
-        return self.guard.signals.root_lost
-
     def set_lease(self, lease: Lease) -> None:
         """Owner side: publish ``lease`` from the housekeeping thread."""
         self._pending_lease = lease
@@ -117,10 +110,13 @@ class Housekeeping:
         """Re-check the root; log once when it is lost and once when back."""
         if self.root is None:
             return True
+        # The verdict lives in the guard's shared page (VolumeSignals), the
+        # one place the engine and its I/O workers read it from.
+        signals = self.guard.signals
         current = self.root.is_current()
-        if current == (not self.root_lost):
+        if current == (not signals.root_lost):
             return current
-        self.guard.signals.root_lost = not current
+        signals.root_lost = not current
         if not current:
             logger.error(
                 "llmkv_fs: root_dir %s is missing or is no longer the directory this "

@@ -18,7 +18,7 @@ from llmkv_fs.layout.paths import CacheLayout
 from llmkv_fs.volume.beneath import Beneath, LinkInTree
 from llmkv_fs.volume.files import DEFAULT_DIR_MODE, DEFAULT_FILE_MODE, make_dirs
 from llmkv_fs.volume.fsinfo import mount_of
-from llmkv_fs.volume.root import PinnedRoot
+from llmkv_fs.volume.pinned_root import PinnedRoot
 from llmkv_fs.volume.run_config import ensure_run_config
 
 __all__ = ["EngineError", "PreparedVolume", "VolumeError", "check_root", "prepare_volume"]

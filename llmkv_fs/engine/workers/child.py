@@ -15,6 +15,8 @@ It imports only the engine room and the layout. Its life:
   job pipe ends it too -- no worker outlives its engine;
 * it maps the primary region from the fds it inherited (region.map_region)
   and pins itself to the CPUs the owner chose (NUMA);
+* sealed blocks: its keys come through an inherited pipe it reads once
+  (crew.keys_pipe), never on its command line or in its environment;
 * umask 0 before anything is imported, so files and directories are created
   with exactly file_mode/dir_mode and need no chmod (one syscall per new
   fan-out directory fewer than in-process threads, which must not touch
@@ -63,6 +65,7 @@ from llmkv_fs.engine.workers.records import (
     take_jobs,
 )
 from llmkv_fs.engine.workers.region import map_region
+from llmkv_fs.layout.sealed import Keyring
 
 _PR_SET_PDEATHSIG = 1
 _STAMP_EVERY_S = 1.0
@@ -75,6 +78,20 @@ def _die_with_parent(parent: int) -> None:
         os._exit(1)
 
 
+def _take_keys(fd: int) -> Keyring | None:
+    """The sealing keys from their pipe (crew.keys_pipe), read to EOF and
+    closed; None when the worker has no key pipe (blocks not sealed)."""
+    if fd < 0:
+        return None
+    try:
+        data = b""
+        while chunk := os.read(fd, 4096):
+            data += chunk
+    finally:
+        os.close(fd)
+    return Keyring.from_bytes(data)
+
+
 def _block_step(launch: WorkerLaunch) -> tuple[BlockStep, RowPrefault]:
     """The worker's BlockStep: the region and each root's signals page
     mapped from the inherited fds (closed once mapped), its own BlockIO per
@@ -82,7 +99,7 @@ def _block_step(launch: WorkerLaunch) -> tuple[BlockStep, RowPrefault]:
     rows = map_region(launch.region_size, launch.segments, launch.region_fds)
     for fd in launch.region_fds:
         os.close(fd)
-    spec = launch.step
+    spec = launch.step.with_keys(_take_keys(launch.keys_fd))
     blockios = [spec.blockio(index) for index in range(len(spec.roots))]
     signals = [VolumeSignals.attach(fd) for fd in launch.signals_fds]
     step = build_step(spec, rows, blockios, signals, PausePoints.from_environment())

@@ -1,4 +1,4 @@
-"""The worker processes of one worker executor (workers/executor.py): what
+"""The worker processes of one worker executor (workers/process_executor.py): what
 they are given (WorkerSpec), the handle the executor keeps for each
 (WorkerHandle), the cancel board they share, and their life -- spawn, reap,
 replace after a growing pause, stop -- in Crew. How many there are:
@@ -25,6 +25,7 @@ import mmap
 import os
 import pathlib
 import pickle
+import select
 import selectors
 import subprocess
 import sys
@@ -37,6 +38,7 @@ from llmkv_fs.engine.scheduling.jobs import BlockSlice
 from llmkv_fs.engine.upkeep.signals import VolumeSignals
 from llmkv_fs.engine.workers.records import stop_record
 from llmkv_fs.engine.workers.region import RegionHandover, Segment
+from llmkv_fs.layout.sealed import Keyring
 
 __all__ = [
     "DEPTH",
@@ -97,6 +99,10 @@ class WorkerLaunch:
     parent: int
     cpus: tuple[int, ...] | None
     nice: int
+    # The read end of a pipe holding the sealing keys (-1: not sealed): the
+    # launch is on the worker's command line, which anyone on the host may
+    # read, so ``step`` travels without its keyring (``keys_pipe``).
+    keys_fd: int = -1
 
     def encoded(self) -> str:
         return base64.b64encode(pickle.dumps(self, pickle.HIGHEST_PROTOCOL)).decode("ascii")
@@ -107,6 +113,27 @@ class WorkerLaunch:
         if not isinstance(launch, WorkerLaunch):
             raise TypeError(f"not a worker launch: {type(launch).__name__}")
         return launch
+
+
+def keys_pipe(keyring: Keyring | None) -> int:
+    """The read end of a pipe that holds ``keyring`` and then EOF (-1: no
+    keyring), for one worker to inherit: the keys reach it neither on its
+    command line nor in its environment, and are gone from the pipe once
+    read (workers/child.py)."""
+    if keyring is None:
+        return -1
+    data = keyring.to_bytes()
+    if len(data) > select.PIPE_BUF:  # one write that cannot block or split
+        raise ValueError(f"a keyring of {len(data)} bytes does not fit one pipe write")
+    read_end, write_end = os.pipe2(os.O_CLOEXEC)
+    try:
+        os.write(write_end, data)
+    except BaseException:
+        os.close(read_end)
+        raise
+    finally:
+        os.close(write_end)
+    return read_end
 
 
 class CancelBoard:
@@ -202,8 +229,10 @@ class Crew:
         spec, board = self.spec, self.board
         handover = spec.handover
         signals_fds = tuple(signals.fd for signals in spec.signals)
+        inherited = (jobs_r, results_w, board.fd, *signals_fds, *handover.fds)
+        keys_fd = keys_pipe(spec.step.keyring)
         launch = WorkerLaunch(
-            step=spec.step,
+            step=spec.step.without_keys(),
             region_size=handover.size,
             segments=handover.segments,
             region_fds=tuple(handover.fds),
@@ -215,6 +244,7 @@ class Crew:
             parent=os.getpid(),
             cpus=tuple(sorted(spec.cpus)) if spec.cpus else None,
             nice=spec.nice,
+            keys_fd=keys_fd,
         )
         # llmkv_fs/engine/workers/crew.py -> the directory holding llmkv_fs
         package_root = str(pathlib.Path(__file__).resolve().parents[3])
@@ -233,13 +263,14 @@ class Crew:
                     "from llmkv_fs.engine.workers.child import main; main()",
                     launch.encoded(),
                 ],
-                pass_fds=(jobs_r, results_w, board.fd, *signals_fds, *handover.fds),
+                pass_fds=tuple(fd for fd in (*inherited, keys_fd) if fd >= 0),
                 stdin=subprocess.DEVNULL,
                 env=env,
             )
         finally:
-            os.close(jobs_r)
-            os.close(results_w)
+            for fd in (jobs_r, results_w, keys_fd):
+                if fd >= 0:
+                    os.close(fd)
         worker.jobs_w, worker.results_r = jobs_w, results_r
         worker.ready = False
         worker.buf = bytearray()

@@ -1,5 +1,5 @@
 """The records that travel between the worker executor's conductor
-(workers/executor.py) and its worker processes (workers/child.py) through
+(workers/process_executor.py) and its worker processes (workers/child.py) through
 pipes, and their codec.
 
 Records (struct-packed, little-endian): a job record is ``JOB`` and then,
@@ -13,7 +13,7 @@ a ``Failed`` by its ``Failure`` index plus the type of its error (one of
 ``ERROR_TYPES``) and that error's fields. So every reason a block can end
 with in a worker reaches the owner as the same reason it has in a thread
 (a hand-written chain once turned ``no_checksum`` and ``volume_failed`` into
-``error``; tests/test_worker_records.py round-trips every member).
+``error``; tests/engine/workers/test_records.py round-trips every member).
 
 Pure functions of their arguments: safe from any thread or process.
 """
@@ -35,6 +35,7 @@ from llmkv_fs.engine.outcomes import (
     VolumeFailed,
 )
 from llmkv_fs.layout.blockfile import BlockFileError, Corruption
+from llmkv_fs.layout.sealed import ForeignKey
 
 __all__ = [
     "BLOCK",
@@ -80,6 +81,7 @@ ERROR_TYPES: tuple[type[Exception] | None, ...] = (
     StoreRefused,
     VolumeFailed,
     BlockFileError,
+    ForeignKey,
     OSError,
     Exception,
 )

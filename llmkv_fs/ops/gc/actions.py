@@ -7,6 +7,9 @@ as done: live tiers keep writing while gc runs.
   names is ever removed recursively.
 * Temp files are unlinked one by one after a fresh lstat (same inode, still
   old enough); evicted blocks likewise (``evict.py``).
+* With KV events on, the blocks of a digest's trash are announced removed
+  directory by directory before their unlinks (the rename took them from
+  the tiers already: a router that still routes there meets a miss).
 * Empty directories are removed bottom-up with ``rmdir`` only; a writer that
   creates a file meanwhile makes the rmdir fail (ENOTEMPTY), and the tier
   recreates a directory gc removed under it before its open.
@@ -24,15 +27,19 @@ import os
 import stat
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-from llmkv_fs.layout.names import is_silly_rename_name, trash_path
+from llmkv_fs.layout.names import is_silly_rename_name, parse_block_rel_path, trash_path
 from llmkv_fs.ops.gc.evict import DirHandles, evict
 from llmkv_fs.ops.gc.inventory import DigestFacts, Inventory, allocated
 from llmkv_fs.ops.gc.rules import Policy, digest_verdict, temp_verdict
+from llmkv_fs.ops.kinds import FileEntry
 from llmkv_fs.ops.problems import MAX_DEPTH, Problems, TooDeep
-from llmkv_fs.ops.scan import FileEntry
 from llmkv_fs.volume.beneath import OPEN_DIR_FLAGS
 from llmkv_fs.volume.leases import read_leases
+
+if TYPE_CHECKING:
+    from llmkv_fs.ops.events.announcer import Announcer
 
 __all__ = ["delete_tree", "evict", "prune_dirs", "remove_digest", "remove_temps"]
 
@@ -47,13 +54,16 @@ def _trash_name(facts: DigestFacts, rank: int | None) -> str:
 # cannot send the deletion elsewhere. Our trees are 4 levels deep.
 
 
-def delete_tree(path: str, problems: Problems) -> tuple[int, bool]:
+def delete_tree(
+    path: str, problems: Problems, announce: Announcer | None = None
+) -> tuple[int, bool]:
     """Delete a tree gc has renamed out of the live namespace, bottom-up.
     Symlinks are unlinked, never followed (neither at the top nor below:
     every directory is opened ``O_NOFOLLOW`` relative to its parent).
     Returns (files removed, whether the tree is entirely gone). Leftovers
     (e.g. NFS ``.nfsXXXX`` files of a block another client still holds
-    open) wait for the next run."""
+    open) wait for the next run. Block files (a rank directory's layout
+    below ``path``) are announced to ``announce`` before their unlink."""
     try:
         fd = os.open(path, OPEN_DIR_FLAGS)
     except FileNotFoundError:
@@ -71,7 +81,7 @@ def delete_tree(path: str, problems: Problems) -> tuple[int, bool]:
             return 0, False
         return 1, True
     try:
-        removed, complete = _delete_below(fd, path, problems, 0)
+        removed, complete = _delete_below(fd, path, problems, 0, "", announce)
     finally:
         os.close(fd)
     try:
@@ -85,8 +95,10 @@ def delete_tree(path: str, problems: Problems) -> tuple[int, bool]:
     return removed, complete
 
 
-def _delete_below(fd: int, where: str, problems: Problems, depth: int) -> tuple[int, bool]:
-    """Empty the directory open as ``fd`` (``where`` names it in reports)."""
+def _delete_below(
+    fd: int, where: str, problems: Problems, depth: int, rel: str, announce: Announcer | None
+) -> tuple[int, bool]:
+    """Empty the directory open as ``fd`` (``where``: its name in reports)."""
     removed, complete = 0, True
     try:
         with os.scandir(fd) as it:
@@ -94,6 +106,8 @@ def _delete_below(fd: int, where: str, problems: Problems, depth: int) -> tuple[
     except OSError as exc:
         problems.add(exc, where, "list")
         return 0, False
+    if announce is not None:  # before the unlinks
+        _announce_blocks(entries, rel, announce)
     for entry in entries:
         name, shown = entry.name, f"{where}/{entry.name}"
         try:
@@ -126,7 +140,9 @@ def _delete_below(fd: int, where: str, problems: Problems, depth: int) -> tuple[
                 removed += 1
                 continue
             try:
-                sub_removed, sub_complete = _delete_below(child, shown, problems, depth + 1)
+                sub_removed, sub_complete = _delete_below(
+                    child, shown, problems, depth + 1, f"{rel}{name}/", announce
+                )
             finally:
                 os.close(child)
             removed += sub_removed
@@ -141,12 +157,24 @@ def _delete_below(fd: int, where: str, problems: Problems, depth: int) -> tuple[
     return removed, complete
 
 
+def _announce_blocks(entries: list[os.DirEntry], rel: str, announce: Announcer) -> None:
+    """Announce the block files among ``entries`` removed (a name that is
+    not a block path of the layout -- config.json, a lease, a quarantined
+    file, whose removal was announced when it was moved aside -- is not)."""
+    for entry in entries:
+        key = parse_block_rel_path(rel + entry.name)
+        if key is not None and not entry.is_dir(follow_symlinks=False):
+            announce.removed(key)
+    announce.flush()
+
+
 def remove_digest(
     facts: DigestFacts,
     policy: Policy,
     now: Callable[[], float],
     dry_run: bool,
     problems: Problems,
+    announce: Announcer | None = None,
 ) -> tuple[bool, str]:
     """Re-read the leases, re-judge, then trash and delete the digest's
     config directory and every rank directory. (removed?, why)."""
@@ -183,7 +211,7 @@ def remove_digest(
         except OSError as exc:
             problems.add(exc, path, "rename")
     for target in trash:
-        delete_tree(target, problems)
+        delete_tree(target, problems, announce)
     return True, why
 
 

@@ -11,13 +11,14 @@ import sys
 import threading
 import traceback
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from llmkv_fs.ops.events.options import add_event_arguments, announcer_from_args
 from llmkv_fs.ops.gc.lock import LockBusy, VolumeLock
 from llmkv_fs.ops.gc.report import Progress
 from llmkv_fs.ops.gc.rules import Policy, pids_are_ours
 from llmkv_fs.ops.gc.sweep import gc_pass
-from llmkv_fs.ops.roots import (
+from llmkv_fs.ops.per_root import (
     EXIT_BAD_ROOT,
     RootOutcome,
     add_root_argument,
@@ -26,6 +27,9 @@ from llmkv_fs.ops.roots import (
 )
 from llmkv_fs.ops.scan import default_threads
 from llmkv_fs.units import format_bytes, parse_duration, parse_percent_or_off, parse_size
+
+if TYPE_CHECKING:
+    from llmkv_fs.ops.events.announcer import Announcer
 
 __all__ = ["EXIT_BUSY", "EXIT_ERRORS", "EXIT_SIGTERM", "add_arguments", "run"]
 
@@ -68,6 +72,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     _add_capacity(parser)
     _add_scope(parser)
     _add_running(parser)
+    add_event_arguments(parser, "a BlockRemoved for each block file gc removes (before its unlink)")
 
 
 def _add_ages(parser: argparse.ArgumentParser) -> None:
@@ -209,6 +214,7 @@ def _one_root(
     watching: bool,
     several: bool,
     root: str,
+    announce: Announcer | None = None,
 ) -> RootOutcome:
     """One pass on ``root`` under its own lock. A single root was checked
     once before the first pass, as ever; each of several roots is checked
@@ -237,6 +243,7 @@ def _one_root(
             dry_run=args.dry_run,
             progress=Progress(sys.stderr),
             stop=stop.is_set,
+            announce=announce,
         )
     finally:
         lock.release()
@@ -281,12 +288,13 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_BAD_ROOT
     policy = _policy(args)
     stop = threading.Event()
+    announce = announcer_from_args("gc", args)  # one for every pass: --watch keeps it
 
     def one_pass(watching: bool) -> int:
         return run_roots(
             "gc",
             roots,
-            lambda root: _one_root(args, policy, stop, watching, len(roots) > 1, root),
+            lambda root: _one_root(args, policy, stop, watching, len(roots) > 1, root, announce),
             as_json=args.json,
             dumps=lambda obj: json.dumps(obj, indent=None if watching else 1, sort_keys=True),
             totals=_totals,
@@ -314,3 +322,5 @@ def run(args: argparse.Namespace) -> int:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        if announce is not None:
+            announce.close()

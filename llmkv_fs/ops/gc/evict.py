@@ -9,6 +9,12 @@ same second) are so broken the same way on every run, and how the blocks
 are spread over directories changes nothing: no block goes while a strictly
 older one stays. Each block is ``lstat``-ed once more right before its
 ``unlink``, so one loaded since (its access stamp moved) is spared.
+
+With KV events on (``announce``), blocks go in batches: each batch is
+re-checked, its removals are published, then it is unlinked -- a router
+learns of a block before it is gone, so one that still routes there meets a
+miss, never a half-deleted file. A block spared after all (loaded, replaced
+or failed between the check and its unlink) is announced stored again.
 """
 
 from __future__ import annotations
@@ -16,13 +22,17 @@ from __future__ import annotations
 import os
 import stat
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from llmkv_fs.layout.blockfile import last_used
-from llmkv_fs.ops import scan
+from llmkv_fs.layout.names import parse_block_path
+from llmkv_fs.ops import kinds
 from llmkv_fs.ops.gc.inventory import Inventory, allocated
 from llmkv_fs.ops.problems import Problems
 from llmkv_fs.volume.beneath import open_path_beneath
+
+if TYPE_CHECKING:
+    from llmkv_fs.ops.events.announcer import Announcer
 
 __all__ = ["evict"]
 
@@ -44,25 +54,63 @@ def evict(
     emptied: set[int],
     problems: Problems,
     stop: Callable[[], bool],
+    announce: Announcer | None = None,
 ) -> tuple[int, int]:
     """Unlink blocks last used at or before ``cutoff`` (and not within
     ``protect``), oldest first across every directory, until ``need``
     bytes are freed. (blocks, bytes)."""
     candidates = _list_candidates(inv, cutoff, now, protect, problems, stop)
     candidates.sort()
+    check = _Check(inv, cutoff, now, protect, problems)
+    batch = 1 if announce is None else max(1, announce.batch_events)
     removed = freed = 0
     with DirHandles() as dirs:
-        for candidate in candidates:
-            if freed >= need or stop():
-                break
-            size = _unlink_if_unused(inv, candidate, cutoff, now, protect, dirs, problems)
-            if size is None:
-                continue
-            removed += 1
-            freed += size
-            inv.dir_entries[candidate.dir_id] -= 1
-            emptied.add(candidate.dir_id)
+        start = 0
+        while start < len(candidates) and freed < need and not stop():
+            # Only as many as may still be needed: a batch is announced whole.
+            chosen: list[tuple[_Candidate, os.stat_result]] = []
+            planned = freed
+            while start < len(candidates) and len(chosen) < batch and planned < need:
+                candidate = candidates[start]
+                start += 1
+                st = check.unused(candidate, dirs)
+                if st is not None:
+                    chosen.append((candidate, st))
+                    planned += allocated(st)
+            keys = _announce_removed(inv, chosen, announce)
+            for index, (candidate, st) in enumerate(chosen):
+                if not check.unlink(candidate, dirs):
+                    spared = keys[index]
+                    if spared is not None and announce is not None:
+                        announce.stored(spared)  # still there after all
+                    continue
+                removed += 1
+                freed += allocated(st)
+                inv.dir_entries[candidate.dir_id] -= 1
+                emptied.add(candidate.dir_id)
+    if announce is not None:
+        announce.flush()
     return removed, freed
+
+
+def _announce_removed(
+    inv: Inventory,
+    chosen: list[tuple[_Candidate, os.stat_result]],
+    announce: Announcer | None,
+) -> list[bytes | None]:
+    """Publish a BlockRemoved for each chosen block (before its unlink);
+    their keys, None where events are off or a name is not a block path."""
+    if announce is None:
+        return [None] * len(chosen)
+    keys = []
+    for candidate, _st in chosen:
+        top = inv.top_of(candidate.dir_id)
+        key = parse_block_path(top, f"{candidate.directory}/{candidate.name}")
+        keys.append(key)
+        if key is not None:
+            announce.removed(key)
+    announce.flush()
+    return keys
 
 
 def _candidate_dirs(inv: Inventory, cutoff: float) -> list[int]:
@@ -128,7 +176,7 @@ def _blocks_in(
         except OSError as exc:
             problems.add(exc, f"{directory}/{entry.name}", "stat")
             continue
-        if scan.classify(entry.name, st, scan.RANK_AREA) != scan.BLOCK:
+        if kinds.classify(entry.name, st, kinds.RANK_AREA) != kinds.BLOCK:
             continue
         when = last_used(st)
         if when <= cutoff and now - when >= protect:
@@ -136,39 +184,50 @@ def _blocks_in(
     return found
 
 
-def _unlink_if_unused(
-    inv: Inventory,
-    candidate: _Candidate,
-    cutoff: float,
-    now: float,
-    protect: float,
-    dirs: DirHandles,
-    problems: Problems,
-) -> int | None:
-    """Unlink the candidate if it is still the file listed and still unused
-    since; the bytes that gave back, or None (spared, gone or failed)."""
-    path = f"{candidate.directory}/{candidate.name}"
-    op = "open"
-    try:
-        fd = dirs.get(inv.top_of(candidate.dir_id), candidate.directory)
-        op = "lstat"
-        st = os.stat(candidate.name, dir_fd=fd, follow_symlinks=False)
+class _Check:
+    """The last look at a candidate before it goes, and its unlink."""
+
+    def __init__(
+        self, inv: Inventory, cutoff: float, now: float, protect: float, problems: Problems
+    ):
+        self.inv, self.cutoff, self.now, self.protect = inv, cutoff, now, protect
+        self.problems = problems
+
+    def unused(self, candidate: _Candidate, dirs: DirHandles) -> os.stat_result | None:
+        """The candidate's stat if it is still the file listed and still
+        unused since; None if spared, gone or failed (reported)."""
+        path = f"{candidate.directory}/{candidate.name}"
+        op = "open"
+        try:
+            fd = dirs.get(self.inv.top_of(candidate.dir_id), candidate.directory)
+            op = "lstat"
+            st = os.stat(candidate.name, dir_fd=fd, follow_symlinks=False)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            self.problems.add(exc, path, op)
+            return None
         when = last_used(st)
         if (
             (st.st_dev, st.st_ino) != candidate.ident
             or not stat.S_ISREG(st.st_mode)
-            or when > cutoff
-            or now - when < protect
+            or when > self.cutoff
+            or self.now - when < self.protect
         ):
             return None  # republished, or loaded since it was listed
-        op = "unlink"
-        os.unlink(candidate.name, dir_fd=fd)
-    except FileNotFoundError:
-        return None
-    except OSError as exc:
-        problems.add(exc, path, op)
-        return None
-    return allocated(st)
+        return st
+
+    def unlink(self, candidate: _Candidate, dirs: DirHandles) -> bool:
+        """Unlink the candidate; whether that removed it."""
+        try:
+            fd = dirs.get(self.inv.top_of(candidate.dir_id), candidate.directory)
+            os.unlink(candidate.name, dir_fd=fd)
+        except FileNotFoundError:
+            return False
+        except OSError as exc:
+            self.problems.add(exc, f"{candidate.directory}/{candidate.name}", "unlink")
+            return False
+        return True
 
 
 class DirHandles:

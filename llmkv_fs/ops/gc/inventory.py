@@ -20,9 +20,10 @@ from collections.abc import Callable
 
 from llmkv_fs.layout.blockfile import last_used
 from llmkv_fs.layout.names import parse_block_path, parse_quarantine_name
-from llmkv_fs.ops import scan
+from llmkv_fs.ops import kinds, walker
+from llmkv_fs.ops.kinds import FileEntry
 from llmkv_fs.ops.problems import Problems
-from llmkv_fs.ops.scan import Digest, FileEntry
+from llmkv_fs.ops.scan import Digest
 from llmkv_fs.volume.leases import BadLease, Lease
 
 __all__ = ["DigestFacts", "Inventory", "allocated", "take_inventory"]
@@ -176,18 +177,18 @@ def take_inventory(
     top_digest: list[int] = []
     for index, facts in enumerate(digests):
         if facts.digest.has_config_dir:
-            tops.append((facts.digest.config_dir, scan.CONFIG_AREA))
+            tops.append((facts.digest.config_dir, kinds.CONFIG_AREA))
             top_digest.append(index)
         for _rank, path in sorted(facts.digest.rank_dirs.items()):
-            tops.append((path, scan.RANK_AREA))
+            tops.append((path, kinds.RANK_AREA))
             top_digest.append(index)
     started = time.monotonic()
-    with contextlib.closing(scan.walk(tops, threads)) as listings:
+    with contextlib.closing(walker.walk(tops, threads)) as listings:
         for listing in listings:
             digest_index = top_digest[listing.top]
             facts = digests[digest_index]
             top, area = tops[listing.top]
-            if _take(inv, facts, digest_index, listing, area == scan.RANK_AREA):
+            if _take(inv, facts, digest_index, listing, area == kinds.RANK_AREA):
                 _fold(inv, facts, digest_index, listing)
                 if not facts.proven:
                     _judge_names(facts, listing, top, area)
@@ -204,7 +205,7 @@ def take_inventory(
 
 
 def _take(
-    inv: Inventory, facts: DigestFacts, digest_index: int, listing: scan.Listing, rank_area: bool
+    inv: Inventory, facts: DigestFacts, digest_index: int, listing: walker.Listing, rank_area: bool
 ) -> bool:
     """Record ``listing``'s directory and what could not be read in it;
     whether its files are there to fold in."""
@@ -245,12 +246,12 @@ def _empty_digest_age(facts: DigestFacts) -> None:
             continue
 
 
-def _fold(inv: Inventory, facts: DigestFacts, digest_index: int, listing: scan.Listing) -> None:
+def _fold(inv: Inventory, facts: DigestFacts, digest_index: int, listing: walker.Listing) -> None:
     # Never evict from a digest config.json does not prove ours.
     lru_ok = facts.selected and not facts.pinned and facts.proven
     for entry in listing.files:
         st, kind = entry.st, entry.kind
-        if kind == scan.SILLY_RENAMED:
+        if kind == kinds.SILLY_RENAMED:
             # Space an NFS client frees at its last close; not ours to free
             # and no sign of use (its mtime is the old block's).
             facts.silly_renamed += 1
@@ -259,11 +260,11 @@ def _fold(inv: Inventory, facts: DigestFacts, digest_index: int, listing: scan.L
             continue
         inv.files += 1
         facts.files += 1
-        size = allocated(st) if kind != scan.SYMLINK else 0
+        size = allocated(st) if kind != kinds.SYMLINK else 0
         facts.bytes += size
         if facts.selected:
             inv.bytes += size
-        if kind == scan.BLOCK:
+        if kind == kinds.BLOCK:
             used = last_used(st)
             facts.blocks += 1
             facts.block_bytes += size
@@ -272,34 +273,34 @@ def _fold(inv: Inventory, facts: DigestFacts, digest_index: int, listing: scan.L
                 inv.lru_used.append(used)
                 inv.lru_bytes.append(size)
                 inv.lru_dir.append(listing.id)
-        elif kind == scan.TEMP:
+        elif kind == kinds.TEMP:
             facts.temps += 1
             facts.saw(st.st_mtime, entry.path)
             inv.temps.append((entry, listing.id, digest_index))
-        elif kind == scan.SYMLINK:
+        elif kind == kinds.SYMLINK:
             facts.symlinks += 1
             inv.symlinks.append(entry.path)
-        elif kind == scan.LEASE:
+        elif kind == kinds.LEASE:
             pass  # liveness is judged from the lease itself, not as activity
         else:
-            if kind == scan.QUARANTINED:
+            if kind == kinds.QUARANTINED:
                 facts.quarantined += 1
             facts.saw(st.st_mtime, entry.path)
 
 
 def _is_our_name(entry: FileEntry, top: str, area: str) -> bool:
     kind = entry.kind
-    if kind in (scan.TEMP, scan.LEASE):
+    if kind in (kinds.TEMP, kinds.LEASE):
         return True
-    if kind == scan.QUARANTINED:
+    if kind == kinds.QUARANTINED:
         return parse_quarantine_name(os.path.basename(entry.path)) is not None
-    if kind == scan.BLOCK and area == scan.RANK_AREA:
+    if kind == kinds.BLOCK and area == kinds.RANK_AREA:
         return parse_block_path(top, entry.path) is not None
     # A config.json that does not prove the digest, a symlink, anything else.
     return False
 
 
-def _judge_names(facts: DigestFacts, listing: scan.Listing, top: str, area: str) -> None:
+def _judge_names(facts: DigestFacts, listing: walker.Listing, top: str, area: str) -> None:
     """Count ``listing``'s files of a digest config.json does not prove as
     ours or foreign (``DigestFacts.provably_ours``)."""
     for entry in listing.files:

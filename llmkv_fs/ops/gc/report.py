@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import json
 import sys
 import time
 from typing import Any, TextIO
@@ -60,6 +59,9 @@ class Report:
     # what it did until then is reported all the same.
     aborted: str = ""
     interrupted: bool = False
+    # KV events this pass sent (published, dropped, errors, failures by
+    # kind); None when events are off.
+    events: dict[str, int] | None = None
 
     def as_dict(self) -> dict[str, Any]:
         problems = self.problems
@@ -83,9 +85,6 @@ class Report:
             + self.capacity.get("evicted_bytes", 0)
         )
         return out
-
-    def to_json(self, indent: int | None = 1) -> str:
-        return json.dumps(self.as_dict(), indent=indent, sort_keys=True)
 
     def human(self) -> str:
         would = "would remove" if self.dry_run else "removed"
@@ -171,6 +170,12 @@ class Report:
             lines.append(
                 f"note: this machine's clock is {self.clock_skew_s:+.0f}s off the "
                 "volume's; ages use the volume's clock"
+            )
+        if self.events is not None:
+            e = self.events
+            lines.append(
+                f"KV events: {e.get('published', 0):,} published, "
+                f"{e.get('dropped', 0):,} dropped, {e.get('errors', 0):,} failed"
             )
         if self.interrupted:
             lines.append("interrupted (SIGTERM): stopped between two actions")

@@ -12,8 +12,9 @@ from collections.abc import Set as AbstractSet
 
 import psutil
 
+from llmkv_fs.layout.names import temp_writer
 from llmkv_fs.ops.gc.inventory import DigestFacts, Inventory
-from llmkv_fs.ops.scan import FileEntry, temp_writer
+from llmkv_fs.ops.kinds import FileEntry
 from llmkv_fs.units import format_bytes, format_duration
 from llmkv_fs.volume import fsinfo
 from llmkv_fs.volume.leases import pid_alive
@@ -113,7 +114,7 @@ class Capacity:
 
     @property
     def used_percent(self) -> float:
-        return 100.0 * self.used / self.total if self.total else 0.0
+        return fsinfo.used_percent(self.used, self.total) if self.total else 0.0
 
 
 def volume_usage(root: str, cache_bytes: int) -> Capacity:

@@ -16,15 +16,21 @@ even then it reports what it did until then.
 
 from __future__ import annotations
 
+import collections
 import time
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 from llmkv_fs.ops.gc import actions
 from llmkv_fs.ops.gc.inventory import DigestFacts, Inventory, take_inventory
 from llmkv_fs.ops.gc.lock import VolumeLock
 from llmkv_fs.ops.gc.report import Progress, Report
 from llmkv_fs.ops.gc.rules import Capacity, Policy, capacity_need, pick_lru, volume_usage
-from llmkv_fs.ops.scan import Digest, RootListing, filesystem_type, list_root
+from llmkv_fs.ops.scan import Digest, RootListing, list_root
+from llmkv_fs.volume.fsinfo import filesystem_type
+
+if TYPE_CHECKING:
+    from llmkv_fs.ops.events.announcer import Announcer
 
 __all__ = ["gc_pass", "matches"]
 
@@ -49,7 +55,10 @@ def gc_pass(
     dry_run: bool = False,
     progress: Progress | None = None,
     stop: Callable[[], bool] = lambda: False,
+    announce: Announcer | None = None,
 ) -> Report:
+    """One pass; with ``announce``, every block file it removes is announced
+    (a BlockRemoved) before its unlink (never on a dry run)."""
     started = time.monotonic()
     report = Report(
         root,
@@ -68,6 +77,8 @@ def gc_pass(
         },
     )
     sweep = _Sweep(root, policy, lock, report, dry_run, progress or Progress(enabled=False), stop)
+    sweep.announce = None if dry_run else announce
+    before = collections.Counter(announce.counts) if announce is not None else None
     try:
         sweep.run(keep, models, threads)
     except OSError as exc:  # the root itself: unreadable, vanished, ...
@@ -75,6 +86,9 @@ def gc_pass(
         report.aborted = f"{exc.filename or root}: {exc.strerror or exc}"
     finally:
         sweep.progress.done()
+        if announce is not None and before is not None:
+            announce.flush()
+            report.events = dict(sorted((announce.counts - before).items()))
     report.seconds = round(time.monotonic() - started, 3)
     return report
 
@@ -110,6 +124,7 @@ class _Sweep:
         # Indexes of digests gc cannot prove are ours: reported, nothing in
         # them touched.
         self.foreign: set[int] = set()
+        self.announce: Announcer | None = None
 
     def run(self, keep: Sequence[str], models: Sequence[str], threads: int) -> None:
         report, root = self.report, self.root
@@ -142,7 +157,7 @@ class _Sweep:
             if self.dry_run:
                 report.trash_removed += 1
                 continue
-            _removed, complete = actions.delete_tree(trash, self.problems)
+            _removed, complete = actions.delete_tree(trash, self.problems, self.announce)
             report.trash_removed += complete
 
     def scan(self, selected: list[DigestFacts], threads: int) -> Inventory:
@@ -177,7 +192,7 @@ class _Sweep:
                 break
             self.progress.update(f"judging digest {index + 1}/{len(selected)}")
             removed, why = actions.remove_digest(
-                f, self.policy, self.lock.volume_now, self.dry_run, self.problems
+                f, self.policy, self.lock.volume_now, self.dry_run, self.problems, self.announce
             )
             report.digests.append(
                 {
@@ -237,6 +252,7 @@ class _Sweep:
                         self.emptied,
                         self.problems,
                         self.stop,
+                        self.announce,
                     )
                 report.capacity.update(evicted_blocks=evicted, evicted_bytes=evicted_bytes)
             report.capacity["short_bytes"] = max(0, need - report.capacity["evicted_bytes"])

@@ -1,0 +1,216 @@
+"""The checking side of the lookups (engine/lookup.py): one posted batch of
+keys checked in order, in chunks, by the lookup thread -- and by helper
+threads as soon as the volume makes checks wait.
+
+Which it is follows the volume as the batch goes: every chunk's checks are
+timed one by one, and a chunk most of whose checks waited on the volume (a
+network round trip: 0.1 ms and up) recruits the helpers, which then take
+chunks from the same cursor. A check answered in CPU time (tmpfs, cached
+dentries) gains nothing from more threads, which only queue for the GIL
+(2,048 keys on tmpfs, 2 cores: 20 us a key on one thread, 34-71 on 4-16;
+docs/benchmarks.md, issue 26), so a batch on such a volume stays on the
+lookup thread. Deciding from a batch's first checks alone once left a
+3,000-key batch on one thread after 8 cached names, on a volume answering
+each later check in 3 ms, until its deadline (issue 33).
+
+A chunk is checked in one call where the engine has a batch check
+(``check_many``: the compiled presence check, engine/block/presence.py,
+which runs without the GIL); then the chunk is timed whole, and it waited on
+the volume when its time per key did. A batch check that raises (a key's
+own failure: the volume, a replaced root) has its chunk checked again key
+by key, each failure a miss of its own key.
+
+Answers go out when a batch is decided, or earlier for the prefix decided
+so far when it holds a miss: vLLM's prefix lookup stops at the first miss,
+and answering hits piecemeal would only make its scheduler record more of
+them per step (the batch's order is the lookup order: each request's keys
+in prefix order).
+
+Progress: ``progress_at`` is the monotonic time any chunk was last decided;
+a volume that answers, however slowly, keeps moving it, so the owner calls
+it stalled only when no check has answered for the whole timeout.
+
+Threading: ``check`` runs on the lookup thread, one batch at a time; the
+helpers are daemon threads (a check held inside a stalled mount must not
+hold up the interpreter's exit); ``stop`` from the owner. A chunk taken is
+always decided (a check that raises is a miss), so a batch ends unless a
+check never returns.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+
+__all__ = ["BatchChecks", "Post"]
+
+logger = logging.getLogger("vllm.llmkv_fs.lookup")
+
+# Keys checked between two looks at how the volume answers.
+CHUNK_KEYS = 16
+WAITS_ON_THE_VOLUME_S = 100e-6
+
+# (batch id, [(key, generation, found)], final): one publication of a batch.
+Post = Callable[[int, list[tuple[bytes, int, bool]], bool], None]
+
+
+class _Run:
+    """One batch being checked: its chunks, who took which, what is decided."""
+
+    __slots__ = (
+        "batch",
+        "batch_id",
+        "cursor",
+        "decided",
+        "finished",
+        "found",
+        "left",
+        "lock",
+        "n_chunks",
+        "prefix",
+        "published",
+        "recruited",
+        "scanned",
+    )
+
+    def __init__(self, batch_id: int, batch: list[tuple[bytes, int]]):
+        self.batch_id = batch_id
+        self.batch = batch
+        self.n_chunks = -(-len(batch) // CHUNK_KEYS)
+        self.cursor = itertools.count()  # next(): atomic under the GIL
+        self.found: list[bool] = [False] * len(batch)
+        self.decided = bytearray(self.n_chunks)
+        self.left = self.n_chunks
+        self.prefix = 0  # chunks decided from the start, without a gap
+        self.scanned = 0  # keys of that prefix looked at for a miss
+        self.published = 0  # keys answered
+        self.recruited = False
+        self.lock = threading.Lock()
+        self.finished = threading.Event()
+
+
+class BatchChecks:
+    """Checks posted batches with ``check_one`` (True: the block is there;
+    it answers OSError itself) -- or a chunk at once with ``check_many``
+    where given -- on the calling thread and up to ``n_helpers`` helper
+    threads; answers through ``post``."""
+
+    def __init__(
+        self,
+        check_one: Callable[[bytes], bool],
+        n_helpers: int,
+        post: Post,
+        name: str = "llmkv_fs",
+        check_many: Callable[[list[bytes]], list[bool]] | None = None,
+    ):
+        self._check_one = check_one
+        self._check_many = check_many
+        self._n_helpers = n_helpers
+        self._post = post
+        self._name = name
+        self._help: queue.SimpleQueue[_Run | None] = queue.SimpleQueue()
+        self._helpers: list[threading.Thread] = []
+        self.progress_at = time.monotonic()
+
+    def check(self, batch_id: int, batch: list[tuple[bytes, int]]) -> None:
+        """Decide every key of ``batch`` ((key, generation) pairs) and post
+        the answers; returns when the batch is decided."""
+        run = _Run(batch_id, batch)
+        self._take_chunks(run)
+        run.finished.wait()  # helpers still on their last chunks
+
+    def stop(self, deadline: float) -> list[threading.Thread]:
+        """Ask the helpers to end and wait for them until ``deadline``
+        (monotonic); returns those still inside a check."""
+        for _ in self._helpers:
+            self._help.put(None)
+        for helper in self._helpers:
+            helper.join(max(0.0, deadline - time.monotonic()))
+        return [helper for helper in self._helpers if helper.is_alive()]
+
+    # -- any checking thread ---------------------------------------------------------
+
+    def _take_chunks(self, run: _Run) -> None:
+        keys = run.batch
+        while (chunk := next(run.cursor)) < run.n_chunks:
+            lo = chunk * CHUNK_KEYS
+            try:
+                found, waited = self._check_chunk(keys[lo : lo + CHUNK_KEYS])
+            except Exception:
+                # Every chunk taken must be decided, or its batch never ends.
+                logger.exception("llmkv_fs: existence checks failed; answering miss")
+                found, waited = [False] * len(keys[lo : lo + CHUNK_KEYS]), 0
+            self.progress_at = time.monotonic()
+            if 2 * waited > len(found) and not run.recruited:
+                self._recruit(run)
+            self._decided(run, chunk, lo, found)
+
+    def _check_chunk(self, pairs: list[tuple[bytes, int]]) -> tuple[list[bool], int]:
+        """The chunk's answers, and how many of its checks waited on the volume."""
+        if self._check_many is not None:
+            started = time.perf_counter()
+            try:
+                found = self._check_many([key for key, _generation in pairs])
+            except Exception:  # each key again on its own: its failure is its miss
+                logger.debug("llmkv_fs: a batch of existence checks failed", exc_info=True)
+            else:
+                per_key = (time.perf_counter() - started) / max(1, len(found))
+                return found, len(found) if per_key >= WAITS_ON_THE_VOLUME_S else 0
+        check, clock, limit = self._check_one, time.perf_counter, WAITS_ON_THE_VOLUME_S
+        found = []
+        waited = 0
+        for key, _generation in pairs:
+            started = clock()
+            found.append(check(key))
+            if clock() - started >= limit:
+                waited += 1
+        return found, waited
+
+    def _recruit(self, run: _Run) -> None:
+        run.recruited = True
+        if not self._n_helpers:
+            return
+        while len(self._helpers) < self._n_helpers:
+            helper = threading.Thread(
+                target=self._help_out,
+                name=f"{self._name}_stat{len(self._helpers)}",
+                daemon=True,
+            )
+            helper.start()
+            self._helpers.append(helper)
+        for _ in range(self._n_helpers):
+            self._help.put(run)
+
+    def _help_out(self) -> None:
+        while (run := self._help.get()) is not None:
+            self._take_chunks(run)
+
+    def _decided(self, run: _Run, chunk: int, lo: int, found: list[bool]) -> None:
+        """Record a chunk's answers; post what a scheduler can use: the
+        prefix decided so far when it holds a new miss, or the whole batch."""
+        with run.lock:
+            run.found[lo : lo + len(found)] = found
+            run.decided[chunk] = 1
+            run.left -= 1
+            prefix = run.prefix
+            while prefix < run.n_chunks and run.decided[prefix]:
+                prefix += 1
+            run.prefix = prefix
+            end = min(prefix * CHUNK_KEYS, len(run.batch))
+            final = run.left == 0
+            new_miss = False in run.found[run.scanned : end]
+            run.scanned = end
+            if final or new_miss:
+                start, stop = run.published, end
+                run.published = end
+                answers = [
+                    (key, generation, hit)
+                    for (key, generation), hit in zip(run.batch[start:stop], run.found[start:stop])
+                ]
+                self._post(run.batch_id, answers, final)
+            if final:
+                run.finished.set()

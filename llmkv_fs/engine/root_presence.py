@@ -1,0 +1,66 @@
+"""Whether a key's block is on the engine's roots, for the lookups
+(engine/lookup.py): on its home root, else -- with several roots -- on its
+second choice, where it was written before its home was added
+(layout/placement.py). A lost root answers no without being touched; one
+found gone meanwhile (RootGone: lost since its housekeeping last looked)
+answers no as if lost.
+
+``on_their_roots`` is the one answer, for one key or a batch: each root is
+asked once for all the keys it is first asked about (``BlockIO.exists_many``:
+the compiled check where it runs), the second choices only for the keys
+their home did not have.
+
+Threading: lookup threads; reads each root's ``lost`` flag (set by its
+housekeeping) and calls its BlockIO, whose descriptors are per thread.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Callable, Sequence
+
+from llmkv_fs.engine.block.blockio import BlockIO
+from llmkv_fs.engine.roots import EngineRoot
+from llmkv_fs.layout.placement import RootPlacement
+from llmkv_fs.volume.pinned_root import RootGone
+
+__all__ = ["at_once", "each_key", "on_their_roots"]
+
+
+def each_key(blockio: BlockIO, keys: list[bytes]) -> list[bool]:
+    """A root's check of ``keys`` one ``exists`` at a time."""
+    return [blockio.exists(key) for key in keys]
+
+
+def at_once(blockio: BlockIO, keys: list[bytes]) -> list[bool]:
+    """A root's check of ``keys`` in one call (compiled where it runs)."""
+    return blockio.exists_many(keys)
+
+
+def on_their_roots(
+    roots: Sequence[EngineRoot],
+    placement: RootPlacement,
+    keys: list[bytes],
+    check: Callable[[BlockIO, list[bytes]], list[bool]] = at_once,
+) -> list[bool]:
+    """Whether each key's block is on its roots (the module doc), in order,
+    each root asked through ``check``; raises what a root's check raises
+    other than RootGone."""
+    found = [False] * len(keys)
+    choices = [placement.choices(key) for key in keys]
+    for rank in range(max(map(len, choices), default=0)):
+        asked: dict[int, list[int]] = collections.defaultdict(list)
+        for at, chosen in enumerate(choices):
+            if rank < len(chosen) and not found[at]:
+                asked[chosen[rank]].append(at)
+        for index, members in asked.items():
+            root = roots[index]
+            if root.lost:
+                continue
+            try:
+                answers = check(root.blockio, [keys[at] for at in members])
+            except RootGone:
+                continue
+            for at, hit in zip(members, answers):
+                found[at] = hit
+    return found

@@ -1,0 +1,163 @@
+"""``llmkv-fs events snapshot``: announce every block on the volume (all its
+roots) as a ``BlockStored``, at a bounded rate, so a KV-aware router that
+restarted (its index empty) learns the shared tier's contents without
+waiting for new traffic.
+
+Each block gets the event vLLM's connector sends when a tier stores a chunk
+(one hash, no tokens: ``announcer.py``); quarantined files, temp files and
+anything not at a block path of a rank directory are not blocks. The walk
+lists directories only, never reads a block. The rate limit spaces the
+batches (``--rate`` events a second, on average from the start): a snapshot
+of millions of blocks must not flood the indexer or the network.
+
+A block removed while the snapshot runs may be announced after its removal
+was: run the snapshot before (re)starting gc's events, or accept that the
+next gc pass or the tiers' own removals correct it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from llmkv_fs.layout.names import parse_block_path
+from llmkv_fs.ops import kinds, walker
+from llmkv_fs.ops.events.options import add_event_arguments, announcer_from_args
+from llmkv_fs.ops.per_root import EXIT_BAD_ROOT, add_root_argument, roots_from_args
+from llmkv_fs.ops.scan import default_threads, list_root
+
+if TYPE_CHECKING:
+    from llmkv_fs.ops.events.announcer import Announcer
+
+__all__ = ["add_arguments", "run", "snapshot"]
+
+DEFAULT_RATE = 20_000  # events a second
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="events_command", required=True)
+    snap = sub.add_parser(
+        "snapshot",
+        help="publish a BlockStored for every block on the volume",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_root_argument(snap, "the cache volume's root_dir")
+    snap.add_argument(
+        "--rate",
+        type=_rate,
+        default=DEFAULT_RATE,
+        metavar="N",
+        help=f"at most N events a second on average (default {DEFAULT_RATE:,})",
+    )
+    snap.add_argument("--json", action="store_true", help="print the summary as JSON")
+    add_event_arguments(snap, "a BlockStored for every block (required)")
+
+
+def _rate(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not 1 <= value <= 10_000_000:
+        raise argparse.ArgumentTypeError(f"--rate {text!r} is not a number from 1 to 10,000,000")
+    return value
+
+
+def snapshot(
+    roots: Sequence[str],
+    announce: Announcer,
+    rate: float = DEFAULT_RATE,
+    clock: Callable[[], float] = time.monotonic,
+    sleep: Callable[[float], None] = time.sleep,
+) -> dict[str, Any]:
+    """Announce every block under ``roots``; what it did, per root."""
+    started = clock()
+    sent = 0
+    per_root = []
+    for root in roots:
+        blocks = 0
+        try:
+            for key in _blocks_of(root):
+                announce.stored(key)
+                blocks += 1
+                if announce.pending >= announce.batch_events:
+                    sent += announce.flush()
+                    _pace(sent, rate, started, clock, sleep)
+        except OSError as exc:
+            per_root.append({"root": root, "blocks": blocks, "error": str(exc)})
+            continue
+        per_root.append({"root": root, "blocks": blocks, "error": None})
+    sent += announce.flush()
+    return {
+        "roots": per_root,
+        "blocks": sum(r["blocks"] for r in per_root),
+        "seconds": round(clock() - started, 3),
+        "events": announce.report(),
+    }
+
+
+def _pace(
+    sent: int,
+    rate: float,
+    started: float,
+    clock: Callable[[], float],
+    sleep: Callable[[float], None],
+) -> None:
+    ahead = sent / rate - (clock() - started)
+    if ahead > 0:
+        sleep(ahead)
+
+
+def _blocks_of(root: str):
+    """The key of every block file under ``root``'s rank directories
+    (never in a quarantine: ``kinds.BLOCK`` excludes those)."""
+    listing = list_root(root)
+    tops = [
+        (path, kinds.RANK_AREA)
+        for digest in listing.digests
+        for _rank, path in sorted(digest.rank_dirs.items())
+    ]
+    with contextlib.closing(walker.walk(tops, default_threads(root))) as listings:
+        for found in listings:
+            top = tops[found.top][0]
+            for entry in found.files:
+                if entry.kind != kinds.BLOCK:
+                    continue
+                key = parse_block_path(top, entry.path)
+                if key is not None:
+                    yield key
+
+
+def run(args: argparse.Namespace) -> int:
+    roots = roots_from_args("events snapshot", args.root)
+    if roots is None:
+        return EXIT_BAD_ROOT
+    if not args.kv_events_config:
+        print("llmkv-fs events snapshot: --kv-events-config is required", file=sys.stderr)
+        return EXIT_BAD_ROOT
+    announce = announcer_from_args("events snapshot", args)
+    assert announce is not None
+    try:
+        summary = snapshot(roots, announce, args.rate)
+    finally:
+        announce.close()
+    summary["events"] = announce.report()
+    if args.json:
+        print(json.dumps(summary, indent=1, sort_keys=True))
+    else:
+        for r in summary["roots"]:
+            error = f" (stopped: {r['error']})" if r["error"] else ""
+            print(f"{r['root']}: {r['blocks']:,} blocks announced{error}")
+        e = summary["events"]
+        print(
+            f"{summary['blocks']:,} BlockStored in {summary['seconds']:.1f}s: "
+            f"{e.get('published', 0):,} published, {e.get('dropped', 0):,} dropped, "
+            f"{e.get('errors', 0):,} failed"
+        )
+    return 1 if any(r["error"] for r in summary["roots"]) else 0

@@ -1,0 +1,95 @@
+"""A key's block on the engine's roots (engine/root_presence.py): a batch
+answers exactly what each key answers alone -- home root first, the second
+choice only for keys their home did not have, a lost root never touched, a
+root found gone (RootGone) as if lost -- over three roots placed by the real
+RootPlacement. The roots' checks are stand-ins that record what they were
+asked; tests/engine/test_lookup.py runs the same through real files."""
+
+from __future__ import annotations
+
+import errno
+from types import SimpleNamespace
+
+import pytest
+
+from llmkv_fs.engine.root_presence import on_their_roots
+from llmkv_fs.layout.placement import RootPlacement
+from llmkv_fs.volume.pinned_root import RootGone
+from tests.kits.engine_kit import make_key
+
+
+class Checks:
+    """One root's block checks: ``present`` keys answer yes; ``gone``: every
+    check raises RootGone; records every key asked."""
+
+    def __init__(self, present: set[bytes], gone: bool = False):
+        self.present = present
+        self.gone = gone
+        self.asked: list[bytes] = []
+
+    def exists(self, key: bytes) -> bool:
+        return self.exists_many([key])[0]
+
+    def exists_many(self, keys: list[bytes]) -> list[bool]:
+        self.asked.extend(keys)
+        if self.gone:
+            raise RootGone(errno.ENOENT, "gone", "/root")
+        return [key in self.present for key in keys]
+
+
+KEYS = [make_key(i) for i in range(300)]
+
+
+def roots_where(placement: RootPlacement, lost: int | None, gone: int | None):
+    """Three roots; a key is on its home (i % 3 == 0), on its second choice
+    (i % 3 == 1) or nowhere."""
+    present: list[set[bytes]] = [set(), set(), set()]
+    for i, key in enumerate(KEYS):
+        home, second = placement.choices(key)
+        if i % 3 == 0:
+            present[home].add(key)
+        elif i % 3 == 1:
+            present[second].add(key)
+    return [
+        SimpleNamespace(lost=index == lost, blockio=Checks(present[index], gone=index == gone))
+        for index in range(3)
+    ]
+
+
+@pytest.mark.parametrize(("lost", "gone"), [(None, None), (1, None), (None, 2)])
+def test_a_batch_answers_what_each_key_answers_alone(lost, gone):
+    placement = RootPlacement(["/r0", "/r1", "/r2"])
+    roots = roots_where(placement, lost, gone)
+    alone = [on_their_roots(roots, placement, [key])[0] for key in KEYS]
+    for root in roots:
+        root.blockio.asked.clear()
+
+    batch = on_their_roots(roots, placement, KEYS)
+
+    out = {lost, gone} - {None}
+    choices = [placement.choices(key) for key in KEYS]
+    expected = [
+        (i % 3 == 0 and c[0] not in out) or (i % 3 == 1 and c[1] not in out)
+        for i, c in enumerate(choices)
+    ]
+    assert batch == alone == expected and any(expected)
+    for index, root in enumerate(roots):
+        had_at_home = [
+            c[0] not in out and k in roots[c[0]].blockio.present for k, c in zip(KEYS, choices)
+        ]
+        should_ask = [
+            k
+            for k, c, home in zip(KEYS, choices, had_at_home)
+            if c[0] == index or (c[1] == index and not home)
+        ]
+        asked = root.blockio.asked
+        assert sorted(asked) == ([] if index == lost else sorted(should_ask))
+
+
+def test_one_root_and_an_empty_batch():
+    placement = RootPlacement(["/r0"])
+    roots = [SimpleNamespace(lost=False, blockio=Checks({KEYS[0]}))]
+    assert on_their_roots(roots, placement, KEYS[:3]) == [True, False, False]
+    assert on_their_roots(roots, placement, []) == []
+    roots[0].lost = True
+    assert on_their_roots(roots, placement, KEYS[:3]) == [False, False, False]

@@ -1,0 +1,309 @@
+"""Shared helpers and fixtures for the engine tests (no vLLM, no torch).
+
+Waiting is polling with a deadline; threads are held with Events/Barriers
+that carry timeouts, never with sleeps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import mmap
+import os
+import time
+
+import pytest
+
+from llmkv_fs.config import TierSettings
+from llmkv_fs.engine import FinishedJob, FsEngine, prepare_volume
+from llmkv_fs.engine.block.blockio import BlockIO, IoOptions
+from llmkv_fs.engine.block.bytepath import VectoredBytes
+from llmkv_fs.engine.block.pause import PAUSE_DIR_ENV
+from llmkv_fs.layout.paths import CacheLayout, RunIdentity
+
+BS = 64 * 1024
+DEADLINE_S = 20.0
+GATE_TIMEOUT_S = 15.0
+IDENTITY = RunIdentity(
+    model_name="m/x",
+    dtype="bfloat16",
+    tokens_per_hash=16,
+    blocks_per_file=1,
+    kv_cache_groups=((16, ("l0",)),),
+)
+
+
+def make_key(i, group: int = 0, *, hash_len: int = 32) -> bytes:
+    """An OffloadKey: a block hash of ``hash_len`` bytes and the KV group index."""
+    return hashlib.sha256(f"block-{i}".encode()).digest()[:hash_len] + group.to_bytes(4, "big")
+
+
+def pattern(i, size: int = BS) -> bytes:
+    unit = hashlib.sha256(f"payload-{i}".encode()).digest()
+    return (unit * (size // len(unit) + 1))[:size]
+
+
+def fill(primary, chunk: int, data: bytes, block_size: int = BS) -> None:
+    primary[chunk * block_size : (chunk + 1) * block_size] = data
+
+
+def row(primary, chunk: int, block_size: int = BS) -> bytes:
+    return primary[chunk * block_size : (chunk + 1) * block_size]
+
+
+def wait_jobs(engine: FsEngine, job_ids, deadline_s: float = DEADLINE_S) -> dict[int, FinishedJob]:
+    """Poll take_finished until every id in job_ids came back (each once)."""
+    wanted = set(job_ids)
+    got: dict[int, FinishedJob] = {}
+    deadline = time.monotonic() + deadline_s
+    while not wanted <= got.keys():
+        for job in engine.take_finished():
+            assert job.job_id not in got, f"job {job.job_id} reported twice"
+            got[job.job_id] = job
+        if wanted <= got.keys():
+            break
+        if time.monotonic() > deadline:
+            pytest.fail(f"jobs {sorted(wanted - got.keys())} not finished after {deadline_s}s")
+        time.sleep(0.002)
+    return got
+
+
+def wait_until(predicate, what: str, deadline_s: float = DEADLINE_S) -> None:
+    deadline = time.monotonic() + deadline_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out waiting for {what}")
+        time.sleep(0.002)
+
+
+def settle(engine: FsEngine, key: bytes, request: str) -> bool:
+    """Repeat lookup with end_step in between until it has a verdict."""
+    deadline = time.monotonic() + DEADLINE_S
+    while True:
+        verdict = engine.lookup(key, request)
+        if verdict is not None:
+            return verdict
+        if time.monotonic() > deadline:
+            pytest.fail(f"no lookup verdict for {key.hex()[:12]} after {DEADLINE_S}s")
+        engine.end_step()
+        time.sleep(0.002)
+
+
+class Gate:
+    """Holds blocks at one of the engine's pause points (engine/block/pause.py)
+    -- in its I/O threads and in its worker processes alike, through files in
+    the pause directory the ``io_mode`` fixture gives every engine. Records
+    (place, kind, key) per block that reached it, in arrival order; ``place``
+    is ``<pid>.<thread id>``. ``kinds`` limits it to loads or stores;
+    ``point`` is ``enter`` (before any check or I/O of the block: a held
+    block re-checks its deadline when let go), ``read`` (a load past its
+    checks: a read the volume has not answered) or ``publish`` (a store's
+    temp file written and closed, right before its rename)."""
+
+    def __init__(
+        self,
+        engine: FsEngine,
+        pause_dir: str,
+        kinds: tuple[str, ...] = (),
+        point: str = "enter",
+    ):
+        assert engine.pause is not None, "the engine started without a pause directory"
+        self.dir = pause_dir
+        self.point = point
+        self.opened = _FileFlag(os.path.join(pause_dir, "open"))
+        for suffix in [f".{k}" for k in kinds] or [""]:
+            _touch(os.path.join(pause_dir, f"armed.{point}{suffix}"))
+
+    @property
+    def entries(self) -> list[tuple[str, str, bytes]]:
+        marks = []
+        for name in os.listdir(self.dir):
+            if name.startswith(f"at.{self.point}."):
+                _at, _point, kind, key_hex, pid, tid = name.split(".")
+                when = os.stat(os.path.join(self.dir, name)).st_mtime_ns
+                marks.append((when, f"{pid}.{tid}", kind, bytes.fromhex(key_hex)))
+        return [(place, kind, key) for _when, place, kind, key in sorted(marks)]
+
+    def wait_entered(self, n: int) -> None:
+        wait_until(lambda: len(self.entries) >= n, f"{n} blocks at the gate")
+
+    def hold(self, key: bytes) -> None:
+        """Keep ``key``'s block at the gate after it opens, until release."""
+        _touch(os.path.join(self.dir, f"hold.{key.hex()}"))
+
+    def release(self, key: bytes) -> None:
+        os.unlink(os.path.join(self.dir, f"hold.{key.hex()}"))
+
+    def open(self) -> None:
+        self.opened.set()
+
+    def close_for_good(self) -> None:
+        """Open it and disarm it (teardown: blocks no longer stop)."""
+        for name in os.listdir(self.dir):
+            if name.startswith(("armed.", "hold.")):
+                os.unlink(os.path.join(self.dir, name))
+        self.open()
+
+
+class _FileFlag:
+    def __init__(self, path: str):
+        self.path = path
+
+    def is_set(self) -> bool:
+        return os.path.exists(self.path)
+
+    def set(self) -> None:
+        _touch(self.path)
+
+
+def _touch(path: str) -> None:
+    with open(path, "a"):
+        pass
+
+
+def memfd_primary(size: int) -> mmap.mmap:
+    """A primary buffer worker processes can map (vLLM's is a /dev/shm file)."""
+    fd = os.memfd_create("llmkv_test_primary", os.MFD_CLOEXEC)
+    os.ftruncate(fd, size)
+    primary = mmap.mmap(fd, size)
+    os.close(fd)  # like vLLM after start-up: only the mapping is left
+    return primary
+
+
+# Read by tests/kits/tier_kit.py (tiers started through vLLM's stack): the io_mode
+# fixture's choice; unset means threads.
+IO_WORKERS_ENV = "LLMKV_FS_TEST_IO_WORKERS"
+
+
+# I/O worker processes per engine in the "workers" mode: one per I/O thread
+# the test asks for, so both modes run as many blocks at once.
+def _workers_for(settings: dict) -> int:
+    return settings.get("n_read_threads", 2) + settings.get("n_write_threads", 2)
+
+
+@pytest.fixture(params=[0, 2], ids=["threads", "workers"])
+def io_mode(request, tmp_path_factory, monkeypatch):
+    """The engine's executor for this test: I/O threads (``io_workers: 0``)
+    or worker processes. Every engine the test starts -- through ``engines``
+    or vLLM's stack (tests/kits/tier_kit.py) -- gets it, and a pause directory for
+    ``Gate``. A module that drives the engine without ``engines`` opts in
+    with ``pytestmark = pytest.mark.usefixtures("io_mode")``."""
+    pause_dir = str(tmp_path_factory.mktemp("pause"))
+    monkeypatch.setenv(PAUSE_DIR_ENV, pause_dir)
+    monkeypatch.setenv(IO_WORKERS_ENV, str(request.param))
+    return IoMode(bool(request.param), pause_dir)
+
+
+@dataclasses.dataclass(frozen=True)
+class IoMode:
+    workers: bool
+    pause_dir: str
+
+
+@pytest.fixture
+def engines(io_mode):
+    """make(root, n_blocks=16, block_size=BS, **settings) -> (engine, layout,
+    primary) in the test's ``io_mode``; every engine is shut down (gates
+    opened first) at teardown."""
+    made: list[FsEngine] = []
+    gates: list[Gate] = []
+
+    def make(root, n_blocks: int = 16, block_size: int = BS, byte_path=VectoredBytes, **settings):
+        """``root`` may list several roots (with path_sharding="by_block_hash");
+        the layout returned is the first root's. ``byte_path``: what moves
+        the bytes (engine/block/bytepath.py)."""
+        primary = memfd_primary(n_blocks * block_size)
+        if io_mode.workers:
+            settings.setdefault("io_workers", _workers_for(settings))
+        settings.setdefault("n_read_threads", 2)
+        settings.setdefault("n_write_threads", 2)
+        settings.setdefault("lookup_threads", 2)
+        tier_settings = TierSettings(root_dir=root, **settings)
+        layouts = [CacheLayout.for_identity(r, IDENTITY) for r in tier_settings.root_dirs]
+        layout = layouts[0]
+        engine = FsEngine(tier_settings, layouts, primary, block_size, byte_path)
+        made.append(engine)
+        if io_mode.workers and settings.get("io_workers", 0):
+            assert engine.io_workers == settings["io_workers"], "worker mode fell back to threads"
+        return engine, layout, primary
+
+    make.gates = gates
+    make.mode = io_mode
+    yield make
+    for gate in gates:
+        gate.close_for_good()
+    for engine in reversed(made):
+        engine.shutdown()
+
+
+@pytest.fixture
+def gate_for(engines):
+    def install(engine, kinds: tuple[str, ...] = (), point: str = "enter"):
+        gate = Gate(engine, engines.mode.pause_dir, kinds, point)
+        engines.gates.append(gate)
+        return gate
+
+    return install
+
+
+def held_by_executor(engine: FsEngine, n: int) -> None:
+    """Wait until the executor holds ``n`` blocks (entered or, in a worker's
+    pipe, next in line): what is left is queued in the scheduler."""
+    wait_until(lambda: engine.gauges()["held_blocks"] >= n, f"{n} blocks out of the queues")
+
+
+def store_blocks(engine, primary, job_id: int, ids, chunks) -> FinishedJob:
+    for i, chunk in zip(ids, chunks):
+        fill(primary, chunk, pattern(i))
+    assert engine.submit_store(job_id, [make_key(i) for i in ids], list(chunks))
+    job = wait_jobs(engine, [job_id])[job_id]
+    assert job.success, job
+    return job
+
+
+def write_blocks(root: str, ids, rank: int = 0) -> tuple[CacheLayout, BlockIO]:
+    """Store blocks ``pattern(i)`` under ``make_key(i)`` the way the tier does
+    (temp file, trailer, rename), without an engine: for tools that read a volume."""
+    layout = CacheLayout(root, CacheLayout.for_identity(root, IDENTITY).run_config, rank)
+    prepare_volume(layout)
+    blockio = BlockIO(
+        layout,
+        IoOptions(
+            block_size=BS, use_o_direct=False, fsync_file=False, fsync_dir=False, checksum=True
+        ),
+    )
+    buf = mmap.mmap(-1, BS)
+    for i in ids:
+        buf[:] = pattern(i)
+        blockio.store(make_key(i), memoryview(buf))
+    return layout, blockio
+
+
+def worker_engine(root: str, n_blocks: int, block_size: int = BS) -> tuple[FsEngine, mmap.mmap]:
+    """An engine with 2 I/O worker processes (asserted: no fallback to
+    threads) over a memfd primary of ``n_blocks`` rows; the caller shuts it
+    down. For tests of what only worker processes do."""
+    primary = memfd_primary(n_blocks * block_size)
+    settings = TierSettings(
+        root_dir=root, io_workers=2, n_read_threads=1, n_write_threads=1, lookup_threads=1
+    )
+    engine = FsEngine(settings, CacheLayout.for_identity(root, IDENTITY), primary, block_size)
+    if engine.io_workers != 2:
+        engine.shutdown()
+        pytest.fail("worker mode fell back to threads")
+    return engine, primary
+
+
+def round_trip(engine: FsEngine, primary, n_blocks: int) -> None:
+    """Store ``pattern(i)`` from every row, zero the buffer, load them all
+    back: every byte right."""
+    size = engine.block_size
+    keys = [make_key(i) for i in range(n_blocks)]
+    for i in range(n_blocks):
+        fill(primary, i, pattern(i, size), size)
+    assert engine.submit_store(1, keys, list(range(n_blocks)))
+    assert wait_jobs(engine, [1])[1].success
+    primary[:] = bytes(len(primary))
+    assert engine.submit_load(2, keys, list(range(n_blocks)))
+    assert wait_jobs(engine, [2])[2].success
+    assert all(row(primary, i, size) == pattern(i, size) for i in range(n_blocks))

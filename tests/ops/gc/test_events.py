@@ -1,0 +1,199 @@
+"""gc announces every block file it removes, in vLLM's wire format: after
+replicas store, a load quarantines, gc evicts, gc removes an orphaned
+digest, ``verify --repair`` moves a file aside and a restarted router takes
+a snapshot, a real ZMQ subscriber's index equals the blocks on the volume
+(two roots, both io modes). A router that drops removals ends up wrong:
+the test can fail."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from llmkv_fs.ops.events.announcer import Announcer
+from llmkv_fs.ops.events.config import parse_events_config
+from llmkv_fs.ops.events.snapshot import snapshot
+from llmkv_fs.ops.gc.lock import VolumeLock
+from llmkv_fs.ops.gc.rules import Policy
+from llmkv_fs.ops.gc.sweep import gc_pass
+from llmkv_fs.ops.verify import verify_volume
+from tests.kits import gc_kit
+from tests.kits.events_kit import (
+    Router,
+    connect_announcer,
+    pump,
+    read_announcer,
+    replica_publisher,
+    volume_hashes,
+)
+from tests.kits.tier_kit import make_keys, ours, resolve, start
+from tests.kits.volume_kit import flip_a_bit
+
+DAY = 86400.0
+
+
+def _policy(**given) -> Policy:
+    values = {"min_age": 7 * DAY, "tmp_age": 3600, "protect": 0.0, "max_bytes": None}
+    values.update({"high": None, "low": None, **given})
+    return Policy(pid_check=True, **values)
+
+
+def _gc(root: str, announce: Announcer, **policy):
+    lock = VolumeLock(root)
+    assert lock.acquire(wait=False)
+    try:
+        return gc_pass(root, _policy(**policy), lock, threads=1, announce=announce)
+    finally:
+        lock.release()
+
+
+def _file_of(replica, key: bytes) -> str:
+    (path,) = [
+        r.layout.block_path(key)
+        for r in replica.tier.engine.roots
+        if os.path.exists(r.layout.block_path(key))
+    ]
+    return path
+
+
+@pytest.fixture
+def two_roots(tmp_path):
+    roots = [tmp_path / "r1", tmp_path / "r2"]
+    for root in roots:
+        root.mkdir()
+    return [str(r) for r in roots]
+
+
+@pytest.mark.usefixtures("io_mode")
+@pytest.mark.parametrize("drop_removals", [False, True], ids=["router", "router-dropping-removals"])
+def test_router_index_equals_the_volume(two_roots, replicas, drop_removals):
+    router = Router(drop_removals=drop_removals)
+    tier = ours(",".join(two_roots), path_sharding="by_block_hash", enable_kv_events=True)
+    a = start(replicas, tier, enable_kv_events=True)
+    a_pub = replica_publisher(router, "a")
+    announce = Announcer([parse_events_config(json.dumps({"endpoint": router.endpoint}))])
+    connect_announcer(router, announce)
+    mismatches = []
+
+    def check(step: str) -> None:
+        if router.index != volume_hashes(*two_roots):
+            mismatches.append(step)
+
+    try:
+        keys = make_keys(12, seed="events-gc")
+        a.store(keys)
+        pump(a, a_pub, router)
+        check("store")
+        assert len(router.index) == 12
+
+        # Another replica loads a damaged file: it quarantines and announces it.
+        flip_a_bit(_file_of(a, keys[0]))
+        b = start(replicas, tier, enable_kv_events=True)
+        b_pub = replica_publisher(router, "b")
+        assert resolve(b, [keys[0]])
+        pump(b, b_pub, router)
+        check("quarantine")
+
+        # gc evicts everything on the first root (over its limit), announcing first.
+        report = _gc(two_roots[0], announce, max_bytes=0)
+        assert report.capacity["evicted_blocks"] > 0 and report.events["published"] > 0
+        read_announcer(router, announce)
+        check("evict")
+        assert volume_hashes(two_roots[1])  # the other root kept its blocks
+
+        # An orphaned digest (no lease, idle for weeks) on the second root, known
+        # to the router through a snapshot, then removed by gc.
+        orphan = gc_kit.make_digest(two_roots[1], model="acme/old", config_age=30 * DAY)[0]
+        for i in range(3):
+            gc_kit.put_block(orphan, gc_kit.key(i, "orphan"), seconds_old=30 * DAY)
+        snapshot(two_roots, announce)
+        read_announcer(router, announce)
+        check("snapshot")
+        report = _gc(two_roots[1], announce, min_age=DAY)
+        assert [d["name"] for d in report.digests if d["removed"]] == [
+            os.path.basename(orphan.base_path)
+        ]
+        read_announcer(router, announce)
+        check("orphan")
+
+        # verify --repair moves a damaged file aside: announced before the move.
+        survivor = next(
+            k
+            for k in keys[1:]
+            if any(os.path.exists(r.layout.block_path(k)) for r in a.tier.engine.roots)
+        )
+        flip_a_bit(_file_of(a, survivor))
+        verify_volume(two_roots[1], repair=True, announce=announce)
+        read_announcer(router, announce)
+        check("verify --repair")
+        assert not os.path.exists(a.tier.engine.roots[1].layout.block_path(survivor))
+
+        # A restarted router learns the volume from a snapshot alone.
+        fresh = Router(drop_removals=drop_removals)
+        again = Announcer([parse_events_config(json.dumps({"endpoint": fresh.endpoint}))])
+        connect_announcer(fresh, again)
+        summary = snapshot(two_roots, again, rate=1e6)
+        read_announcer(fresh, again)
+        again.close()
+        fresh.close()
+        assert fresh.index == volume_hashes(*two_roots)
+        assert summary["blocks"] == len(fresh.index) > 0
+    finally:
+        announce.close()
+        router.close()
+    if drop_removals:
+        assert mismatches, "a router that drops BlockRemoved must disagree with the volume"
+    else:
+        assert mismatches == []
+
+
+DEAD = {"endpoint": "tcp://127.0.0.1:9"}  # connect to a port nobody listens on
+
+
+def test_a_dead_endpoint_and_a_full_queue_cost_events_never_the_pass(disk_root, capsys):
+    layout = gc_kit.make_digest(disk_root)[0]
+    paths = [gc_kit.put_block(layout, gc_kit.key(i, "dead"), seconds_old=DAY) for i in range(50)]
+    config = json.dumps({**DEAD, "hwm": 1, "max_queue_size": 1})
+    status, report = gc_kit.gc(
+        disk_root,
+        "--max-bytes",
+        "0",
+        "--protect",
+        "0s",
+        "--kv-events-config",
+        config,
+        capsys=capsys,
+    )
+    assert status == 0
+    assert report["capacity"]["evicted_blocks"] == 50
+    assert not any(os.path.exists(p) for p in paths)
+    events = report["events"]
+    assert events.get("published", 0) + events.get("dropped", 0) == 50
+
+
+def test_a_watching_gc_with_a_dead_endpoint_keeps_its_memory_flat(disk_root):
+    import tracemalloc
+
+    import psutil
+
+    layout = gc_kit.make_digest(disk_root)[0]
+    announce = Announcer([parse_events_config(json.dumps(DEAD))])
+    process = psutil.Process()
+    tracemalloc.start()
+    try:
+        for i in range(1000):
+            gc_kit.put_block(layout, gc_kit.key(i, "watch"), seconds_old=DAY)
+            report = _gc(disk_root, announce, max_bytes=0)
+            assert report.capacity["evicted_blocks"] == 1
+            if i == 199:
+                traced, rss = tracemalloc.get_traced_memory()[0], process.memory_info().rss
+        traced_growth = tracemalloc.get_traced_memory()[0] - traced
+        rss_growth = process.memory_info().rss - rss
+    finally:
+        tracemalloc.stop()
+        announce.close()
+    assert announce.counts["published"] + announce.counts["dropped"] == 1000
+    assert traced_growth < 256 * 1024, traced_growth
+    assert rss_growth < 8 * 1024 * 1024, rss_growth

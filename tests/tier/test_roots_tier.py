@@ -1,0 +1,81 @@
+"""Several roots through vLLM's real scheduler-side stack
+(TieringOffloadingSpec, both io modes): replicas listing the same roots in
+another order share every block; a replica with one root more still finds
+what the others wrote; a comma without path_sharding is one directory."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from vllm.v1.kv_offload.base import LookupResult
+
+from llmkv_fs.rootlist import RootListError
+from tests.kits.tier_kit import make_keys, ours, payload_for, resolve, start
+from tests.kits.volume_kit import block_files
+
+pytestmark = pytest.mark.usefixtures("io_mode")
+SHARDED = {"path_sharding": "by_block_hash"}
+
+
+def roots_in(tmp_path, *names: str) -> list[str]:
+    return [str(tmp_path / name / "kv") for name in names]
+
+
+def served(replica, keys) -> bool:
+    """Every key HIT, and its bytes in the CPU tier are what was stored."""
+    final = resolve(replica, keys)
+    if any(final[key] is not LookupResult.HIT for key in keys):
+        return False
+    ctx = replica.new_request()
+    try:
+        return all(
+            replica.read_primary(key, ctx) == payload_for(key, replica.row_bytes) for key in keys
+        )
+    finally:
+        replica.finish_request(ctx)
+
+
+def test_replicas_listing_the_roots_in_another_order_share_every_block(tmp_path, replicas):
+    roots = roots_in(tmp_path, "nvme0", "nvme1", "nvme2")
+    keys = make_keys(24, "shared")
+    writer = start(replicas, ours(",".join(roots), **SHARDED))
+    writer.store(keys)
+    per_root = {root: len(block_files(root)) for root in roots}
+    assert sum(per_root.values()) == len(keys) and all(per_root.values()), per_root
+    reader = start(replicas, ours(",".join(reversed(roots)), **SHARDED))
+    assert served(reader, keys)
+    assert reader.tier.config_info()["llmkv_fs_roots"] == 3
+
+
+def test_a_replica_with_a_root_more_finds_what_the_others_wrote(tmp_path, replicas):
+    roots = roots_in(tmp_path, "nvme0", "nvme1")
+    keys = make_keys(24, "before")
+    start(replicas, ours(",".join(roots), **SHARDED)).store(keys)
+    grown = start(replicas, ours(",".join([*roots, *roots_in(tmp_path, "nvme2")]), **SHARDED))
+    assert served(grown, keys)
+
+
+def test_a_comma_without_path_sharding_is_one_directory(tmp_path, replicas, caplog):
+    root = str(tmp_path / "team,a")
+    replica = start(replicas, ours(root))
+    replica.store(make_keys(2, "comma"))
+    assert len(block_files(root)) == 2
+    assert not os.path.exists(str(tmp_path / "team"))
+    assert "contains a comma and is used as one directory" in caplog.text
+
+
+@pytest.mark.parametrize("case", ["empty entry", "through a symlink"])
+def test_a_bad_root_list_stops_start_up_naming_the_entry(case, tmp_path, replicas):
+    real = tmp_path / "real"
+    real.mkdir()
+    if case == "empty entry":
+        root_dir, named = f"{real},,{tmp_path / 'other'}", "entry 2 is empty"
+    else:
+        os.symlink(real, tmp_path / "link")
+        root_dir, named = f"{tmp_path / 'other'},{real},{tmp_path / 'link'}", "entry 3"
+    before = sorted(os.listdir(tmp_path))
+    with pytest.raises(RootListError, match=named):
+        start(replicas, ours(root_dir, **SHARDED))
+    assert sorted(os.listdir(tmp_path)) == before  # "other" not created either
+    assert os.listdir(real) == []
