@@ -33,7 +33,7 @@ from llmkv_fs.layout.blockfile import (
 from llmkv_fs.layout.names import parse_block_path
 from llmkv_fs.layout.sealed import ForeignKey, Keyring, check_unopened, open_payload
 from llmkv_fs.ops.problems import kind_of
-from llmkv_fs.volume.beneath import open_path_beneath
+from llmkv_fs.volume.nofollow import open_path_beneath
 from llmkv_fs.volume.quarantine import file_ident
 from llmkv_fs.volume.vectored import read_all
 

@@ -5,6 +5,10 @@ anything unexpected. Reads metadata only (plus at most a few trailer pages
 per digest to tell the chunk size); never changes the volume, never follows
 a symlink. What cannot be read is counted under ``problems`` and skipped.
 
+Here the report is assembled (config, leases, warnings, totals, the
+filesystem) and the command run; the walk that tallies a digest's files is
+``ops/stats_walk.py``.
+
 Several roots (a tier's root_dir list with path_sharding by_block_hash, or
 several ROOT arguments): a report per root, then blocks and bytes per root
 and in all.
@@ -13,22 +17,18 @@ and in all.
 from __future__ import annotations
 
 import argparse
-import collections
-import dataclasses
 import io
 import json
 import os
 import socket
-import stat
 import time
 from collections.abc import Sequence
 from typing import Any
 
-from llmkv_fs.layout.blockfile import TRAILER_SIZE, last_used
-from llmkv_fs.layout.names import in_quarantine, is_block_name, parse_quarantine_name
+from llmkv_fs.layout.blockfile import TRAILER_SIZE
 from llmkv_fs.layout.paths import run_config_digest
 from llmkv_fs.layout.sealed import NAMESPACE_FIELD
-from llmkv_fs.ops import kinds, scan, walker
+from llmkv_fs.ops import scan
 from llmkv_fs.ops.blockcheck import infer_chunk_size
 from llmkv_fs.ops.per_root import (
     RootOutcome,
@@ -38,12 +38,12 @@ from llmkv_fs.ops.per_root import (
 )
 from llmkv_fs.ops.problems import Problems
 from llmkv_fs.ops.stats_text import print_report
+from llmkv_fs.ops.stats_walk import AGE_BUCKETS, OTHER_LISTED, entry_type, walk_digest
 from llmkv_fs.units import format_bytes
 from llmkv_fs.volume.fsinfo import volume_usage
 from llmkv_fs.volume.leases import Lease, LeaseDir
 
 __all__ = [
-    "AGE_BUCKETS",
     "add_arguments",
     "add_digest_argument",
     "run",
@@ -51,9 +51,6 @@ __all__ = [
     "volume_stats",
 ]
 
-# Upper bounds (seconds) of the last-used buckets; the last one is open.
-AGE_BUCKETS = (("<1h", 3600), ("<1d", 86400), ("<7d", 7 * 86400), ("older", None))
-OTHER_LISTED = 100  # unexpected entries listed per digest (all are counted)
 _SEED_WARNING = "replicas will not share cache"
 
 
@@ -144,102 +141,6 @@ def _lease_json(lease: Lease, now: float) -> dict[str, Any]:
     }
 
 
-def _entry_type(st: os.stat_result) -> str:
-    mode = st.st_mode
-    for test, name in (
-        (stat.S_ISLNK, "symlink"),
-        (stat.S_ISFIFO, "fifo"),
-        (stat.S_ISSOCK, "socket"),
-        (stat.S_ISCHR, "char-device"),
-        (stat.S_ISBLK, "block-device"),
-        (stat.S_ISDIR, "directory"),
-    ):
-        if test(mode):
-            return name
-    return "file"
-
-
-def _quarantine_reason(name: str) -> str:
-    parsed = parse_quarantine_name(name)
-    return parsed.reason if parsed is not None else "unknown"
-
-
-@dataclasses.dataclass
-class _DigestFiles:
-    """What one walk of a digest's directories found, tallied by kind."""
-
-    ranks: dict[int, dict[str, int]]
-    buckets: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
-    oldest: float | None = None
-    newest: float | None = None
-    sizes: collections.Counter[int] = dataclasses.field(default_factory=collections.Counter)
-    probe: list[tuple[str, int]] = dataclasses.field(default_factory=list)
-    temp_count: int = 0
-    temp_bytes: int = 0
-    temp_oldest_mtime: float | None = None
-    quarantined_count: int = 0
-    quarantined_bytes: int = 0
-    quarantined_reasons: collections.Counter[str] = dataclasses.field(
-        default_factory=collections.Counter
-    )
-    other: list[dict[str, str]] = dataclasses.field(default_factory=list)
-    other_count: int = 0
-    silly_count: int = 0  # NFS .nfs<hex> files: never block data, never use
-    silly_bytes: int = 0
-    unreadable: list[dict[str, str]] = dataclasses.field(default_factory=list)
-
-
-def _walk_digest(d: scan.Digest, now: float, threads: int, problems: Problems) -> _DigestFiles:
-    found = _DigestFiles(ranks={rank: {"blocks": 0, "bytes": 0} for rank in sorted(d.rank_dirs)})
-    ranks = found.ranks
-    tops: list[tuple[str, str]] = [(d.rank_dirs[r], kinds.RANK_AREA) for r in ranks]
-    top_rank = list(ranks)
-    if d.has_config_dir:
-        tops.append((d.config_dir, kinds.CONFIG_AREA))
-    for listing in walker.walk(tops, threads):
-        if listing.error is not None:
-            found.unreadable.append({"path": listing.path, "detail": str(listing.error)})
-            problems.add(listing.error, listing.path, "list")
-        for op, path, exc in listing.problems:
-            problems.add(exc, path, op)
-        top_dir, area = tops[listing.top]
-        quarantined_here = area == kinds.RANK_AREA and in_quarantine(top_dir, listing.path)
-        for e in listing.files:
-            name = os.path.basename(e.path)
-            if quarantined_here:  # whatever it is: the tiers or verify put it there
-                found.quarantined_count += 1
-                found.quarantined_bytes += e.st.st_size
-                found.quarantined_reasons[_quarantine_reason(name)] += 1
-            elif e.kind == kinds.BLOCK and stat.S_ISREG(e.st.st_mode) and is_block_name(name):
-                r = ranks[top_rank[listing.top]]
-                r["blocks"] += 1
-                r["bytes"] += e.st.st_size
-                found.sizes[e.st.st_size] += 1
-                if found.sizes[e.st.st_size] <= 3:
-                    found.probe.append((e.path, e.st.st_size))
-                used = last_used(e.st)
-                found.oldest = used if found.oldest is None else min(found.oldest, used)
-                found.newest = used if found.newest is None else max(found.newest, used)
-                age = now - used
-                bucket = next(b for b, limit in AGE_BUCKETS if limit is None or age < limit)
-                found.buckets[bucket] += 1
-            elif e.kind == kinds.TEMP:
-                found.temp_count += 1
-                found.temp_bytes += e.st.st_size
-                if found.temp_oldest_mtime is None or e.st.st_mtime < found.temp_oldest_mtime:
-                    found.temp_oldest_mtime = e.st.st_mtime
-            elif e.kind == kinds.SILLY_RENAMED:
-                found.silly_count += 1
-                found.silly_bytes += e.st.st_size
-            elif e.kind in (kinds.CONFIG, kinds.LEASE):
-                continue
-            else:  # OTHER, SYMLINK, and any kind scan may add later
-                found.other_count += 1
-                if len(found.other) < OTHER_LISTED:
-                    found.other.append({"path": e.path, "type": _entry_type(e.st)})
-    return found
-
-
 def _warnings(
     d: scan.Digest, config: dict[str, Any] | None, live: list[Lease], fingerprints: list[str]
 ) -> list[str]:
@@ -291,7 +192,7 @@ def _digest_stats(
     d: scan.Digest, now: float, this_host: str, threads: int, problems: Problems
 ) -> dict[str, Any]:
     config = d.read_config()
-    found = _walk_digest(d, now, threads, problems)
+    found = walk_digest(d, now, threads, problems)
     ranks = found.ranks
     chunk = infer_chunk_size(found.probe)
     leases, live = _leases(d, now, this_host, problems)
@@ -349,7 +250,7 @@ def _unexpected_in_root(listing: scan.RootListing, problems: Problems) -> list[d
     out = []
     for path in listing.symlinks + listing.other:
         try:
-            out.append({"path": path, "type": _entry_type(os.lstat(path))})
+            out.append({"path": path, "type": entry_type(os.lstat(path))})
         except FileNotFoundError:
             continue
         except OSError as exc:

@@ -11,6 +11,10 @@ only if the path still names the inode that was read, so it is safe while
 tiers are live: a block republished meanwhile is left alone. With
 --kv-events-config, each such move is announced first (a BlockRemoved).
 
+Here the files to read are chosen (one walk), the results counted on the
+owner thread and the report and command made; the reader threads and the
+progress bar are ``ops/verify_readers.py``.
+
 Several roots (a tier's root_dir list with path_sharding by_block_hash, or
 several ROOT arguments): each root verified on its own, then the total; the
 exit status is the worst of the roots'.
@@ -22,15 +26,11 @@ import argparse
 import io
 import json
 import os
-import queue
 import stat
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
-
-from tqdm import tqdm
 
 from llmkv_fs.checks import TierConfigError
 from llmkv_fs.layout.names import in_quarantine, is_block_name
@@ -45,7 +45,6 @@ from llmkv_fs.ops.blockcheck import (
     VANISHED,
     VERIFIED,
     Result,
-    check_block,
     infer_chunk_size,
 )
 from llmkv_fs.ops.events.options import add_event_arguments, announcer_from_args
@@ -58,6 +57,7 @@ from llmkv_fs.ops.per_root import (
 from llmkv_fs.ops.problems import EXAMPLES_PER_KIND, Problems
 from llmkv_fs.ops.repair import quarantine
 from llmkv_fs.ops.stats import add_digest_argument, select_digests
+from llmkv_fs.ops.verify_readers import Progress, check_all
 from llmkv_fs.ops.verify_text import print_report
 from llmkv_fs.units import format_bytes
 from llmkv_fs.volume.keyfiles import keyring_from_args
@@ -65,9 +65,7 @@ from llmkv_fs.volume.keyfiles import keyring_from_args
 if TYPE_CHECKING:
     from llmkv_fs.ops.events.announcer import Announcer
 
-__all__ = ["add_arguments", "quarantine", "run", "verify_volume"]
-
-_PROGRESS_INTERVAL_S = 0.2
+__all__ = ["add_arguments", "run", "verify_volume"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -96,83 +94,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--json", action="store_true", help="machine-readable output")
     add_event_arguments(parser, "a BlockRemoved for every file --repair moves aside")
-
-
-class _Progress:
-    """A tqdm bar on stderr (files checked, bytes read, bad so far), only when
-    it is a terminal; cleared when done. Called from the collecting thread."""
-
-    def __init__(self, total_files: int, total_bytes: int, stream=None):
-        self.stream = stream if stream is not None else sys.stderr
-        self.enabled = bool(getattr(self.stream, "isatty", lambda: False)())
-        self.total_bytes = total_bytes
-        self.bar = tqdm(
-            total=total_files,
-            desc="verify",
-            unit=" files",
-            file=self.stream,
-            mininterval=_PROGRESS_INTERVAL_S,
-            leave=False,
-            disable=not self.enabled,
-        )
-
-    def update(self, files: int, nbytes: int, bad: int, force: bool = False) -> None:
-        if not self.enabled:
-            return
-        self.bar.set_postfix_str(
-            f"{format_bytes(nbytes)}/{format_bytes(self.total_bytes)}, bad {bad}", refresh=False
-        )
-        self.bar.update(files - self.bar.n)  # redraws once _PROGRESS_INTERVAL_S has passed
-        if force:
-            self.bar.refresh()
-
-    def done(self) -> None:
-        self.bar.close()
-
-
-def _work(item, out: queue.SimpleQueue, keyring: Keyring | None) -> None:
-    digest, rank_dir, entry, chunk = item
-    try:
-        result = check_block(rank_dir, entry.path, entry.st, chunk, keyring)
-    except BaseException as exc:  # a bug must not hang the run
-        result = Result(entry.path, ERROR, 0, "internal-error", repr(exc))
-    out.put((digest, rank_dir, result))
-
-
-def _check_all(
-    items: list,
-    threads: int,
-    on_result: Callable,
-    tick: Callable[[], None],
-    keyring: Keyring | None = None,
-) -> None:
-    """Check ``items`` on ``threads`` readers (sealed blocks opened with
-    ``keyring``); ``on_result`` runs on this thread, in completion order.
-    At most 2 x threads items are in flight."""
-    results: queue.SimpleQueue = queue.SimpleQueue()
-    pending: Iterator = iter(items)
-    in_flight = 0
-    with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="llmkv-verify") as pool:
-
-        def submit_next() -> int:
-            item = next(pending, None)
-            if item is None:
-                return 0
-            pool.submit(_work, item, results, keyring)
-            return 1
-
-        for _ in range(2 * threads):
-            in_flight += submit_next()
-        while in_flight:
-            try:
-                got = results.get(timeout=_PROGRESS_INTERVAL_S)
-            except queue.Empty:
-                tick()
-                continue
-            in_flight -= 1
-            on_result(*got)
-            in_flight += submit_next()
-            tick()
 
 
 # Result status -> its counter in the report.
@@ -250,7 +171,7 @@ def _collect(digests: list[scan.Digest], threads: int, unread: _Unread) -> tuple
 
 class _Results:
     """Counts and lists of one run, filled from the checkers' results
-    (owner thread only: _check_all calls ``add`` there)."""
+    (owner thread only: check_all calls ``add`` there)."""
 
     def __init__(
         self,
@@ -327,11 +248,11 @@ def verify_volume(
     results = _Results(per_digest, unread, repair, announce if repair else None)
     totals, bad, errors = results.totals, results.bad, results.errors
     total_bytes = sum(e.st.st_size for _, _, e, _ in items if stat.S_ISREG(e.st.st_mode))
-    progress = _Progress(len(items), total_bytes, progress_stream)
+    progress = Progress(len(items), total_bytes, progress_stream)
 
     start = time.monotonic()
     try:
-        _check_all(
+        check_all(
             items,
             threads,
             results.add,

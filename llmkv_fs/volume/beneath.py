@@ -43,6 +43,10 @@ still sits at its name (gc may rename it aside) costs an ``fstatat``, as much
 as the open and close it saves (measured; docs/reliability.md). So a
 directory gc removed or renamed aside is never written through later.
 
+The single steps -- one level opened or made relative to its parent, and
+the errors ``LinkInTree`` and ``MountInTree`` -- are ``volume/nofollow.py``;
+the volume tools walk their tops with them directly.
+
 Threading: one Beneath may be shared by any number of threads; each thread
 opens its own root descriptor (``threading.local``), closed when the thread
 ends or the Beneath is collected. Worker processes build their own.
@@ -52,136 +56,33 @@ from __future__ import annotations
 
 import errno
 import os
-import stat
 import threading
 
-from llmkv_fs.volume.files import (
-    DEFAULT_DIR_MODE,
-    missing_or_stale,
-    needs_chmod,
-    retry_transient,
+from llmkv_fs.volume.files import DEFAULT_DIR_MODE, missing_or_stale, retry_transient
+from llmkv_fs.volume.nofollow import (
+    DIR_FLAGS,
+    OPEN_DIR_FLAGS,
+    MountInTree,
+    make_dir_at,
+    open_child_dir,
 )
 from llmkv_fs.volume.openat2 import AVAILABLE as OPENAT2
 from llmkv_fs.volume.openat2 import open_beneath
 from llmkv_fs.volume.pinned_root import PinnedRoot, parts_below
 
-__all__ = [
-    "DIR_FLAGS",
-    "OPEN_DIR_FLAGS",
-    "Beneath",
-    "LinkInTree",
-    "MountInTree",
-    "make_dir_at",
-    "open_child_dir",
-    "open_path_beneath",
-]
+__all__ = ["Beneath"]
 
-# A directory to resolve names in: no read permission needed, no open call
-# into the filesystem; O_NOFOLLOW|O_DIRECTORY fail on a link (ENOTDIR).
-DIR_FLAGS = os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-# A directory really opened: fsync, fchmod, listing, NFS close-to-open.
-OPEN_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 # The root itself may be reached through links above it (checked at start:
 # prepare refuses a root that is a link; the pin decides it is the same one).
 _ROOT_FLAGS = os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC
-AT_FDCWD = -100  # openat's "relative to the current directory" (Linux)
 _KNOWN_DIRS_MAX = 1 << 16  # directories remembered as existing (a few MiB)
 _NOT_NAMES = frozenset(("", ".", ".."))  # components a relative path may not have
-
-
-class LinkInTree(OSError):
-    """A symlink where a directory of the cache tree belongs (below the
-    root): never followed. errno ELOOP, so it keeps its meaning when it
-    crosses a process boundary as a bare OSError."""
-
-
-class MountInTree(LinkInTree):
-    """A mount point where a directory of the cache tree belongs: another
-    filesystem (or a bind mount) inside the root, never crossed. Handled
-    as a link everywhere (errno ELOOP, counted ``link_in_tree``)."""
-
-    def __init__(self, shown: str):
-        super().__init__(errno.ELOOP, "a mount point, not crossed", shown)
 
 
 def _mount_on_the_way(exc: OSError, shown: str) -> None:
     """``openat2``'s EXDEV for a path without ``..``: a mount point on it."""
     if exc.errno == errno.EXDEV:
         raise MountInTree(shown) from None
-
-
-def open_child_dir(
-    parent_fd: int, name: str, flags: int = DIR_FLAGS, shown: str = "", must_read: bool = False
-) -> int:
-    """The directory ``name`` in ``parent_fd`` opened with ``flags`` (which
-    hold ``O_NOFOLLOW|O_DIRECTORY``). LinkInTree for a symlink there,
-    NotADirectoryError for anything else that is not a directory,
-    FileNotFoundError when nothing is (``shown``, else ``name``, names it
-    in errors). A directory that may be searched but not read is resolved
-    only (``O_PATH``) unless ``must_read`` (a listing): PermissionError."""
-    try:
-        return os.open(name, flags, dir_fd=parent_fd)
-    except PermissionError:
-        if flags == DIR_FLAGS or must_read:
-            raise
-        # Searchable but not readable (another uid's directory): resolve it
-        # only. A real open was only wanted for NFS freshness or listing.
-        return open_child_dir(parent_fd, name, DIR_FLAGS, shown)
-    except OSError as exc:
-        if exc.errno not in (errno.ENOTDIR, errno.ELOOP):
-            raise
-    # Which of the two: one lstat, on this rare path only.
-    mode = os.stat(name, dir_fd=parent_fd, follow_symlinks=False).st_mode
-    shown = shown or name
-    if stat.S_ISLNK(mode):
-        raise LinkInTree(errno.ELOOP, "a symlink, not followed", shown)
-    # A directory by now: another client's fresh mkdir became visible (a
-    # caller creating retries that).
-    raise NotADirectoryError(errno.ENOTDIR, "not a directory", shown)
-
-
-def make_dir_at(parent_fd: int, name: str, dir_mode: int, shown: str = "") -> int:
-    """mkdir ``name`` in ``parent_fd`` with exactly ``dir_mode``. -1 when
-    the caller is to open it (made, or already there); a descriptor of it
-    when making it needed a chmod (done through that descriptor: a chmod by
-    name would follow a link swapped in meanwhile)."""
-    try:
-        os.mkdir(name, dir_mode, dir_fd=parent_fd)
-    except FileExistsError:
-        return -1
-    if not needs_chmod(dir_mode):
-        return -1
-    fd = open_child_dir(parent_fd, name, OPEN_DIR_FLAGS, shown)
-    try:
-        os.fchmod(fd, dir_mode)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
-
-
-def open_path_beneath(top: str, path: str) -> int:
-    """A readable descriptor of the directory ``path``, which lies at or below
-    ``top`` by its spelling: ``top`` opened by its path (a link there is
-    refused too: LinkInTree), every component after it relative to the one
-    before, never through a link. For the volume tools, which walk tops they
-    listed a moment ago (a rank or digest directory) while live tiers write
-    the volume; a running tier resolves beneath its pinned root (Beneath).
-    ValueError when ``path`` is not ``top`` or below it."""
-    if path != top and not path.startswith(top.rstrip("/") + "/"):
-        raise ValueError(f"{path!r} is not below {top!r}")
-    names = parts_below(top, path) if path != top else []
-    fd = open_child_dir(AT_FDCWD, top, DIR_FLAGS if names else OPEN_DIR_FLAGS, must_read=True)
-    shown = top.rstrip("/")
-    for i, name in enumerate(names):
-        shown = f"{shown}/{name}"
-        flags = OPEN_DIR_FLAGS if i == len(names) - 1 else DIR_FLAGS
-        try:
-            child = open_child_dir(fd, name, flags, shown, must_read=True)
-        finally:
-            os.close(fd)
-        fd = child
-    return fd
 
 
 def _creation_race(exc: OSError) -> bool:

@@ -15,8 +15,9 @@ import stat
 import time
 
 from llmkv_fs.layout.names import QUARANTINE_DIRNAME, quarantine_dir, quarantine_path
-from llmkv_fs.volume.beneath import DIR_FLAGS, Beneath, LinkInTree, make_dir_at, open_child_dir
+from llmkv_fs.volume.beneath import Beneath
 from llmkv_fs.volume.files import DEFAULT_DIR_MODE, make_dirs
+from llmkv_fs.volume.nofollow import DIR_FLAGS, LinkInTree, make_dir_at, open_child_dir
 
 __all__ = ["file_ident", "make_quarantine_dir", "move_to_quarantine", "quarantine_at"]
 

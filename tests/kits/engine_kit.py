@@ -16,8 +16,9 @@ import pytest
 
 from llmkv_fs.config import TierSettings
 from llmkv_fs.engine import FinishedJob, FsEngine, prepare_volume
-from llmkv_fs.engine.block.blockio import BlockIO, IoOptions
+from llmkv_fs.engine.block.blockio import BlockIO
 from llmkv_fs.engine.block.bytepath import VectoredBytes
+from llmkv_fs.engine.block.options import IoOptions
 from llmkv_fs.engine.block.pause import PAUSE_DIR_ENV
 from llmkv_fs.layout.paths import CacheLayout, RunIdentity
 

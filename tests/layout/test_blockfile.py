@@ -13,7 +13,9 @@ import time
 import pytest
 import xxhash
 
-from llmkv_fs.engine.block.blockio import BlockIO, IoOptions, Outcome
+from llmkv_fs.engine.block.blockio import BlockIO
+from llmkv_fs.engine.block.options import IoOptions
+from llmkv_fs.engine.outcomes import Outcome
 from llmkv_fs.engine.startup.probe import probe_o_direct
 from llmkv_fs.layout.blockfile import (
     FLAG_CHECKSUM,

@@ -21,7 +21,7 @@ from llmkv_fs import cli
 from llmkv_fs.engine import prepare_volume
 from llmkv_fs.layout.blockfile import TRAILER_SIZE
 from llmkv_fs.layout.paths import CacheLayout
-from llmkv_fs.ops import verify
+from llmkv_fs.ops import verify, verify_readers
 from llmkv_fs.volume import quarantine as quarantine_module
 from tests.kits.engine_kit import BS, make_key, pattern, write_blocks
 from tests.kits.volume_kit import quarantined
@@ -204,7 +204,7 @@ def test_repair_leaves_a_file_republished_after_the_read(volume, capsys, monkeyp
     fresh = f"{os.path.dirname(path)}/.fresh"
     shutil.copyfile(path, fresh)  # what a concurrent store will publish
     flip_byte(path, 7)
-    real_check = verify.check_block
+    real_check = verify_readers.check_block
 
     def check_then_republish(rank_dir, p, lst, chunk, keyring=None):
         result = real_check(rank_dir, p, lst, chunk, keyring)
@@ -212,7 +212,7 @@ def test_repair_leaves_a_file_republished_after_the_read(volume, capsys, monkeyp
             os.rename(fresh, path)  # a store lands between our read and repair
         return result
 
-    monkeypatch.setattr(verify, "check_block", check_then_republish)
+    monkeypatch.setattr(verify_readers, "check_block", check_then_republish)
     rc, report = run_cli(capsys, volume, "--repair")
     assert rc == 1
     (b,) = report["bad"]
@@ -311,7 +311,7 @@ def test_progress_line_only_on_a_terminal(volume, capsys):
     write_blocks(volume, range(4))
     tty = FakeTty()
     verify.verify_volume(volume, threads=2, progress_stream=tty)
-    progress = verify._Progress(4, 4 * BS, tty)
+    progress = verify_readers.Progress(4, 4 * BS, tty)
     progress.update(4, 4 * BS, 0, force=True)
     text = tty.getvalue()
     assert "\rverify: " in text and "| 4/4 [" in text and "files/s" in text

@@ -18,7 +18,8 @@ import traceback
 import pytest
 
 from llmkv_fs.engine import Direction, EngineError, Failure, Outcome, prepare_volume
-from llmkv_fs.engine.block.blockio import BlockIO, IoOptions
+from llmkv_fs.engine.block.blockio import BlockIO
+from llmkv_fs.engine.block.options import IoOptions
 from llmkv_fs.layout.paths import CacheLayout
 from tests.kits.engine_kit import IDENTITY
 from tests.kits.matrix_kit import (

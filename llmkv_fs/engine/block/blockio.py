@@ -17,16 +17,18 @@ lookup a miss and a store or load fail
 (``LinkInTree``, ``MountInTree``, counted ``link_in_tree``); nothing is
 ever made, written or moved through it.
 
-How the bytes themselves move, once the file is open, is the byte path's
+What the open file holds -- the row and the trailer's contents written,
+the length, key and checksum checked on a load -- is ``BlockContents``'
+(block/contents.py), and how the bytes themselves move is the byte path's
 (block/bytepath.py, the seam for another implementation): by default zero
 copy, the payload straight between the caller's row (a slice of the
 page-aligned primary mmap) and the file with ``pwritev``/``preadv``, the
 trailer in the same syscall from a per-thread aligned page. Everything
-around it -- resolving, creating, renaming, the trailer's contents, the
-checksum check, quarantine, stamps -- is here, whatever the byte path.
-Sealed blocks (``options.sealed``) move through ``SealedBytes`` instead
-(block/sealed.py: AES-256-GCM where the checksum would be); a sealed block
-of a key this reader does not hold is a ``ForeignKey`` miss, never moved.
+around the file -- resolving, creating, renaming, quarantine, stamps -- is
+here, whatever the byte path. Sealed blocks (``options.sealed``) move
+through ``SealedBytes`` instead (block/sealed.py: AES-256-GCM where the
+checksum would be); a sealed block of a key this reader does not hold is a
+``ForeignKey`` miss, never moved.
 """
 
 from __future__ import annotations
@@ -37,44 +39,27 @@ import mmap
 import os
 import socket
 import threading
-import time
 from collections.abc import Callable
 
-from llmkv_fs.engine.block.bytepath import BytePath, VectoredBytes
+from llmkv_fs.engine.block.bytepath import BytePath
+from llmkv_fs.engine.block.contents import BlockContents
 from llmkv_fs.engine.block.options import O_DIRECT, IoOptions
 from llmkv_fs.engine.block.presence import BlockPresence
-from llmkv_fs.engine.block.sealed import SealedBytes
 from llmkv_fs.engine.block.stamps import AccessStamps
 from llmkv_fs.engine.block.tempfiles import DirectoryGone, TempFiles
-from llmkv_fs.engine.outcomes import Abandoned, BlockMissing, NoChecksum, Outcome
-from llmkv_fs.layout.blockfile import (
-    TRAILER_SIZE,
-    BlockFileError,
-    Corruption,
-    file_sizes,
-    length_fault,
-    pack_trailer,
-    payload_checksum,
-    verify_block,
-)
+from llmkv_fs.engine.outcomes import Abandoned, BlockMissing, Outcome
+from llmkv_fs.layout.blockfile import TRAILER_SIZE, BlockFileError, Corruption
 from llmkv_fs.layout.names import block_rel_parts, temp_name
 from llmkv_fs.layout.paths import CacheLayout
 from llmkv_fs.layout.sealed import Keyring
-from llmkv_fs.volume.beneath import Beneath, MountInTree
+from llmkv_fs.volume.beneath import Beneath
 from llmkv_fs.volume.files import SHARED_FS_ATTEMPTS, missing_or_stale
+from llmkv_fs.volume.nofollow import MountInTree
 from llmkv_fs.volume.quarantine import file_ident, quarantine_at
 
-__all__ = ["Abandoned", "BlockIO", "BlockMissing", "IoOptions", "Outcome"]
+__all__ = ["BlockIO"]
 
 _PAGE = mmap.PAGESIZE
-
-
-class BytePathFault(OSError):
-    """A byte path returned normally but left a file that is no block file
-    (short, long, or never sealed): the store fails, nothing is published."""
-
-    def __init__(self, detail: str):
-        super().__init__(errno.EIO, detail)
 
 
 class BlockIO:
@@ -90,19 +75,12 @@ class BlockIO:
     ):
         self.layout = layout
         self.options = options
-        self._bytes = VectoredBytes(options) if byte_path is None else byte_path
-        # Sealed blocks move through SealedBytes instead of the byte path
-        # (block/sealed.py); options and keyring must agree, so no process
-        # ever writes a plain block where sealed ones live, nor the reverse.
-        if options.sealed != (keyring is not None):
-            raise ValueError(f"sealed={options.sealed} with {keyring!r}: a keyring iff sealed")
-        self._sealed = (
-            None if keyring is None else SealedBytes(options, keyring, layout.rank_dir_rel)
-        )
+        # What the file holds, written and checked (block/contents.py);
+        # refuses a keyring that does not match options.sealed.
+        self._contents = BlockContents(layout, options, byte_path, keyring)
         self._host = socket.gethostname()
         self._pid = os.getpid()
         self._local = threading.local()
-        self._valid_sizes = file_sizes(options.block_size, options.accept_trailerless)
         # Every name below the root is resolved from the root's descriptor,
         # one component at a time, never through a link (volume.beneath).
         # Each process that builds a BlockIO opens its own descriptors.
@@ -113,7 +91,9 @@ class BlockIO:
         # thread in open(); it fails in preadv instead (no effect on files).
         self._read_flags = self._open_flags(os.O_RDONLY | os.O_NONBLOCK)
         self._stamps = AccessStamps(self._below)
-        self._presence = BlockPresence(self._below, self._valid_sizes, options.revalidate_misses)
+        self._presence = BlockPresence(
+            self._below, self._contents.valid_sizes, options.revalidate_misses
+        )
 
     # -- per-thread scratch ------------------------------------------------
 
@@ -211,8 +191,7 @@ class BlockIO:
             fd = self._temps.create(dir_fd, tmp)
             try:
                 try:
-                    self._write(fd, key, row, trailer)
-                    self._check_written(fd, row.nbytes + TRAILER_SIZE, key)
+                    self._contents.write(fd, key, row, trailer)
                 finally:
                     os.close(fd)
                 if still_wanted is not None and not still_wanted():
@@ -233,37 +212,6 @@ class BlockIO:
             return Outcome.WRITTEN
         finally:
             os.close(dir_fd)
-
-    def _write(self, fd: int, key: bytes, row: memoryview, trailer: memoryview) -> None:
-        if self._sealed is not None:
-            self._sealed.write(fd, key, row, trailer)
-            if self.options.fsync_file:
-                os.fsync(fd)
-            return
-        checksum = self.options.checksum
-        sealed = False
-
-        def seal(digest: int | None) -> None:
-            nonlocal sealed
-            if checksum and digest is None:
-                digest = payload_checksum(row)
-            pack_trailer(trailer, key, row.nbytes, digest if checksum else None, time.time_ns())
-            sealed = True
-
-        self._bytes.write(fd, row, trailer, seal)
-        if not sealed:  # the trailer page holds another block's trailer, or nothing
-            raise BytePathFault(f"the byte path never sealed the trailer of {key.hex()}")
-        if self.options.fsync_file:
-            os.fsync(fd)
-
-    @staticmethod
-    def _check_written(fd: int, size: int, key: bytes) -> None:
-        """The temp file is as long as a block file (one fstat): a byte path
-        that returned normally after a short write must not get its file
-        published and counted written (it would only be caught on load)."""
-        got = os.fstat(fd).st_size
-        if got != size:
-            raise BytePathFault(f"the byte path left {got} bytes of {size} for {key.hex()}")
 
     @staticmethod
     def _fsync_dir(dir_fd: int) -> None:
@@ -335,7 +283,7 @@ class BlockIO:
         is moved aside through ``dir_fd``, its directory (-1: opened now)."""
         try:
             try:
-                outcome = self._read_checked(fd, key, row, scratch)
+                outcome = self._contents.read(fd, key, row, scratch)
             except OSError as exc:
                 # The file (or a directory above it) was removed through
                 # another client -- gc on another node -- while this client
@@ -382,36 +330,6 @@ class BlockIO:
             # Still a bad file (counted as such); the engine remembers the
             # key as a miss so new requests do not re-read it.
             bad.left_because = f"could not be moved aside: {exc}"
-
-    def _read_checked(self, fd: int, key: bytes, row: memoryview, scratch: memoryview) -> Outcome:
-        """Fill ``row`` from ``fd`` and check it: OSError from the read,
-        BlockFileError for a bad file (ForeignKey: sealed with a key we
-        do not hold, left alone)."""
-        if self._sealed is not None:
-            self._sealed.read(fd, key, row, scratch)
-            return Outcome.VERIFIED
-        n, digest = self._bytes.read(fd, row, scratch, self._valid_sizes)
-        return self._check(key, row, scratch, n, digest)
-
-    def _check(
-        self, key: bytes, row: memoryview, scratch: memoryview, n: int, digest: int | None
-    ) -> Outcome:
-        opts = self.options
-        if n == opts.block_size + TRAILER_SIZE:
-            trailer = verify_block(row, scratch[:TRAILER_SIZE], key, opts.checksum, digest)
-            if not opts.checksum:
-                return Outcome.UNVERIFIED  # length and key checked, the payload not
-            if trailer.has_checksum:
-                return Outcome.VERIFIED
-            # Written with checksum: false. Without a checksum a flipped bit
-            # cannot be seen: like a trailer-less file, served only to a
-            # reader that accepts unverified blocks. Not corrupt: left alone.
-            if opts.accept_trailerless:
-                return Outcome.UNVERIFIED
-            raise NoChecksum(self.layout.block_path(key))
-        if n == opts.block_size and opts.accept_trailerless:
-            return Outcome.UNVERIFIED
-        raise length_fault(n, opts.block_size, opts.accept_trailerless)
 
     def has_queued_stamps(self) -> bool:
         return self._stamps.pending()

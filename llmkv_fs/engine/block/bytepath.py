@@ -7,9 +7,9 @@ every check, because none of them is its job. Before it runs, the step has
 checked the deadline, the chunk index, whether the root is lost and the
 space guard; ``BlockIO`` has resolved the block's directory beneath the
 root without following a link and created the temp file (or opened the
-block, never through a link). After it, ``BlockIO`` packs or verifies the
-trailer (length, key, checksum), renames, quarantines a bad file and notes
-the access stamp.
+block, never through a link). After it, ``BlockContents``
+(block/contents.py) packs or verifies the trailer (length, key, checksum),
+and ``BlockIO`` renames, quarantines a bad file and notes the access stamp.
 
 What an implementation may choose is how the bytes move -- one vectored
 call, pieces, another engine -- and whether it hashes the payload on the

@@ -33,8 +33,9 @@ import os
 import stat
 from collections.abc import Callable, Collection
 
-from llmkv_fs.volume.beneath import Beneath, LinkInTree
+from llmkv_fs.volume.beneath import Beneath
 from llmkv_fs.volume.files import missing_or_stale
+from llmkv_fs.volume.nofollow import LinkInTree
 from llmkv_fs.volume.openat2 import AVAILABLE as OPENAT2
 
 __all__ = ["COMPILED_PRESENCE", "PRESENCE_ENV", "BlockPresence", "compiled_check", "presence_path"]

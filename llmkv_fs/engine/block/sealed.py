@@ -1,9 +1,10 @@
 """How a sealed block's bytes move (``seal_key_files``): what the byte path
 and the xxh3 checksum do for an unsealed one, with AES-256-GCM instead
-(layout/sealed.py has the format and the reasons). ``BlockIO`` uses it in
-place of its byte path when its options say ``sealed``, in I/O threads and
-worker processes alike; every other check around it (resolving beneath the
-root, temp file and rename, quarantine, stamps) stays ``BlockIO``'s.
+(layout/sealed.py has the format and the reasons). ``BlockContents``
+(block/contents.py) uses it in place of the byte path when its options say
+``sealed``, in I/O threads and worker processes alike; every other check
+around it (resolving beneath the root, temp file and rename, quarantine,
+stamps) stays ``BlockIO``'s.
 
 Store: the row is the CPU tier's own copy and must not change, so each
 piece of it is encrypted into a per-thread page-aligned buffer of

@@ -15,7 +15,8 @@ import shutil
 import pytest
 
 from llmkv_fs.engine import Direction, Failure, Outcome, Tally, prepare_volume
-from llmkv_fs.engine.block.blockio import BlockIO, IoOptions
+from llmkv_fs.engine.block.blockio import BlockIO
+from llmkv_fs.engine.block.options import IoOptions
 from llmkv_fs.engine.workers.crew import WorkerLaunch
 from llmkv_fs.layout.blockfile import Corruption
 from llmkv_fs.layout.paths import CacheLayout

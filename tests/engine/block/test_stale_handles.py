@@ -7,9 +7,10 @@ walk must then retry with real opens and land; it gave up after eight
 identical ``O_PATH`` walks.
 
 A local filesystem cannot stage a stale handle, so this is the one thing
-imitated: ``os.open``/``os.mkdir`` as ``volume.beneath`` sees them answer
-ESTALE for a lookup relative to an ``O_PATH`` descriptor of the chosen
-directory, as the network clients did. Everything else is real: BlockIO,
+imitated: ``os.open``/``os.mkdir`` as the walk beneath the root sees them
+(``volume.beneath``, ``volume.nofollow``) answer ESTALE for a lookup
+relative to an ``O_PATH`` descriptor of the chosen directory, as the
+network clients did. Everything else is real: BlockIO,
 tmpfs-or-disk files, the bytes read back. The real races run in
 test_matrix_races.py (GlusterFS) and test_gc_race.py (NFS).
 """
@@ -28,9 +29,16 @@ from llmkv_fs.engine.block.blockio import BlockIO
 from llmkv_fs.engine.block.options import IoOptions
 from llmkv_fs.engine.outcomes import Outcome
 from llmkv_fs.layout.paths import CacheLayout
-from llmkv_fs.volume import beneath
+from llmkv_fs.volume import beneath, nofollow
 from llmkv_fs.volume.files import SHARED_FS_ATTEMPTS
 from tests.kits.engine_kit import BS, IDENTITY, make_key, pattern
+
+
+def stage_os(monkeypatch, client) -> None:
+    """``client`` as ``os`` wherever the walk beneath the root calls it: the
+    walk itself (beneath.py) and its one-level steps (nofollow.py)."""
+    for module in (beneath, nofollow):
+        monkeypatch.setattr(module, "os", client)
 
 
 class CheckingOs:
@@ -58,7 +66,7 @@ class CheckingOs:
 
 
 class StaleClient(CheckingOs):
-    """``os`` as beneath.py uses it, with ``stale_dir`` (an absolute path)
+    """``os`` as beneath.py and nofollow.py use it, with ``stale_dir`` (an absolute path)
     cached stale: an ``O_PATH`` descriptor of it resolves, but any name
     looked up through it fails with ESTALE; a real open revalidates it,
     unless ``repairable`` is False (the server keeps answering ESTALE).
@@ -95,7 +103,7 @@ def blockio(tmp_path) -> BlockIO:
         block_size=BS, use_o_direct=False, fsync_file=False, fsync_dir=False, checksum=True
     )
     io = BlockIO(layout, options)
-    # The stale handle is staged in ``os`` as beneath.py calls it; the
+    # The stale handle is staged in ``os`` as the walk calls it; the
     # one-call openat2 path (ctypes) would bypass it. On a real client that
     # call meets the same ESTALE and takes this walk: the walk is under test.
     io._below.one_call = False
@@ -111,7 +119,7 @@ def test_a_store_through_a_stale_directory_handle_retries_with_real_opens(
     os.makedirs(block_dir)  # the directories exist; this client's handle is stale
     stale = os.path.dirname(block_dir) if level == "hhh" else blockio.layout.rank_dir
     client = StaleClient(os.path.realpath(stale))
-    monkeypatch.setattr(beneath, "os", client)
+    stage_os(monkeypatch, client)
     row = mmap.mmap(-1, BS)
     row[:] = pattern(7)
 
@@ -128,7 +136,7 @@ def test_a_directory_that_stays_stale_fails_the_store_after_bounded_attempts(blo
     block_dir = os.path.dirname(blockio.layout.block_path(key))
     os.makedirs(block_dir)
     client = StaleClient(os.path.realpath(os.path.dirname(block_dir)), repairable=False)
-    monkeypatch.setattr(beneath, "os", client)
+    stage_os(monkeypatch, client)
     row = mmap.mmap(-1, BS)
 
     with pytest.raises(OSError) as failed:
@@ -173,10 +181,11 @@ def test_a_block_replaced_by_another_client_meanwhile_is_written_again(blockio, 
 
 
 class StaleRootClient(CheckingOs):
-    """``os`` as beneath.py uses it after the NFS server lost the handle of
-    the root this thread holds open (a failover, a re-export): every lookup
-    through that descriptor, and its fstat, answer ESTALE. Opening the root
-    by its path again -- a full lookup, revalidated -- gives a good one."""
+    """``os`` as beneath.py and nofollow.py use it after the NFS server lost
+    the handle of the root this thread holds open (a failover, a re-export):
+    every lookup through that descriptor, and its fstat, answer ESTALE.
+    Opening the root by its path again -- a full lookup, revalidated -- gives
+    a good one."""
 
     def __init__(self, root_path: str, stale_fd: int):
         self.root_path = root_path
@@ -204,7 +213,7 @@ def test_a_root_handle_the_server_lost_is_opened_again_not_kept(blockio, monkeyp
     assert blockio.store(first, memoryview(row)) is Outcome.WRITTEN
     below = blockio._below  # the thread's root descriptor is open by now
     client = StaleRootClient(below.path, below.root_fd())
-    monkeypatch.setattr(beneath, "os", client)
+    stage_os(monkeypatch, client)
 
     row[:] = pattern(11)
     assert blockio.store(second, memoryview(row)) is Outcome.WRITTEN  # a store walks...

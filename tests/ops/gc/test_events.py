@@ -59,16 +59,21 @@ def _file_of(replica, key: bytes) -> str:
 
 
 @pytest.fixture
-def two_roots(tmp_path):
-    roots = [tmp_path / "r1", tmp_path / "r2"]
-    for root in roots:
-        root.mkdir()
-    return [str(r) for r in roots]
+def two_roots(shared_volume):
+    """Two roots as the replicas' client sees them, and the same two as
+    another client sees them (GlusterFS: a second mount; elsewhere the same
+    paths), where gc, verify and the snapshot run, as on another node."""
+    names = ("r1", "r2")
+    replicas_side = [os.path.join(shared_volume.a, name) for name in names]
+    for root in replicas_side:
+        os.mkdir(root)
+    return replicas_side, [os.path.join(shared_volume.b, name) for name in names]
 
 
 @pytest.mark.usefixtures("io_mode")
 @pytest.mark.parametrize("drop_removals", [False, True], ids=["router", "router-dropping-removals"])
 def test_router_index_equals_the_volume(two_roots, replicas, drop_removals):
+    two_roots, gc_side = two_roots
     router = Router(drop_removals=drop_removals)
     tier = ours(",".join(two_roots), path_sharding="by_block_hash", enable_kv_events=True)
     a = start(replicas, tier, enable_kv_events=True)
@@ -78,7 +83,7 @@ def test_router_index_equals_the_volume(two_roots, replicas, drop_removals):
     mismatches = []
 
     def check(step: str) -> None:
-        if router.index != volume_hashes(*two_roots):
+        if router.index != volume_hashes(*gc_side):
             mismatches.append(step)
 
     try:
@@ -97,21 +102,21 @@ def test_router_index_equals_the_volume(two_roots, replicas, drop_removals):
         check("quarantine")
 
         # gc evicts everything on the first root (over its limit), announcing first.
-        report = _gc(two_roots[0], announce, max_bytes=0)
+        report = _gc(gc_side[0], announce, max_bytes=0)
         assert report.capacity["evicted_blocks"] > 0 and report.events["published"] > 0
         read_announcer(router, announce)
         check("evict")
-        assert volume_hashes(two_roots[1])  # the other root kept its blocks
+        assert volume_hashes(gc_side[1])  # the other root kept its blocks
 
         # An orphaned digest (no lease, idle for weeks) on the second root, known
         # to the router through a snapshot, then removed by gc.
-        orphan = gc_kit.make_digest(two_roots[1], model="acme/old", config_age=30 * DAY)[0]
+        orphan = gc_kit.make_digest(gc_side[1], model="acme/old", config_age=30 * DAY)[0]
         for i in range(3):
             gc_kit.put_block(orphan, gc_kit.key(i, "orphan"), seconds_old=30 * DAY)
-        snapshot(two_roots, announce)
+        snapshot(gc_side, announce)
         read_announcer(router, announce)
         check("snapshot")
-        report = _gc(two_roots[1], announce, min_age=DAY)
+        report = _gc(gc_side[1], announce, min_age=DAY)
         assert [d["name"] for d in report.digests if d["removed"]] == [
             os.path.basename(orphan.base_path)
         ]
@@ -125,20 +130,21 @@ def test_router_index_equals_the_volume(two_roots, replicas, drop_removals):
             if any(os.path.exists(r.layout.block_path(k)) for r in a.tier.engine.roots)
         )
         flip_a_bit(_file_of(a, survivor))
-        verify_volume(two_roots[1], repair=True, announce=announce)
+        verify_volume(gc_side[1], repair=True, announce=announce)
         read_announcer(router, announce)
         check("verify --repair")
-        assert not os.path.exists(a.tier.engine.roots[1].layout.block_path(survivor))
+        moved = a.tier.engine.roots[1].layout.block_path(survivor)
+        assert not os.path.exists(gc_side[1] + moved[len(two_roots[1]) :])
 
         # A restarted router learns the volume from a snapshot alone.
         fresh = Router(drop_removals=drop_removals)
         again = Announcer([parse_events_config(json.dumps({"endpoint": fresh.endpoint}))])
         connect_announcer(fresh, again)
-        summary = snapshot(two_roots, again, rate=1e6)
+        summary = snapshot(gc_side, again, rate=1e6)
         read_announcer(fresh, again)
         again.close()
         fresh.close()
-        assert fresh.index == volume_hashes(*two_roots)
+        assert fresh.index == volume_hashes(*gc_side)
         assert summary["blocks"] == len(fresh.index) > 0
     finally:
         announce.close()

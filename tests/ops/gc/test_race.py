@@ -31,7 +31,8 @@ from tests.kits.gc_kit import (
 
 WRITER = r"""
 import json, os, posixpath, sys, time
-from llmkv_fs.engine.block.blockio import BlockIO, IoOptions
+from llmkv_fs.engine.block.blockio import BlockIO
+from llmkv_fs.engine.block.options import IoOptions
 from llmkv_fs.layout.paths import CacheLayout
 
 root, hook = sys.argv[1], sys.argv[2]

@@ -1,0 +1,145 @@
+"""What one block file holds, once ``BlockIO`` has it open: the row written
+with its trailer (key, length, checksum) and checked for length before it
+may be published; on a load, the row read back and checked against its
+trailer (key, length, the payload's xxh3). The bytes move through the byte
+path (block/bytepath.py) or, for sealed blocks (``options.sealed``),
+through ``SealedBytes`` (block/sealed.py: AES-256-GCM where the checksum
+would be). Where the file lives -- resolving beneath the root, the temp
+file and its rename, quarantine, stamps -- is ``BlockIO``'s
+(block/blockio.py).
+
+Threading: one ``BlockContents`` per ``BlockIO`` (per root and process),
+shared by every I/O thread of that process. It holds only immutable settings
+and the byte path; the trailer and scratch pages are the calling thread's
+own, passed in. Methods block on the filesystem.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import time
+
+from llmkv_fs.engine.block.bytepath import BytePath, VectoredBytes
+from llmkv_fs.engine.block.options import IoOptions
+from llmkv_fs.engine.block.sealed import SealedBytes
+from llmkv_fs.engine.outcomes import NoChecksum, Outcome
+from llmkv_fs.layout.blockfile import (
+    TRAILER_SIZE,
+    file_sizes,
+    length_fault,
+    pack_trailer,
+    payload_checksum,
+    verify_block,
+)
+from llmkv_fs.layout.paths import CacheLayout
+from llmkv_fs.layout.sealed import Keyring
+
+__all__ = ["BlockContents", "BytePathFault"]
+
+
+class BytePathFault(OSError):
+    """A byte path returned normally but left a file that is no block file
+    (short, long, or never sealed): the store fails, nothing is published."""
+
+    def __init__(self, detail: str):
+        super().__init__(errno.EIO, detail)
+
+
+class BlockContents:
+    """One root's block contents, moved by ``byte_path`` (default:
+    ``VectoredBytes`` of the options), or sealed with ``keyring``."""
+
+    def __init__(
+        self,
+        layout: CacheLayout,
+        options: IoOptions,
+        byte_path: BytePath | None = None,
+        keyring: Keyring | None = None,
+    ):
+        self.layout = layout
+        self.options = options
+        self._bytes = VectoredBytes(options) if byte_path is None else byte_path
+        # Sealed blocks move through SealedBytes instead of the byte path
+        # (block/sealed.py); options and keyring must agree, so no process
+        # ever writes a plain block where sealed ones live, nor the reverse.
+        if options.sealed != (keyring is not None):
+            raise ValueError(f"sealed={options.sealed} with {keyring!r}: a keyring iff sealed")
+        self._sealed = (
+            None if keyring is None else SealedBytes(options, keyring, layout.rank_dir_rel)
+        )
+        # The file sizes a reader accepts (with a trailer; without one too
+        # if accept_trailerless).
+        self.valid_sizes = file_sizes(options.block_size, options.accept_trailerless)
+
+    # -- store -----------------------------------------------------------------
+
+    def write(self, fd: int, key: bytes, row: memoryview, trailer: memoryview) -> None:
+        """Fill the temp file ``fd`` with ``row`` and its trailer (packed in
+        ``trailer``, the thread's page), fsync it if the options say so, and
+        check its length. BytePathFault for a file that is no block file."""
+        self._write(fd, key, row, trailer)
+        self._check_written(fd, row.nbytes + TRAILER_SIZE, key)
+
+    def _write(self, fd: int, key: bytes, row: memoryview, trailer: memoryview) -> None:
+        if self._sealed is not None:
+            self._sealed.write(fd, key, row, trailer)
+            if self.options.fsync_file:
+                os.fsync(fd)
+            return
+        checksum = self.options.checksum
+        sealed = False
+
+        def seal(digest: int | None) -> None:
+            nonlocal sealed
+            if checksum and digest is None:
+                digest = payload_checksum(row)
+            pack_trailer(trailer, key, row.nbytes, digest if checksum else None, time.time_ns())
+            sealed = True
+
+        self._bytes.write(fd, row, trailer, seal)
+        if not sealed:  # the trailer page holds another block's trailer, or nothing
+            raise BytePathFault(f"the byte path never sealed the trailer of {key.hex()}")
+        if self.options.fsync_file:
+            os.fsync(fd)
+
+    @staticmethod
+    def _check_written(fd: int, size: int, key: bytes) -> None:
+        """The temp file is as long as a block file (one fstat): a byte path
+        that returned normally after a short write must not get its file
+        published and counted written (it would only be caught on load)."""
+        got = os.fstat(fd).st_size
+        if got != size:
+            raise BytePathFault(f"the byte path left {got} bytes of {size} for {key.hex()}")
+
+    # -- load ------------------------------------------------------------------
+
+    def read(self, fd: int, key: bytes, row: memoryview, scratch: memoryview) -> Outcome:
+        """Fill ``row`` from ``fd`` and check it: OSError from the read,
+        BlockFileError for a bad file (ForeignKey: sealed with a key we
+        do not hold, left alone). ``scratch``: the thread's two pages."""
+        if self._sealed is not None:
+            self._sealed.read(fd, key, row, scratch)
+            return Outcome.VERIFIED
+        n, digest = self._bytes.read(fd, row, scratch, self.valid_sizes)
+        return self._check(key, row, scratch, n, digest)
+
+    def _check(
+        self, key: bytes, row: memoryview, scratch: memoryview, n: int, digest: int | None
+    ) -> Outcome:
+        opts = self.options
+        if n == opts.block_size + TRAILER_SIZE:
+            trailer = verify_block(row, scratch[:TRAILER_SIZE], key, opts.checksum, digest)
+            if not opts.checksum:
+                return Outcome.UNVERIFIED  # length and key checked, the payload not
+            if trailer.has_checksum:
+                return Outcome.VERIFIED
+            # Written with checksum: false. Without a checksum a flipped bit
+            # cannot be seen: like a trailer-less file, served only to a
+            # reader that accepts unverified blocks. Not corrupt: left alone.
+            if opts.accept_trailerless:
+                return Outcome.UNVERIFIED
+            raise NoChecksum(self.layout.block_path(key))
+        if n == opts.block_size and opts.accept_trailerless:
+            return Outcome.UNVERIFIED
+        raise length_fault(n, opts.block_size, opts.accept_trailerless)
