@@ -22,7 +22,9 @@ from llmkv_fs.volume.files import needs_chmod
 from llmkv_fs.volume.pinned_root import parts_below
 
 __all__ = [
+    "ALREADY_THERE",
     "DIR_FLAGS",
+    "MADE_HERE",
     "OPEN_DIR_FLAGS",
     "LinkInTree",
     "MountInTree",
@@ -84,17 +86,24 @@ def open_child_dir(
     raise NotADirectoryError(errno.ENOTDIR, "not a directory", shown)
 
 
+# What make_dir_at answers when it hands back no descriptor (both < 0: the
+# caller opens the directory): it was there already, or this call made it
+# (then it is on its parent's device, no mount point).
+ALREADY_THERE = -1
+MADE_HERE = -2
+
+
 def make_dir_at(parent_fd: int, name: str, dir_mode: int, shown: str = "") -> int:
-    """mkdir ``name`` in ``parent_fd`` with exactly ``dir_mode``. -1 when
-    the caller is to open it (made, or already there); a descriptor of it
-    when making it needed a chmod (done through that descriptor: a chmod by
-    name would follow a link swapped in meanwhile)."""
+    """mkdir ``name`` in ``parent_fd`` with exactly ``dir_mode``.
+    ALREADY_THERE or MADE_HERE when the caller is to open it; a descriptor
+    of it when making it needed a chmod (done through that descriptor: a
+    chmod by name would follow a link swapped in meanwhile)."""
     try:
         os.mkdir(name, dir_mode, dir_fd=parent_fd)
     except FileExistsError:
-        return -1
+        return ALREADY_THERE
     if not needs_chmod(dir_mode):
-        return -1
+        return MADE_HERE
     fd = open_child_dir(parent_fd, name, OPEN_DIR_FLAGS, shown)
     try:
         os.fchmod(fd, dir_mode)
