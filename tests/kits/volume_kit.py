@@ -84,3 +84,19 @@ def write_filler(path: str, nbytes: int) -> None:
         left = nbytes
         while left:
             left -= f.write(chunk[: min(left, (1 << 20))])
+
+
+@pytest.fixture
+def bind_mount():
+    """bind_mount(source, target): ``source`` mounted at ``target`` until teardown."""
+    mounted: list[str] = []
+
+    def mount(source: str, target: str) -> None:
+        done = subprocess.run(["mount", "--bind", source, target], capture_output=True, text=True)
+        if done.returncode:
+            pytest.skip(f"cannot bind-mount here (needs root): {done.stderr.strip()}")
+        mounted.append(target)
+
+    yield mount
+    for target in reversed(mounted):
+        subprocess.run(["umount", "-l", target], check=False)

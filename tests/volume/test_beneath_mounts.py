@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
 
 import pytest
 
@@ -36,22 +35,6 @@ def start(engines, base):
         return engine, layout, primary
 
     return make
-
-
-@pytest.fixture
-def bind_mount():
-    """bind_mount(source, target): ``source`` mounted at ``target`` until teardown."""
-    mounted: list[str] = []
-
-    def mount(source: str, target: str) -> None:
-        done = subprocess.run(["mount", "--bind", source, target], capture_output=True, text=True)
-        if done.returncode:
-            pytest.skip(f"cannot bind-mount here (needs root): {done.stderr.strip()}")
-        mounted.append(target)
-
-    yield mount
-    for target in reversed(mounted):
-        subprocess.run(["umount", "-l", target], check=False)
 
 
 def plant_a_copy(hhh: str, other: str, bind_mount) -> Tree:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import importlib
 import os
-import subprocess
 import sys
 
 import pytest
@@ -230,21 +229,6 @@ def test_the_compiled_answers_per_path(tmp_path):
             check(fd, [], tuple(range(9)), False)
     finally:
         os.close(fd)
-
-
-@pytest.fixture
-def bind_mount():
-    mounted: list[str] = []
-
-    def mount(source: str, target: str) -> None:
-        done = subprocess.run(["mount", "--bind", source, target], capture_output=True, text=True)
-        if done.returncode:
-            pytest.skip(f"cannot bind-mount here (needs root): {done.stderr.strip()}")
-        mounted.append(target)
-
-    yield mount
-    for target in reversed(mounted):
-        subprocess.run(["umount", "-l", target], check=False)
 
 
 @pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "python"])
