@@ -7,7 +7,13 @@ from typing import NamedTuple
 
 import pytest
 
-from tests.kits.engine_kit import engines, gate_for, io_mode  # noqa: F401  (engine fixtures)
+from tests.kits.engine_kit import (  # noqa: F401  (engine fixtures)
+    engine_clock,
+    engines,
+    gate_for,
+    gate_on,
+    io_mode,
+)
 from tests.kits.gluster_kit import gluster  # noqa: F401  (session fixture: GlusterFS mounted twice)
 from tests.kits.nfs_kit import MOUNT_A_ENV, MOUNT_B_ENV, NO_VLLM_ENV, in_guest
 from tests.kits.volume_kit import bind_mount  # noqa: F401  (fixture: a bind mount until teardown)

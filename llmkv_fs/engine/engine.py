@@ -297,6 +297,13 @@ class FsEngine:
         self._lookup_tally[verdict] += 1
         return verdict
 
+    def miss_was_checked(self, key: bytes) -> bool:
+        """Whether this step's MISS for ``key`` says the file is not there
+        (a check found none, or its root is lost) rather than that the
+        volume did not answer: refused while stalled, or the lookup deadline
+        passed. Removal announcements trust only the former."""
+        return not self._stalled and not self._lookups.guessed_miss(key)
+
     @property
     def counters(self) -> collections.Counter[CounterKey]:
         """Cumulative counters (owner only), lookups included."""

@@ -62,11 +62,12 @@ _MAX_REMEMBERED_MISSES = 1 << 16
 
 
 class _State:
-    __slots__ = ("generation", "in_flight", "override", "requests", "verdict")
+    __slots__ = ("generation", "guessed", "in_flight", "override", "requests", "verdict")
 
     def __init__(self, generation: int):
         self.generation = generation
         self.verdict: bool | None = None
+        self.guessed = False  # the verdict is the deadline's MISS, not a check's
         self.in_flight = False
         self.override: bool | None = None  # set while in flight; wins over the probe
         self.requests: set[str] = set()
@@ -172,6 +173,7 @@ class AsyncExistence:
                 if state is None or state.generation != generation or not state.in_flight:
                     continue
                 state.in_flight = False
+                state.guessed = state.override is None
                 state.verdict = False if state.override is None else state.override
                 state.override = None
                 decided += 1
@@ -186,6 +188,12 @@ class AsyncExistence:
         now = time.monotonic() if now is None else now
         posted: float = self._unanswered[0][1]
         return max(posted, self._checks.progress_at) + self._timeout <= now
+
+    def guessed_miss(self, key: bytes) -> bool:
+        """Whether ``key``'s MISS was answered by the deadline, not by a
+        check: the file may well be there (a stalled or slow volume)."""
+        state = self._states.get(key)
+        return state is not None and state.guessed
 
     def remember_misses(self, keys: Iterable[bytes], now: float | None = None) -> None:
         """These keys' loads failed and would fail again: MISS, without a
@@ -235,6 +243,7 @@ class AsyncExistence:
                 state.override = verdict
             else:
                 state.verdict = verdict
+                state.guessed = False
 
     def forget_request(self, request_id: str) -> None:
         for key in self._request_keys.pop(request_id, ()):

@@ -103,7 +103,6 @@ class FsTier(SecondaryTierManager):
         if self.settings.enable_kv_events:
             if offloading_spec.kv_events_config.enable_kv_cache_events:
                 self._events = []
-                self._removals = RemovalWatch()
             else:
                 logger.warning(
                     "enable_kv_events is set on tier %r but KV cache events are "
@@ -119,6 +118,8 @@ class FsTier(SecondaryTierManager):
                 self.settings.root_dir,
             )
         self.engine = FsEngine(self.settings, layouts, primary_kv_view, self.block_size_bytes)
+        if self._events is not None:
+            self._removals = RemovalWatch(miss_was_checked=self.engine.miss_was_checked)
         self._metrics = TierMetrics(
             self.engine, _tier_label(offloading_spec, tier_type, self.settings)
         )

@@ -11,6 +11,11 @@ is announced removed at most once per ``window_s``, and a key missed again
 at every scheduling step (vLLM asks about every key of a waiting prompt
 each step) is announced once: the first miss forgets it.
 
+Only a miss that looked at the volume counts: a stalled volume's refusal
+and a lookup answered MISS by its deadline say nothing of the file, so the
+key stays known (a router told "gone" for blocks still there would route
+their prefixes away until they were stored again).
+
 Threading: the tier's methods run under vLLM's manager lock, one at a
 time; so does everything here.
 """
@@ -32,8 +37,10 @@ class RemovalWatch:
         capacity: int = KNOWN_KEYS,
         window_s: float = WINDOW_S,
         clock: Callable[[], float] = time.monotonic,
+        miss_was_checked: Callable[[bytes], bool] = lambda key: True,
     ):
         self._capacity = capacity
+        self._miss_was_checked = miss_was_checked
         self._window_s = window_s
         self._clock = clock
         self._known: dict[bytes, None] = {}
@@ -54,7 +61,8 @@ class RemovalWatch:
         if hit:
             if key not in self._known:
                 self.present((key,))
-        elif self._known.pop(key, 0) is None:  # it was known present
+        elif key in self._known and self._miss_was_checked(key):
+            del self._known[key]
             self._found_gone(key)
 
     def gone(self, keys: Iterable[bytes]) -> None:

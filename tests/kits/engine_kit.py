@@ -15,12 +15,14 @@ import time
 import pytest
 
 from llmkv_fs.config import TierSettings
-from llmkv_fs.engine import FinishedJob, FsEngine, prepare_volume
+from llmkv_fs.engine import FinishedJob, FsEngine, lookup, lookup_checks, prepare_volume
 from llmkv_fs.engine.block.blockio import BlockIO
 from llmkv_fs.engine.block.bytepath import VectoredBytes
 from llmkv_fs.engine.block.options import IoOptions
 from llmkv_fs.engine.block.pause import PAUSE_DIR_ENV
+from llmkv_fs.engine.scheduling import accounting, jobs, scheduler
 from llmkv_fs.layout.paths import CacheLayout, RunIdentity
+from tests.kits.clock_kit import ManualClock
 
 BS = 64 * 1024
 DEADLINE_S = 20.0
@@ -245,6 +247,31 @@ def gate_for(engines):
         return gate
 
     return install
+
+
+@pytest.fixture
+def gate_on(io_mode):
+    """gate_on(engine, kinds=(), point="enter") -> a Gate on any engine of
+    the test, one vLLM's stack started too (tests/kits/tier_kit.py); every
+    gate is opened for good at teardown, before the replicas close."""
+    made: list[Gate] = []
+
+    def install(engine, kinds: tuple[str, ...] = (), point: str = "enter") -> Gate:
+        gate = Gate(engine, io_mode.pause_dir, kinds, point)
+        made.append(gate)
+        return gate
+
+    yield install
+    for gate in made:
+        gate.close_for_good()
+
+
+@pytest.fixture
+def engine_clock(monkeypatch) -> ManualClock:
+    """The clock of job deadlines, job latencies and lookup deadlines, for
+    every engine of the test (they run in this process in both io modes: a
+    worker process only sees a cancelled block)."""
+    return ManualClock().install(monkeypatch, scheduler, jobs, accounting, lookup, lookup_checks)
 
 
 def held_by_executor(engine: FsEngine, n: int) -> None:

@@ -41,7 +41,10 @@ def test_soak_serves_every_byte_and_does_not_grow(io_workers, tmpfs_root):
     tally = report.tally
 
     assert tally.jobs >= CI_JOBS
-    assert tally.store_jobs > CI_JOBS // 4 and tally.load_jobs > CI_JOBS // 4  # both mixed in
+    # Both mixed in. The split follows how fast each kind finishes (16 of
+    # each open at once): stores were 24-33 % of jobs across runs, so the
+    # floor is a tenth, which only a soak that stopped storing misses.
+    assert tally.store_jobs > CI_JOBS // 10 and tally.load_jobs > CI_JOBS // 10
     assert tally.blocks_checked > CI_JOBS // 2  # loads really compared rows
     assert tally.wrong_blocks == 0
     assert tally.phantom_hits == 0

@@ -19,12 +19,7 @@ from collections.abc import Callable
 
 import pytest
 
-from llmkv_fs.engine import lookup, lookup_checks
-from llmkv_fs.engine.block.pause import PAUSE_DIR_ENV
-from llmkv_fs.engine.scheduling import accounting, jobs, scheduler
 from llmkv_fs.engine.workers import crew
-from tests.kits.clock_kit import ManualClock
-from tests.kits.engine_kit import Gate
 from tests.kits.metrics_kit import Scraper, documented_alerts, firing
 from tests.kits.tier_kit import make_keys, ours, start, wait_until
 from tests.kits.volume_kit import flip_a_bit
@@ -50,32 +45,12 @@ def replicas():
         replica.close()
 
 
-@pytest.fixture
-def gates():
-    made: list[Gate] = []
-    yield made
-    for gate in made:
-        gate.close_for_good()
-
-
-@pytest.fixture
-def clock(monkeypatch):
-    """Job deadlines, job latencies and lookup deadlines of every engine."""
-    return ManualClock().install(monkeypatch, scheduler, jobs, accounting, lookup, lookup_checks)
-
-
 def tier(replicas, root: str, **settings):
     """A replica of our tier on ``root`` with small blocks, and its scraper
     (whose first scrape is taken: the baseline of the counters)."""
     replica = start(replicas, ours(root, **settings), block_bytes=CHUNK, cpu_bytes=32 << 20)
     scraper = Scraper(replica)
     return replica, scraper, scraper.scrape()
-
-
-def hold(engine, gates, kinds: tuple[str, ...]) -> Gate:
-    gate = Gate(engine, os.environ[PAUSE_DIR_ENV], kinds)
-    gates.append(gate)
-    return gate
 
 
 def idle_fires_nothing(replica, scraper) -> dict:
@@ -128,7 +103,7 @@ def test_an_idle_tier_fires_no_alert(tmp_path, replicas):
     "LlmkvFsSaturated", "LlmkvFsLoadsWaiting", "LlmkvFsStoreQueueFull", "LlmkvFsLoadLatencyHigh"
 )
 def test_a_saturated_tier_fires_saturation_waiting_loads_and_drops(
-    tmp_path, replicas, gates, clock
+    tmp_path, replicas, gate_on, engine_clock
 ):
     root = str(tmp_path)
     promoted = make_keys(2, seed="promoted")
@@ -142,7 +117,7 @@ def test_a_saturated_tier_fires_saturation_waiting_loads_and_drops(
     # The volume answers no store: one large store job fills every place
     # (each with a slice of several blocks), the rest of it waits in the
     # queue, and a further store does not fit the bound.
-    gate = hold(engine, gates, ("store",))
+    gate = gate_on(engine, ("store",))
     replica.store(make_keys(160, seed="burst"), settle=False)
     wait_until(lambda: engine.gauges()["busy_places"] == places, "every place to hold a slice")
     replica.store(make_keys(8, seed="dropped"), settle=False)
@@ -163,7 +138,7 @@ def test_a_saturated_tier_fires_saturation_waiting_loads_and_drops(
 
     # The promotions waited SLOW_LOAD_S for a place: their latency says so
     # once they are done, and the tier at rest is no longer saturated.
-    clock.advance(SLOW_LOAD_S)
+    engine_clock.advance(SLOW_LOAD_S)
     gate.open()
     replica.settle()
     replica.finish_request(ctx)
@@ -177,7 +152,7 @@ def test_a_saturated_tier_fires_saturation_waiting_loads_and_drops(
 
 @proves("LlmkvFsVolumeStalled", "LlmkvFsStoreErrors", "LlmkvFsLoadErrors")
 def test_a_stalled_volume_fires_stalled_then_store_and_load_errors(
-    tmp_path, replicas, gates, clock
+    tmp_path, replicas, gate_on, engine_clock
 ):
     root = str(tmp_path)
     promoted = make_keys(1, seed="stalled-load")
@@ -186,11 +161,11 @@ def test_a_stalled_volume_fires_stalled_then_store_and_load_errors(
     engine = replica.tier.engine
     before = idle_fires_nothing(replica, scraper)
 
-    gate = hold(engine, gates, ("store", "load"))
+    gate = gate_on(engine, ("store", "load"))
     replica.store(make_keys(2, seed="stalled-store"), settle=False)
     ctx = request_loads(replica, promoted, lambda: any(e[1] == "load" for e in gate.entries))
     wait_until(lambda: engine.gauges()["held_blocks"] == 3, "every block held by the volume")
-    clock.advance(1.0)  # the jobs' deadline: their blocks are stuck in the volume
+    engine_clock.advance(1.0)  # the jobs' deadline: their blocks are stuck in the volume
     wait_until(lambda: replica.step() or engine.recheck_stalled(), "the deadline to pass")
     stalled = scraper.scrape()
     # The store is reported failed at once (its blocks will never publish);
@@ -199,6 +174,11 @@ def test_a_stalled_volume_fires_stalled_then_store_and_load_errors(
 
     gate.open()
     replica.settle()
+    # The failed store is finished; its blocks leave the volume's calls a
+    # little later (they were stuck: nothing waits on them but this gauge).
+    wait_until(
+        lambda: replica.step() or engine.gauges()["stuck_blocks"] == 0, "the calls to return"
+    )
     replica.finish_request(ctx)
     answered = scraper.scrape()
     assert firing(ALERTS, stalled, answered) == {"LlmkvFsLoadErrors"}

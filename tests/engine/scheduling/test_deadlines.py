@@ -4,7 +4,7 @@ processes, see the io_mode fixture -- which is what a hung mount does), then
 the same through vLLM's real TieringOffloadingManager.
 
 Deadlines only fire when the owner polls (take_finished / end_step), and they
-run on a clock the test moves (``clock``: the engine's job and lookup
+run on a clock the test moves (``engine_clock``: the engine's job and lookup
 deadlines, tests/kits/clock_kit.py). So every test first waits until the blocks
 are provably held, then moves the clock to just before the deadline --
 nothing may fail yet -- and then to the deadline: the order of events never
@@ -19,9 +19,8 @@ import time
 
 import pytest
 
-from llmkv_fs.engine import Direction, Failure, LookupAnswer, Outcome, Tally, lookup, lookup_checks
+from llmkv_fs.engine import Direction, Failure, LookupAnswer, Outcome, Tally
 from llmkv_fs.engine.block.blockio import BlockIO
-from llmkv_fs.engine.scheduling import accounting, jobs, scheduler
 from tests.kits.clock_kit import JUST_BEFORE_S, ManualClock
 from tests.kits.engine_kit import (
     BS,
@@ -43,24 +42,16 @@ from tests.kits.volume_kit import temp_files
 TIMEOUT_S = 0.5
 
 
-@pytest.fixture
-def clock(monkeypatch):
-    """The clock of job deadlines, job latencies and lookup deadlines, for
-    every engine of the test (they run in this process in both io modes: a
-    worker process only sees a cancelled block)."""
-    return ManualClock().install(monkeypatch, scheduler, jobs, accounting, lookup, lookup_checks)
-
-
-def up_to_the_deadline(engine, clock: ManualClock, timeout_s: float = TIMEOUT_S) -> None:
-    """Move ``clock`` to just before the deadline of jobs submitted at its
+def up_to_the_deadline(engine, engine_clock: ManualClock, timeout_s: float = TIMEOUT_S) -> None:
+    """Move ``engine_clock`` to just before the deadline of jobs submitted at its
     current reading: nothing is failed yet, however often the owner polls;
     then to the deadline itself."""
-    clock.advance(timeout_s - JUST_BEFORE_S)
+    engine_clock.advance(timeout_s - JUST_BEFORE_S)
     expired = engine.counters[Tally.DEADLINE_EXPIRED]
     assert engine.take_finished() == []
     engine.end_step()
     assert engine.counters[Tally.DEADLINE_EXPIRED] == expired and not engine.recheck_stalled()
-    clock.advance(JUST_BEFORE_S)
+    engine_clock.advance(JUST_BEFORE_S)
 
 
 def take_until(engine, predicate, what: str) -> list:
@@ -80,7 +71,9 @@ def take_until(engine, predicate, what: str) -> list:
 # -- stores ---------------------------------------------------------------------------------
 
 
-def test_stuck_store_fails_at_deadline_and_is_never_published(volume, engines, gate_for, clock):
+def test_stuck_store_fails_at_deadline_and_is_never_published(
+    volume, engines, gate_for, engine_clock
+):
     disk_root = volume  # tmpfs, ext4 and GlusterFS
     # A block already on the volume (stored with the default 30 s deadline).
     seeder, _, seed_primary = engines(disk_root, n_blocks=2)
@@ -112,7 +105,7 @@ def test_stuck_store_fails_at_deadline_and_is_never_published(volume, engines, g
     held_temps = temp_files(disk_root)
     assert len(held_temps) == 2, held_temps
 
-    up_to_the_deadline(engine, clock)
+    up_to_the_deadline(engine, engine_clock)
     got = {
         j.job_id: j
         for j in take_until(
@@ -169,7 +162,9 @@ def test_stuck_store_fails_at_deadline_and_is_never_published(volume, engines, g
     assert settle(engine, make_key("old"), "r2") is True
 
 
-def test_store_failed_by_deadline_reports_a_sane_io_time(disk_root, engines, gate_for, clock):
+def test_store_failed_by_deadline_reports_a_sane_io_time(
+    disk_root, engines, gate_for, engine_clock
+):
     engine, _, _primary = engines(
         disk_root,
         n_blocks=2,
@@ -181,7 +176,7 @@ def test_store_failed_by_deadline_reports_a_sane_io_time(disk_root, engines, gat
     assert engine.submit_store(1, [make_key("t0"), make_key("t1")], [0, 1])
     held_by_executor(engine, 2)
     gate.wait_entered(1)
-    up_to_the_deadline(engine, clock)
+    up_to_the_deadline(engine, engine_clock)
     job = wait_jobs(engine, [1])[1]
     assert not gate.opened.is_set()
     assert not job.success
@@ -189,11 +184,11 @@ def test_store_failed_by_deadline_reports_a_sane_io_time(disk_root, engines, gat
     assert 0.0 <= job.io_seconds <= job.latency, job.io_seconds
 
 
-def test_store_that_finishes_in_time_is_unaffected(disk_root, engines, clock):
+def test_store_that_finishes_in_time_is_unaffected(disk_root, engines, engine_clock):
     engine, _layout, primary = engines(disk_root, n_blocks=4, job_timeout_s=5.0)
     store_blocks(engine, primary, 1, [0, 1, 2], [0, 1, 2])  # the clock stands still
     assert engine.counters[Outcome.WRITTEN] == 3
-    clock.advance(3600)  # its deadline long past: a finished job stays finished
+    engine_clock.advance(3600)  # its deadline long past: a finished job stays finished
     assert engine.take_finished() == []
     engine.end_step()
     assert engine.counters[Tally.DEADLINE_EXPIRED] == 0
@@ -204,7 +199,9 @@ def test_store_that_finishes_in_time_is_unaffected(disk_root, engines, clock):
 # -- loads ----------------------------------------------------------------------------------
 
 
-def test_stuck_load_is_reported_only_when_its_reads_return(disk_root, engines, gate_for, clock):
+def test_stuck_load_is_reported_only_when_its_reads_return(
+    disk_root, engines, gate_for, engine_clock
+):
     seeder, _, seed_primary = engines(disk_root, n_blocks=4)
     store_blocks(seeder, seed_primary, 1, range(4), range(4))
 
@@ -232,7 +229,7 @@ def test_stuck_load_is_reported_only_when_its_reads_return(disk_root, engines, g
 
     # Past the deadline the queued blocks fail, but the job is held back:
     # the kernel may still write into rows 4 and 5.
-    up_to_the_deadline(engine, clock)
+    up_to_the_deadline(engine, engine_clock)
     early = []
 
     def overdue():
@@ -275,7 +272,7 @@ def test_stuck_load_is_reported_only_when_its_reads_return(disk_root, engines, g
 
 
 def test_overdue_lookups_miss_and_a_late_answer_keeps_the_failed_load_verdict(
-    disk_root, engines, monkeypatch, clock
+    disk_root, engines, monkeypatch, engine_clock
 ):
     release, entered = threading.Event(), threading.Event()
     probed: list[bytes] = []
@@ -301,11 +298,11 @@ def test_overdue_lookups_miss_and_a_late_answer_keeps_the_failed_load_verdict(
         engine.submit_load(1, [doomed], [0])
         assert not wait_jobs(engine, [1])[1].success
 
-        clock.advance(TIMEOUT_S - JUST_BEFORE_S)  # the lookups' deadline: min(job's, 5 s)
+        engine_clock.advance(TIMEOUT_S - JUST_BEFORE_S)  # the lookups' deadline: min(job's, 5 s)
         engine.end_step()
         assert engine.counters[LookupAnswer.DEADLINE_MISS] == 0 and not engine.recheck_stalled()
         assert engine.lookup(plain, "r1") is None  # still waiting for its check
-        clock.advance(JUST_BEFORE_S)
+        engine_clock.advance(JUST_BEFORE_S)
         engine.end_step()
         assert engine.counters[LookupAnswer.DEADLINE_MISS] == 2
         assert engine.recheck_stalled()
@@ -352,6 +349,10 @@ def test_lookup_deadline_is_job_timeout_capped_at_5s(
         assert lookups.stuck(now=after + lookup_timeout_s)
         assert lookups.expire_overdue(now=after + lookup_timeout_s) == 1
         assert engine.lookup(make_key("k"), "r") is False
+        # A guess, not a check: removal announcements must not trust it.
+        assert lookups.guessed_miss(make_key("k"))
+        lookups.set_verdict([make_key("k")], False)  # a load that failed: checked
+        assert not lookups.guessed_miss(make_key("k"))
     finally:
         release.set()
 
@@ -360,7 +361,7 @@ def test_lookup_deadline_is_job_timeout_capped_at_5s(
 
 
 def test_stuck_store_through_vllm_fails_cleanly_and_reset_completes(
-    disk_root, replicas, monkeypatch, io_mode, clock
+    disk_root, replicas, monkeypatch, io_mode, engine_clock
 ):
     from vllm.v1.kv_offload.base import LookupResult
 
@@ -385,7 +386,7 @@ def test_stuck_store_through_vllm_fails_cleanly_and_reset_completes(
         replica.store(keys, settle=False)  # raises nothing into the "scheduler"
         held_by_executor(engine, 3)  # the three blocks are out, held or next in line
         gate.wait_entered(1)
-        up_to_the_deadline(engine, clock)
+        up_to_the_deadline(engine, engine_clock)
         replica.settle()  # steps until the manager has nothing in flight
         assert not gate.opened.is_set()
         assert [(r.success, r.transfer_bytes) for r in results] == [(False, 0)]
