@@ -7,6 +7,7 @@ from typing import NamedTuple
 
 import pytest
 
+from tests.kits.e2e_kit import e2e_base, e2e_env  # noqa: F401  (session fixtures: vllm serve)
 from tests.kits.engine_kit import (  # noqa: F401  (engine fixtures)
     engine_clock,
     engines,

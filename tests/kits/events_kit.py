@@ -31,6 +31,9 @@ from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 from vllm.v1.kv_offload.base import Medium, OffloadingKVEventsConfig
 
 from llmkv_fs.layout.names import parse_block_rel_path, parse_rank_dir_name
+from llmkv_fs.ops.gc.lock import VolumeLock
+from llmkv_fs.ops.gc.rules import Policy
+from llmkv_fs.ops.gc.sweep import gc_pass
 
 PROBE_TS, MARKER_TS = -1.0, -2.0
 DEADLINE_S = 60.0  # bounds a hang only
@@ -46,9 +49,13 @@ class Router:
         self.endpoint = f"tcp://127.0.0.1:{self.sub.bind_to_random_port('tcp://127.0.0.1')}"
         self.decoder = msgspec.msgpack.Decoder(KVEventBatch)
         self.index: set[Any] = set()
+        # Every STORAGE hash ever announced stored / removed (drop_removals or not).
+        self.stored: set[Any] = set()
+        self.removed: set[Any] = set()
         self.drop_removals = drop_removals
         self.last_seq: dict[bytes, int] = {}
         self.topics: set[bytes] = set()
+        self.batches = 0  # received
 
     def connect(self, publisher: ZmqEventPublisher) -> None:
         """Wait until ``publisher`` (connected to us) reaches us."""
@@ -65,6 +72,13 @@ class Router:
         publisher.publish(KVEventBatch(ts=MARKER_TS, events=[]))
         assert self._receive(until=MARKER_TS, timeout_ms=int(DEADLINE_S * 1000)), "no marker"
 
+    def drain(self, timeout_ms: int = 100) -> bool:
+        """Apply what arrives until nothing has for ``timeout_ms``; whether
+        anything did (a publisher this test cannot probe: a server's)."""
+        batches = self.batches
+        self._receive(until=PROBE_TS, timeout_ms=timeout_ms)
+        return self.batches != batches
+
     def _receive(self, until: float, timeout_ms: int) -> bool:
         while self.sub.poll(timeout_ms):
             topic, seq_bytes, payload = self.sub.recv_multipart()
@@ -72,6 +86,7 @@ class Router:
             last = self.last_seq.get(topic)
             assert last is None or seq == last + 1, f"gap in {topic!r}: {last} -> {seq}"
             self.last_seq[topic] = seq
+            self.batches += 1
             batch = self.decoder.decode(payload)
             self.topics.add(topic)
             self.apply(batch)
@@ -84,9 +99,12 @@ class Router:
             if getattr(event, "medium", None) != MEDIUM_STORAGE:
                 continue
             if isinstance(event, BlockStored):
+                self.stored.update(event.block_hashes)
                 self.index.update(event.block_hashes)
-            elif isinstance(event, BlockRemoved) and not self.drop_removals:
-                self.index.difference_update(event.block_hashes)
+            elif isinstance(event, BlockRemoved):
+                self.removed.update(event.block_hashes)
+                if not self.drop_removals:
+                    self.index.difference_update(event.block_hashes)
 
     def close(self) -> None:
         self.sub.close(linger=0)
@@ -142,3 +160,16 @@ def read_announcer(router: Router, announce) -> None:
     announce.flush()
     for publisher in announce._publishers:
         router.read_all(publisher)
+
+
+def gc_announcing(root: str, announce, **policy):
+    """One gc pass over ``root`` announcing through ``announce``: nothing is
+    protected by age; ``policy`` sets the limits (max_bytes=0 evicts all)."""
+    values = {"min_age": 7 * 86400.0, "tmp_age": 3600, "protect": 0.0, "max_bytes": None}
+    values.update({"high": None, "low": None, **policy})
+    lock = VolumeLock(root)
+    assert lock.acquire(wait=False)
+    try:
+        return gc_pass(root, Policy(pid_check=True, **values), lock, threads=1, announce=announce)
+    finally:
+        lock.release()

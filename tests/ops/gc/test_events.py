@@ -15,14 +15,12 @@ import pytest
 from llmkv_fs.ops.events.announcer import Announcer
 from llmkv_fs.ops.events.config import parse_events_config
 from llmkv_fs.ops.events.snapshot import snapshot
-from llmkv_fs.ops.gc.lock import VolumeLock
-from llmkv_fs.ops.gc.rules import Policy
-from llmkv_fs.ops.gc.sweep import gc_pass
 from llmkv_fs.ops.verify import verify_volume
 from tests.kits import gc_kit
 from tests.kits.events_kit import (
     Router,
     connect_announcer,
+    gc_announcing,
     pump,
     read_announcer,
     replica_publisher,
@@ -32,21 +30,6 @@ from tests.kits.tier_kit import make_keys, ours, resolve, start
 from tests.kits.volume_kit import flip_a_bit
 
 DAY = 86400.0
-
-
-def _policy(**given) -> Policy:
-    values = {"min_age": 7 * DAY, "tmp_age": 3600, "protect": 0.0, "max_bytes": None}
-    values.update({"high": None, "low": None, **given})
-    return Policy(pid_check=True, **values)
-
-
-def _gc(root: str, announce: Announcer, **policy):
-    lock = VolumeLock(root)
-    assert lock.acquire(wait=False)
-    try:
-        return gc_pass(root, _policy(**policy), lock, threads=1, announce=announce)
-    finally:
-        lock.release()
 
 
 def _file_of(replica, key: bytes) -> str:
@@ -109,7 +92,7 @@ def test_router_index_equals_the_volume(two_roots, replicas, drop_removals):
         check("quarantine")
 
         # gc evicts everything on the first root (over its limit), announcing first.
-        report = _gc(gc_side[0], announce, max_bytes=0)
+        report = gc_announcing(gc_side[0], announce, max_bytes=0)
         assert report.capacity["evicted_blocks"] > 0 and report.events["published"] > 0
         read_announcer(router, announce)
         check("evict")
@@ -123,7 +106,7 @@ def test_router_index_equals_the_volume(two_roots, replicas, drop_removals):
         snapshot(gc_side, announce)
         read_announcer(router, announce)
         check("snapshot")
-        report = _gc(gc_side[1], announce, min_age=DAY)
+        report = gc_announcing(gc_side[1], announce, min_age=DAY)
         assert [d["name"] for d in report.digests if d["removed"]] == [
             os.path.basename(orphan.base_path)
         ]
@@ -198,7 +181,7 @@ def test_a_watching_gc_with_a_dead_endpoint_keeps_its_memory_flat(disk_root):
     try:
         for i in range(1000):
             gc_kit.put_block(layout, gc_kit.key(i, "watch"), seconds_old=DAY)
-            report = _gc(disk_root, announce, max_bytes=0)
+            report = gc_announcing(disk_root, announce, max_bytes=0)
             assert report.capacity["evicted_blocks"] == 1
             if i == 199:
                 traced, rss = tracemalloc.get_traced_memory()[0], process.memory_info().rss
