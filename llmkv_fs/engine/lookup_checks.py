@@ -39,7 +39,6 @@ check never returns.
 
 from __future__ import annotations
 
-import itertools
 import logging
 import queue
 import threading
@@ -50,8 +49,18 @@ __all__ = ["BatchChecks", "Post"]
 
 logger = logging.getLogger("vllm.llmkv_fs.lookup")
 
-# Keys checked between two looks at how the volume answers.
+# Keys checked between two looks at how the volume answers: a batch starts
+# with this many, and while no chunk waited on the volume each chunk takes as
+# many keys as were taken before it, up to MAX_CHUNK_KEYS. A compiled chunk
+# gives the interpreter lock back only when it ends, and a thread that wants
+# it back while the scheduler re-scans a long prompt waits for the switch
+# interval (5 ms): 512 chunks of 16 for an 8,192-key prompt made the lookup
+# thread progress mostly while the scheduler slept (17-39 steps at a 1 ms
+# step, 16 cores; issue 33). The cap bounds what one chunk costs before a
+# volume that turned slow is noticed (256 checks of a 3 ms volume: 0.8 s);
+# once helpers are recruited, chunks are CHUNK_KEYS again, to share.
 CHUNK_KEYS = 16
+MAX_CHUNK_KEYS = 256
 WAITS_ON_THE_VOLUME_S = 100e-6
 
 # (batch id, [(key, generation, found)], final): one publication of a batch.
@@ -59,38 +68,46 @@ Post = Callable[[int, list[tuple[bytes, int, bool]], bool], None]
 
 
 class _Run:
-    """One batch being checked: its chunks, who took which, what is decided."""
+    """One batch being checked: who took which keys, what is decided."""
 
     __slots__ = (
         "batch",
         "batch_id",
-        "cursor",
         "decided",
         "finished",
         "found",
         "left",
         "lock",
-        "n_chunks",
         "prefix",
         "published",
         "recruited",
         "scanned",
+        "taken",
     )
 
     def __init__(self, batch_id: int, batch: list[tuple[bytes, int]]):
         self.batch_id = batch_id
         self.batch = batch
-        self.n_chunks = -(-len(batch) // CHUNK_KEYS)
-        self.cursor = itertools.count()  # next(): atomic under the GIL
+        self.taken = 0  # keys handed to a checking thread, from the start
         self.found: list[bool] = [False] * len(batch)
-        self.decided = bytearray(self.n_chunks)
-        self.left = self.n_chunks
-        self.prefix = 0  # chunks decided from the start, without a gap
+        self.decided: dict[int, int] = {}  # decided chunks past the prefix: start -> end
+        self.left = len(batch)  # keys not decided
+        self.prefix = 0  # keys decided from the start, without a gap
         self.scanned = 0  # keys of that prefix looked at for a miss
         self.published = 0  # keys answered
         self.recruited = False
         self.lock = threading.Lock()
         self.finished = threading.Event()
+
+    def take(self) -> tuple[int, int] | None:
+        """The next chunk's keys (start, end), None when all are taken."""
+        with self.lock:
+            start = self.taken
+            if start >= len(self.batch):
+                return None
+            size = CHUNK_KEYS if self.recruited else min(MAX_CHUNK_KEYS, max(CHUNK_KEYS, start))
+            self.taken = end = min(start + size, len(self.batch))
+        return start, end
 
 
 class BatchChecks:
@@ -120,6 +137,9 @@ class BatchChecks:
         """Decide every key of ``batch`` ((key, generation) pairs) and post
         the answers; returns when the batch is decided."""
         run = _Run(batch_id, batch)
+        if not batch:
+            self._post(batch_id, [], True)
+            return
         self._take_chunks(run)
         run.finished.wait()  # helpers still on their last chunks
 
@@ -136,18 +156,18 @@ class BatchChecks:
 
     def _take_chunks(self, run: _Run) -> None:
         keys = run.batch
-        while (chunk := next(run.cursor)) < run.n_chunks:
-            lo = chunk * CHUNK_KEYS
+        while (chunk := run.take()) is not None:
+            lo, hi = chunk
             try:
-                found, waited = self._check_chunk(keys[lo : lo + CHUNK_KEYS])
+                found, waited = self._check_chunk(keys[lo:hi])
             except Exception:
                 # Every chunk taken must be decided, or its batch never ends.
                 logger.exception("llmkv_fs: existence checks failed; answering miss")
-                found, waited = [False] * len(keys[lo : lo + CHUNK_KEYS]), 0
+                found, waited = [False] * (hi - lo), 0
             self.progress_at = time.monotonic()
             if 2 * waited > len(found) and not run.recruited:
                 self._recruit(run)
-            self._decided(run, chunk, lo, found)
+            self._decided(run, lo, found)
 
     def _check_chunk(self, pairs: list[tuple[bytes, int]]) -> tuple[list[bool], int]:
         """The chunk's answers, and how many of its checks waited on the volume."""
@@ -189,18 +209,17 @@ class BatchChecks:
         while (run := self._help.get()) is not None:
             self._take_chunks(run)
 
-    def _decided(self, run: _Run, chunk: int, lo: int, found: list[bool]) -> None:
+    def _decided(self, run: _Run, lo: int, found: list[bool]) -> None:
         """Record a chunk's answers; post what a scheduler can use: the
         prefix decided so far when it holds a new miss, or the whole batch."""
         with run.lock:
             run.found[lo : lo + len(found)] = found
-            run.decided[chunk] = 1
-            run.left -= 1
-            prefix = run.prefix
-            while prefix < run.n_chunks and run.decided[prefix]:
-                prefix += 1
-            run.prefix = prefix
-            end = min(prefix * CHUNK_KEYS, len(run.batch))
+            run.decided[lo] = lo + len(found)
+            run.left -= len(found)
+            end = run.prefix
+            while end in run.decided:
+                end = run.decided.pop(end)
+            run.prefix = end
             final = run.left == 0
             new_miss = False in run.found[run.scanned : end]
             run.scanned = end

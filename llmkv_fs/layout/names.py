@@ -46,6 +46,7 @@ __all__ = [
     "RankDirName",
     "TempName",
     "WriterTag",
+    "block_place",
     "block_rel_parts",
     "block_rel_path",
     "config_path",
@@ -183,6 +184,13 @@ def block_rel_parts(key: bytes) -> tuple[str, str, str]:
     h = key[:-_GROUP_BYTES].hex()
     group = int.from_bytes(key[-_GROUP_BYTES:], "big")
     return h[:3], f"{h[3:5]}_g{group}", f"{h}{BLOCK_SUFFIX}"
+
+
+def block_place(rank_rel: str, key: bytes) -> tuple[str, str]:
+    """The block's directory below the root (``rank_rel``, the rank
+    directory, above ``<hhh>/<hh>_g<group>``) and its file name."""
+    hhh, leaf, name = block_rel_parts(key)
+    return f"{rank_rel}/{hhh}/{leaf}", name
 
 
 # The group is a decimal u32 without leading zeros (as block_rel_path writes it).

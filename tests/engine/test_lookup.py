@@ -237,6 +237,36 @@ def test_checks_on_a_volume_answering_in_cpu_time_stay_on_one_thread():
     assert len(checked_on) == 1
 
 
+def test_chunks_grow_while_the_volume_answers_in_cpu_time(monkeypatch):
+    """A long prompt on a fast volume is checked in few compiled calls (each
+    gives the interpreter lock back once): chunks double up to the cap; on
+    a volume that makes checks wait they stay small, for the helpers."""
+    clock = ThreadClock()
+    monkeypatch.setattr(lookup_checks, "time", clock)
+    sizes: dict[str, list[int]] = {"fast": [], "slow": []}
+
+    def answering(kind: str, per_key_s: float):
+        def exist_many(keys: list[bytes]) -> list[bool]:
+            sizes[kind].append(len(keys))
+            clock.spend(per_key_s * len(keys))
+            return [True] * len(keys)
+
+        return exist_many
+
+    for kind, per_key_s in (("fast", 2e-6), ("slow", 3e-3)):
+        lookups = AsyncExistence(
+            lambda key: True, 2, timeout=60.0, name=kind, exist_many=answering(kind, per_key_s)
+        )
+        try:
+            assert step_until_known(lookups, [number(i) for i in range(8192)]) == [True] * 8192
+        finally:
+            lookups.shutdown()
+    cap = lookup_checks.MAX_CHUNK_KEYS
+    assert sizes["fast"][:6] == [16, 16, 32, 64, 128, 256] and set(sizes["fast"][5:]) == {cap}
+    assert len(sizes["fast"]) == 5 + (8192 - 256) // cap  # 36 calls, not 512
+    assert set(sizes["slow"]) == {lookup_checks.CHUNK_KEYS}
+
+
 def test_a_volume_that_answers_slowly_is_not_stalled(monkeypatch):
     """Each check takes a quarter of a second of the test's clock: the batch
     is older than the timeout long before it is decided, but checks keep

@@ -49,7 +49,7 @@ from llmkv_fs.engine.block.stamps import AccessStamps
 from llmkv_fs.engine.block.tempfiles import DirectoryGone, TempFiles
 from llmkv_fs.engine.outcomes import Abandoned, BlockMissing, Outcome
 from llmkv_fs.layout.blockfile import TRAILER_SIZE, BlockFileError, Corruption
-from llmkv_fs.layout.names import block_rel_parts, temp_name
+from llmkv_fs.layout.names import block_place, temp_name
 from llmkv_fs.layout.paths import CacheLayout
 from llmkv_fs.layout.sealed import Keyring
 from llmkv_fs.volume.beneath import Beneath
@@ -115,8 +115,7 @@ class BlockIO:
 
     def _place(self, key: bytes) -> tuple[str, str]:
         """The block's directory relative to the root, and its name."""
-        hhh, leaf, name = block_rel_parts(key)
-        return f"{self._rank}/{hhh}/{leaf}", name
+        return block_place(self._rank, key)
 
     # -- queries -------------------------------------------------------------
 
@@ -128,7 +127,7 @@ class BlockIO:
     def exists_many(self, keys: list[bytes]) -> list[bool]:
         """``exists`` for each key, in order: in one compiled call without
         the GIL where ``checks_in_batches`` (see BlockPresence.many)."""
-        return self._presence.many([self._place(key) for key in keys])
+        return self._presence.many(self._rank, keys)
 
     @property
     def checks_in_batches(self) -> bool:

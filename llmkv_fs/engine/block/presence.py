@@ -12,9 +12,9 @@ another client created it.
 
 A batch of blocks (``many``, a lookup's chunk of keys) is checked by the
 compiled module ``_presence`` (``_presence.c``) where it is built and
-``openat2`` works: the same one call, ``fstat`` and ``close`` per path in one
-C loop without the GIL, so a long prompt's checks no longer take the
-scheduler's interpreter lock for every key (issue 33). Whatever that loop
+``openat2`` works: each key's path built, then the same one call, ``fstat``
+and ``close``, in one C loop without the GIL, so a long prompt's checks no
+longer take the scheduler's interpreter lock for every key (issue 33). Whatever that loop
 cannot settle is decided here, key by key, as without it. The module is
 optional (built by the package's install where a C compiler is; see
 ``presence_path``), and ``LLMKV_FS_PRESENCE=python`` in the environment of
@@ -33,6 +33,7 @@ import os
 import stat
 from collections.abc import Callable, Collection
 
+from llmkv_fs.layout.names import block_place
 from llmkv_fs.volume.beneath import Beneath
 from llmkv_fs.volume.files import missing_or_stale
 from llmkv_fs.volume.nofollow import LinkInTree
@@ -47,7 +48,7 @@ PRESENCE_ENV = "LLMKV_FS_PRESENCE"
 # The compiled check's answers per path (_presence.c).
 _BLOCK, _UNSETTLED = 1, 2
 COMPILED_PRESENCE = "compiled (_presence: openat2 and fstat in C, the GIL released per chunk)"
-CompiledCheck = Callable[[int, list[str], tuple[int, ...], bool], bytes]
+CompiledCheck = Callable[[int, bytes, list[bytes], tuple[int, ...], bool], bytes]
 
 
 def _built() -> CompiledCheck | None:
@@ -55,7 +56,7 @@ def _built() -> CompiledCheck | None:
         module = importlib.import_module("llmkv_fs.engine.block._presence")
     except ImportError:
         return None
-    check: CompiledCheck = module.check_many
+    check: CompiledCheck = module.check_keys
     return check
 
 
@@ -98,19 +99,25 @@ class BlockPresence:
         """``many`` runs the compiled loop (else it is ``at`` per block)."""
         return self._compiled is not None and self._below.one_call
 
-    def many(self, places: list[tuple[str, str]]) -> list[bool]:
-        """``at`` for each (rel_dir, name), in order: in one compiled call
-        without the GIL where it runs, each block it cannot settle (a mount
-        point on the way, NFS revalidation, ...) then by ``at`` itself.
-        Raises what ``at`` raises (RootGone, OSError) for such a block."""
+    def many(self, prefix: str, keys: list[bytes]) -> list[bool]:
+        """``at`` for the block of each key below ``prefix`` (the rank
+        directory), in order: in one compiled call without the GIL where it
+        runs, each block it cannot settle (a mount point on the way, NFS
+        revalidation, ...) then by ``at`` itself. Raises what ``at`` raises
+        (RootGone, OSError) for such a block."""
         check = self._compiled
         if check is None or not self._below.one_call:
-            return [self.at(rel_dir, name) for rel_dir, name in places]
-        paths = [f"{rel_dir}/{name}" for rel_dir, name in places]
-        codes = check(self._below.root_fd(), paths, self._size_list, self._revalidate_misses)
+            return [self.at(*block_place(prefix, key)) for key in keys]
+        codes = check(
+            self._below.root_fd(),
+            prefix.encode("utf-8", "surrogateescape"),
+            keys,
+            self._size_list,
+            self._revalidate_misses,
+        )
         return [
-            code == _BLOCK if code != _UNSETTLED else self.at(*place)
-            for code, place in zip(codes, places)
+            code == _BLOCK if code != _UNSETTLED else self.at(*block_place(prefix, key))
+            for code, key in zip(codes, keys)
         ]
 
     def at(self, rel_dir: str, name: str) -> bool:

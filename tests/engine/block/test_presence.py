@@ -1,9 +1,10 @@
 """Whether a block's file is there (engine/block/presence.py), through the
 compiled batch check (``_presence.c``) and through the Python path, which
-must answer exactly alike over every case a volume can hold: a block, a
-file of the wrong size, nothing, a symlink at the name or on the way, a
-directory at the name, a mount point in the tree (root needed), a path that
-would leave the root. Real files below a real root.
+must answer exactly alike over every case a volume can hold at a key's
+place: a block, a file of the wrong size, nothing, a symlink at the name or
+on the way, a directory at the name, a mount point in the tree (root
+needed); and a path that would leave the root is no block. Real files below
+a real root.
 
 ``LLMKV_FS_REQUIRE_COMPILED=1`` (set by .ci/run) makes a missing compiled
 module a failure: CI cannot lose it without anyone noticing.
@@ -19,6 +20,7 @@ import pytest
 
 from llmkv_fs.engine.block import presence as presence_module
 from llmkv_fs.engine.block.presence import PRESENCE_ENV, BlockPresence, presence_path
+from llmkv_fs.layout.names import block_place
 from llmkv_fs.volume.beneath import Beneath
 from llmkv_fs.volume.openat2 import AVAILABLE as OPENAT2
 
@@ -85,78 +87,68 @@ class Volume:
         return path
 
 
-def _block(vol: Volume) -> str:
-    vol.file("rank/a00/b0/blk")
-    return "rank/a00/b0/blk"
+# Each case has its own key; its block's place is where layout/names.py puts it.
+def key_of(case: int, group: int = 0, hash_bytes: int = 16) -> bytes:
+    return bytes([0xA0, case << 4]) + bytes(hash_bytes - 2) + group.to_bytes(4, "big")
 
 
-def _wrong_size(vol: Volume) -> str:
-    vol.file("rank/a01/b0/blk", SIZE - 1)
-    return "rank/a01/b0/blk"
+def rel_of(key: bytes) -> str:
+    return "/".join(block_place("rank", key))
 
 
-def _empty(vol: Volume) -> str:
-    vol.file("rank/a02/b0/blk", 0)
-    return "rank/a02/b0/blk"
+def _block(vol: Volume, rel: str) -> None:
+    vol.file(rel)
 
 
-def _missing_file(vol: Volume) -> str:
-    os.makedirs(os.path.join(vol.root, "rank/a03/b0"))
-    return "rank/a03/b0/blk"
+def _wrong_size(vol: Volume, rel: str) -> None:
+    vol.file(rel, SIZE - 1)
 
 
-def _missing_dirs(vol: Volume) -> str:
-    return "rank/a04/b0/blk"
+def _empty(vol: Volume, rel: str) -> None:
+    vol.file(rel, 0)
 
 
-def _symlink_at_the_name(vol: Volume) -> str:
-    target = vol.file("rank/a05/b0/real")
-    os.symlink(target, os.path.join(vol.root, "rank/a05/b0/blk"))
-    return "rank/a05/b0/blk"
+def _missing_file(vol: Volume, rel: str) -> None:
+    os.makedirs(os.path.join(vol.root, os.path.dirname(rel)))
 
 
-def _relative_symlink_at_the_name(vol: Volume) -> str:
-    vol.file("rank/a06/b0/real")
-    os.symlink("real", os.path.join(vol.root, "rank/a06/b0/blk"))
-    return "rank/a06/b0/blk"
+def _missing_dirs(vol: Volume, rel: str) -> None:
+    pass
 
 
-def _symlink_dir_on_the_way(vol: Volume) -> str:
-    vol.outside_block("d/blk")
-    os.makedirs(os.path.join(vol.root, "rank/a07"))
-    os.symlink(os.path.join(vol.outside, "d"), os.path.join(vol.root, "rank/a07/b0"))
-    return "rank/a07/b0/blk"
+def _symlink_at_the_name(vol: Volume, rel: str) -> None:
+    os.symlink(vol.file(rel + ".real"), os.path.join(vol.root, rel))
 
 
-def _symlink_dir_inside_the_root(vol: Volume) -> str:
-    vol.file("rank/a08/real/blk")
-    os.symlink("real", os.path.join(vol.root, "rank/a08/b0"))
-    return "rank/a08/b0/blk"
+def _relative_symlink_at_the_name(vol: Volume, rel: str) -> None:
+    vol.file(rel + ".real")
+    os.symlink(os.path.basename(rel) + ".real", os.path.join(vol.root, rel))
 
 
-def _directory_at_the_name(vol: Volume) -> str:
-    os.makedirs(os.path.join(vol.root, "rank/a09/b0/blk"))
-    return "rank/a09/b0/blk"
+def _symlink_dir_on_the_way(vol: Volume, rel: str) -> None:
+    vol.outside_block(f"d/{os.path.basename(rel)}")
+    leaf = os.path.join(vol.root, os.path.dirname(rel))
+    os.makedirs(os.path.dirname(leaf))
+    os.symlink(os.path.join(vol.outside, "d"), leaf)
 
 
-def _file_where_a_directory_belongs(vol: Volume) -> str:
-    vol.file("rank/a0a/b0")
-    return "rank/a0a/b0/blk"
+def _symlink_dir_inside_the_root(vol: Volume, rel: str) -> None:
+    leaf = os.path.dirname(rel)
+    vol.file(f"{os.path.dirname(leaf)}/real/{os.path.basename(rel)}")
+    os.symlink("real", os.path.join(vol.root, leaf))
 
 
-def _fifo_at_the_name(vol: Volume) -> str:
-    os.makedirs(os.path.join(vol.root, "rank/a0b/b0"))
-    os.mkfifo(os.path.join(vol.root, "rank/a0b/b0/blk"))
-    return "rank/a0b/b0/blk"
+def _directory_at_the_name(vol: Volume, rel: str) -> None:
+    os.makedirs(os.path.join(vol.root, rel))
 
 
-def _leaving_the_root(vol: Volume) -> str:
-    vol.outside_block("d/blk")
-    return "../outside/d/blk"
+def _file_where_a_directory_belongs(vol: Volume, rel: str) -> None:
+    vol.file(os.path.dirname(rel))
 
 
-def _absolute_path(vol: Volume) -> str:
-    return vol.outside_block("d/blk").lstrip("/")  # relative by its spelling, outside by the root
+def _fifo_at_the_name(vol: Volume, rel: str) -> None:
+    os.makedirs(os.path.join(vol.root, os.path.dirname(rel)))
+    os.mkfifo(os.path.join(vol.root, rel))
 
 
 CASES = {
@@ -172,9 +164,16 @@ CASES = {
     "directory at the name": (_directory_at_the_name, False),
     "file where a directory belongs": (_file_where_a_directory_belongs, False),
     "fifo at the name": (_fifo_at_the_name, False),
-    "leaving the root": (_leaving_the_root, False),
-    "a path that is not below the root": (_absolute_path, False),
 }
+
+
+def made(vol: Volume) -> dict[str, bytes]:
+    """Every case set up on ``vol``: its name -> its key."""
+    keys = {}
+    for case, (name, (make, _hit)) in enumerate(CASES.items()):
+        keys[name] = key_of(case)
+        make(vol, rel_of(keys[name]))
+    return keys
 
 
 def _presence(root: str, compiled: bool, revalidate: bool, monkeypatch) -> BlockPresence:
@@ -189,44 +188,57 @@ def _presence(root: str, compiled: bool, revalidate: bool, monkeypatch) -> Block
     return presence
 
 
-def _split(rel: str) -> tuple[str, str]:
-    rel_dir, _, name = rel.rpartition("/")
-    return rel_dir, name
-
-
 @pytest.mark.parametrize("revalidate", [False, True], ids=["plain", "revalidating"])
 @pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "python"])
 def test_both_paths_answer_every_case_alike(tmp_path, monkeypatch, compiled, revalidate):
     vol = Volume(str(tmp_path))
-    places = {name: _split(make(vol)) for name, (make, _expected) in CASES.items()}
+    keys = made(vol)
     presence = _presence(vol.root, compiled, revalidate, monkeypatch)
 
-    batch = presence.many(list(places.values()))
-    one_by_one = [presence.at(*place) for place in places.values()]
+    batch = presence.many("rank", list(keys.values()))
+    one_by_one = [presence.at(*block_place("rank", key)) for key in keys.values()]
 
     expected = [hit for _make, hit in CASES.values()]
-    assert dict(zip(places, batch)) == dict(zip(places, expected))
+    assert dict(zip(keys, batch)) == dict(zip(keys, expected))
     assert one_by_one == expected
-    assert presence.many([]) == []
+    assert presence.many("rank", []) == []
 
 
-def test_the_compiled_answers_per_path(tmp_path):
-    """What the C loop settles itself (0, 1) and what it leaves to the Python
-    path (2): a mount point or an escape (EXDEV), a miss to revalidate."""
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "python"])
+def test_a_path_that_leaves_the_root_is_no_block(tmp_path, monkeypatch, compiled):
+    """Names no key gives (``at`` is asked for places): ``..`` out of the
+    root, an absolute path spelled relative."""
+    vol = Volume(str(tmp_path))
+    outside = vol.outside_block("d/blk")
+    presence = _presence(vol.root, compiled, False, monkeypatch)
+    assert presence.at("../outside/d", "blk") is False
+    assert presence.at(os.path.dirname(outside).lstrip("/"), "blk") is False
+
+
+def test_the_compiled_answers_per_key(tmp_path):
+    """What the C loop settles itself (0, 1), what it leaves to the Python
+    path (2: a miss to revalidate, a key too short to name a block), and
+    its paths: layout/names.py's, for every group and hash length."""
     if not _compiled_built() or not OPENAT2:
         pytest.skip("the compiled check is not built here, or no openat2")
-    check = importlib.import_module(COMPILED_MODULE).check_many
+    check = importlib.import_module(COMPILED_MODULE).check_keys
     vol = Volume(str(tmp_path))
-    paths = [_block(vol), _wrong_size(vol), _missing_dirs(vol), _symlink_at_the_name(vol)]
-    paths += [_directory_at_the_name(vol), _leaving_the_root(vol), "rank/a00/b0/blk\0x"]
+    keys = made(vol)
+    placed = [key_of(1, group, n) for group in (1, 10, 2**32 - 1) for n in (3, 32, 120)]
+    for key in placed:
+        vol.file(rel_of(key))
     fd = os.open(vol.root, os.O_PATH | os.O_DIRECTORY)
     try:
-        assert list(check(fd, paths, tuple(SIZES), False)) == [1, 0, 0, 0, 0, 2, 2]
-        assert list(check(fd, [p.encode() for p in paths[:3]], (SIZE,), True)) == [1, 0, 2]
-        with pytest.raises(TypeError):
-            check(fd, [1], (SIZE,), False)
+        answers = check(fd, b"rank", list(keys.values()), tuple(SIZES), False)
+        assert list(answers) == [int(hit) for _make, hit in CASES.values()]
+        assert list(check(fd, b"rank", placed, (SIZE,), False)) == [1] * len(placed)
+        assert list(check(fd, b"rank", [keys["missing file"]], (SIZE,), True)) == [2]
+        short, long = bytes(6), bytes(261)  # hashes of 2 and 257 bytes
+        assert list(check(fd, b"rank", [short, long, "not bytes"], (SIZE,), False)) == [2, 2, 2]
         with pytest.raises(ValueError):
-            check(fd, [], tuple(range(9)), False)
+            check(fd, b"rank", [], tuple(range(9)), False)
+        with pytest.raises(ValueError):
+            check(fd, b"ra\0nk", [], (SIZE,), False)
     finally:
         os.close(fd)
 
@@ -238,10 +250,12 @@ def test_a_block_behind_a_mount_point_in_the_tree_is_not_one(
     """A directory holding a valid block bind-mounted at a fan-out
     directory (the root's own filesystem: the same st_dev)."""
     vol = Volume(str(tmp_path))
-    vol.outside_block("d/blk")
-    os.makedirs(os.path.join(vol.root, "rank/a00/b0"))
-    bind_mount(os.path.join(vol.outside, "d"), os.path.join(vol.root, "rank/a00/b0"))
-    assert os.path.isfile(os.path.join(vol.root, "rank/a00/b0/blk"))  # there, by the path
+    key = key_of(0)
+    leaf, name = block_place("rank", key)
+    vol.outside_block(f"d/{name}")
+    os.makedirs(os.path.join(vol.root, leaf))
+    bind_mount(os.path.join(vol.outside, "d"), os.path.join(vol.root, leaf))
+    assert os.path.isfile(os.path.join(vol.root, leaf, name))  # there, by the path
     presence = _presence(vol.root, compiled, False, monkeypatch)
-    assert presence.many([("rank/a00/b0", "blk")]) == [False]
-    assert presence.at("rank/a00/b0", "blk") is False
+    assert presence.many("rank", [key]) == [False]
+    assert presence.at(leaf, name) is False
