@@ -6,6 +6,7 @@ in tests/conftest.py."""
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import subprocess
 import tempfile
@@ -45,3 +46,9 @@ def e2e_env(e2e_base):
             pytest.fail(reason + "; LLMKV_FS_REQUIRE_E2E=1")
         pytest.skip(reason)
     return venv, model, site
+
+
+def prompt(seed: int, tokens: int) -> list[int]:
+    """Token ids of a prompt no other seed shares a block of."""
+    rng = random.Random(seed)
+    return [rng.randrange(3, 4000) for _ in range(tokens)]

@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import itertools
 import json
-import random
 
 import pytest
 
 from llmkv_fs.ops.events.announcer import Announcer
 from llmkv_fs.ops.events.config import parse_events_config
 from tests.kits import KITS
+from tests.kits.e2e_kit import prompt
 from tests.kits.events_kit import (
     Router,
     connect_announcer,
@@ -43,11 +43,6 @@ PROMPT_TOKENS = 2000  # 15 full chunks
 START_TIMEOUT_S = 600
 SETTLE_TIMEOUT_S = 300
 IO_MODES = {"threads": {}, "workers": {"io_workers": 2}}
-
-
-def prompt(seed: int, tokens: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(3, 4000) for _ in range(tokens)]
 
 
 def serving_with_events(e2e_env, base, router: Router, mode: str) -> Server:

@@ -36,7 +36,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import random
 import signal
 import subprocess
 import sys
@@ -46,7 +45,7 @@ from pathlib import Path
 import pytest
 
 from llmkv_fs.layout.names import block_rel_path, parse_temp_name
-from tests.kits import KITS, REPO
+from tests.kits import KITS, REPO, e2e_kit
 from tools.e2e.server import (
     OUR_PREFIX,
     ServeConfig,
@@ -75,8 +74,7 @@ REGISTERED_LINE = "registered secondary tier type(s) 'llmkv_fs', 'fs'"
 
 
 def prompt(seed: int, tokens: int = PROMPT_TOKENS) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(3, 4000) for _ in range(tokens)]
+    return e2e_kit.prompt(seed, tokens)
 
 
 def full_chunks(tokens: list[int]) -> int:
