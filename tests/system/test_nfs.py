@@ -60,7 +60,13 @@ CI_FILES = {
 }
 VLLM_FILES = [
     "tests/tier/test_fs_tier.py",
-    "tests/ops/gc/test_events.py",  # replicas store on one client, gc announces from the other
+    # Replicas store through one client, gc announces from the other. I/O threads
+    # only: in the emulated guest a worker process started after vLLM's import
+    # exits 127 on ld.so's "elf_get_dynamic_info" assertion (seen 2026-11-28,
+    # cause not run down); worker mode runs on tmpfs, ext4 and GlusterFS.
+    "tests/ops/gc/test_events.py::test_router_index_equals_the_volume[threads-nfs-router]",
+    "tests/ops/gc/test_events.py::"
+    "test_router_index_equals_the_volume[threads-nfs-router-dropping-removals]",
     "tests/ops/test_verify.py::test_blocks_written_by_vllm_builtin_tier",
     "tests/system/test_matrix_io_errors.py",
     "tests/system/test_matrix_races.py",
