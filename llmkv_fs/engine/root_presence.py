@@ -46,14 +46,9 @@ def on_their_roots(
     """Whether each key's block is on its roots (the module doc), in order,
     each root asked through ``check``; raises what a root's check raises
     other than RootGone."""
-    found = [False] * len(keys)
     if len(roots) == 1:  # every key's only choice: no per-key placement (8,192-key prompts)
-        if not roots[0].lost:
-            try:
-                return check(roots[0].blockio, keys)
-            except RootGone:
-                pass
-        return found
+        return _asked(roots[0], keys, check) or [False] * len(keys)
+    found = [False] * len(keys)
     choices = [placement.choices(key) for key in keys]
     for rank in range(max(map(len, choices), default=0)):
         asked: dict[int, list[int]] = collections.defaultdict(list)
@@ -61,13 +56,19 @@ def on_their_roots(
             if rank < len(chosen) and not found[at]:
                 asked[chosen[rank]].append(at)
         for index, members in asked.items():
-            root = roots[index]
-            if root.lost:
-                continue
-            try:
-                answers = check(root.blockio, [keys[at] for at in members])
-            except RootGone:
-                continue
-            for at, hit in zip(members, answers):
+            answers = _asked(roots[index], [keys[at] for at in members], check)
+            for at, hit in zip(members, answers or ()):
                 found[at] = hit
     return found
+
+
+def _asked(
+    root: EngineRoot, keys: list[bytes], check: Callable[[BlockIO, list[bytes]], list[bool]]
+) -> list[bool] | None:
+    """``root``'s answers for ``keys``; None where it is lost, or found gone."""
+    if root.lost:
+        return None
+    try:
+        return check(root.blockio, keys)
+    except RootGone:
+        return None
