@@ -48,3 +48,7 @@ class IoOptions:
     # without the keyring (a worker whose keys did not arrive must never
     # write plain blocks where sealed ones live; block/sealed.py).
     sealed: bool = False
+    # Sealed blocks are encrypted and decrypted in pieces of this many bytes
+    # (0: the whole block in one cipher call; block/sealed.py). Chosen, as
+    # hash_chunk, by who moves the bytes: startup/io_setup.py.
+    seal_piece: int = 0

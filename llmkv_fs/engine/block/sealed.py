@@ -7,19 +7,23 @@ around it (resolving beneath the root, temp file and rename, quarantine,
 stamps) stays ``BlockIO``'s.
 
 Store: the row is the CPU tier's own copy and must not change, so each
-piece of it is encrypted into a per-thread page-aligned buffer of
-``PIECE`` bytes (held in cache) and written from there at its offset; then
-the trailer with the tag. Load: the trailer first (its nonce, key id and
+piece of it (``IoOptions.seal_piece``: a whole block in I/O threads, 256
+KiB in worker processes) is encrypted into a per-thread page-aligned buffer
+of that size and written from there at its offset; then the trailer with
+the tag. Load: the trailer first (its nonce, key id and
 tag are needed before the first byte can be opened, and its read tells a
 short or long file at once), then each piece is read into the row and
 decrypted there in place, right after it lands (still in cache), and the
 tag is checked at the end. A block that fails is zeroed in the row: not a
 byte of it, ciphertext or unauthenticated plaintext, stays in the CPU tier.
 
-In place: ``update_into(row, row)`` (cryptography 48, OpenSSL underneath)
-decrypts in the buffer it reads from. Measured for a 2 MiB block on the
-2-core machine: 1.1 ms in place, 1.8 ms into another buffer, 2.0 ms for the
-one-shot ``AESGCM.encrypt`` (which also allocates the result).
+In place: ``update_into(row, row)`` (OpenSSL underneath) decrypts in the
+buffer it reads from. Measured for a 2 MiB block on the 2-core machine:
+1.1 ms in place, 1.8 ms into another buffer, 2.0 ms for the one-shot
+``AESGCM.encrypt`` (which also allocates the result). ``update_into``
+releases the GIL from cryptography 50 on (49 and before hold it: 14 threads
+sealed at one core's speed on the 16-core host), hence the floor in
+pyproject.toml.
 
 Threading: one per root and process, shared by that process's I/O threads;
 the store buffer is per thread. Methods block on the filesystem.
@@ -37,12 +41,7 @@ from llmkv_fs.layout.blockfile import TRAILER_SIZE, length_fault
 from llmkv_fs.layout.sealed import Keyring, begin_open, begin_seal, end_open, end_seal
 from llmkv_fs.volume.vectored import write_all
 
-__all__ = ["PIECE", "SealedBytes"]
-
-# Bytes encrypted or decrypted between two syscalls: small enough to stay in
-# a core's L2 between the copy and the cipher, large enough that a 2 MiB
-# block costs 8 calls.
-PIECE = 256 << 10
+__all__ = ["SealedBytes"]
 
 
 class SealedBytes:
@@ -53,13 +52,14 @@ class SealedBytes:
         self._keyring = keyring
         self._place = place.encode("utf-8", "surrogateescape")
         self._size = options.block_size
+        self._piece = min(options.seal_piece or options.block_size, options.block_size)
         self._local = threading.local()
 
     def _buffer(self) -> memoryview:
         buf = getattr(self._local, "buf", None)
         if buf is None:
             # Page aligned: a descriptor opened with O_DIRECT writes from it.
-            buf = self._local.buf = memoryview(mmap.mmap(-1, min(PIECE, self._size)))
+            buf = self._local.buf = memoryview(mmap.mmap(-1, self._piece))
         return buf
 
     def write(self, fd: int, key: bytes, row: memoryview, trailer: memoryview) -> None:
@@ -98,7 +98,7 @@ class SealedBytes:
         decryptor, tag = begin_open(self._keyring, self._place, tail[:TRAILER_SIZE], key, size)
         done = 0
         while done < size:
-            part = row[done : done + PIECE]
+            part = row[done : done + self._piece]
             got = os.preadv(fd, [part], done)
             if got == 0:  # shortened since its trailer was read
                 raise length_fault(done, size, trailerless=False)

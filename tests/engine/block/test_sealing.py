@@ -8,6 +8,7 @@ fails there or at the refusal."""
 
 from __future__ import annotations
 
+import mmap
 import os
 import pickle
 import shutil
@@ -17,6 +18,7 @@ import pytest
 from llmkv_fs.engine import Direction, Failure, Outcome, Tally, prepare_volume
 from llmkv_fs.engine.block.blockio import BlockIO
 from llmkv_fs.engine.block.options import IoOptions
+from llmkv_fs.engine.block.sealed import SealedBytes
 from llmkv_fs.engine.workers.crew import WorkerLaunch
 from llmkv_fs.layout.blockfile import Corruption
 from llmkv_fs.layout.paths import CacheLayout
@@ -296,3 +298,35 @@ def test_keys_never_travel_pickled_nor_on_a_workers_command_line(engines, tmp_pa
     for launch in launches:
         assert launch.step.keyring is None and launch.keys_fd >= 0
         assert secret not in pickle.dumps(launch)
+
+
+def test_a_block_sealed_in_pieces_opens_whole_and_the_reverse(tmp_path, keys):
+    """I/O threads seal a block in one cipher call, worker processes in
+    pieces (engine/startup/io_setup.py): the file is the same format either
+    way, and a last piece shorter than the others is sealed and opened."""
+    size, piece = 40 << 10, 16 << 10  # two pieces and a half
+    keyring = load_keyring({1: keys()}, None)
+    payload = os.urandom(size)
+
+    def sealer(seal_piece: int) -> SealedBytes:
+        options = IoOptions(size, False, False, False, True, sealed=True, seal_piece=seal_piece)
+        return SealedBytes(options, keyring, "m_0123_r0")
+
+    def page_aligned(n: int) -> memoryview:
+        return memoryview(mmap.mmap(-1, n))
+
+    for writer, reader in ((piece, 0), (0, piece), (piece, piece)):
+        path = str(tmp_path / f"block_{writer}_{reader}")
+        source, trailer = page_aligned(size), page_aligned(4096)
+        source[:] = payload
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            sealer(writer).write(fd, make_key(1), source, trailer)
+            assert source.tobytes() == payload  # the CPU tier's row is not changed
+            with open(path, "rb") as f:
+                assert payload[: 4 << 10] not in f.read()
+            into, tail = page_aligned(size), page_aligned(2 * 4096)
+            sealer(reader).read(fd, make_key(1), into, tail)
+            assert into.tobytes() == payload
+        finally:
+            os.close(fd)
