@@ -13,8 +13,8 @@ of that size and written from there at its offset; then the trailer with
 the tag. Load: the trailer first (its nonce, key id and
 tag are needed before the first byte can be opened, and its read tells a
 short or long file at once), then each piece is read into the row and
-decrypted there in place, right after it lands (still in cache), and the
-tag is checked at the end. A block that fails is zeroed in the row: not a
+decrypted there in place, right after it lands (a worker's piece still in
+cache), and the tag is checked at the end. A block that fails is zeroed in the row: not a
 byte of it, ciphertext or unauthenticated plaintext, stays in the CPU tier.
 
 In place: ``update_into(row, row)`` (OpenSSL underneath) decrypts in the

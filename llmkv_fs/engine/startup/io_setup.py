@@ -40,7 +40,8 @@ _HASH_CHUNK_WORKERS = 256 << 10
 # this) in one cipher call, since each call takes vLLM's GIL back once; 14
 # threads sealing 2 MiB blocks on the 16-core host wrote 7.5 GB/s so, 5.8
 # in 256 KiB pieces. Worker processes keep a piece in L2 between the copy
-# and the cipher (sealed 1.00x unsealed there; docs/benchmarks.md).
+# and the cipher (sealed 0.88-0.97x of unsealed for many jobs there;
+# docs/benchmarks.md, "Sealed against unsealed").
 _SEAL_PIECE_THREADS = 4 << 20
 _SEAL_PIECE_WORKERS = 256 << 10
 
