@@ -15,10 +15,11 @@ compiled module ``_presence`` (``_presence.c``) where it is built and
 ``openat2`` works: each key's path built, then the same one call, ``fstat``
 and ``close``, in one C loop without the GIL, so a long prompt's checks no
 longer take the scheduler's interpreter lock for every key (issue 33).
-Whatever that loop cannot settle is decided here, key by key, as without it. The module is
-optional (built by the package's install where a C compiler is; see
-``presence_path``), and ``LLMKV_FS_PRESENCE=python`` in the environment of
-the process that builds a BlockIO keeps the Python path (tests run both).
+Whatever that loop cannot settle is decided here, key by key, as without
+it. The module is optional (built by the package's install where a C
+compiler is; see ``presence_path``), and ``LLMKV_FS_PRESENCE=python`` in
+the environment of the process that builds a BlockIO keeps the Python path
+(tests run both).
 
 Threading: shared by the I/O and lookup threads of one BlockIO; it holds
 only settings (descriptors are the Beneath's, per thread). Blocks on the

@@ -20,7 +20,7 @@ from llmkv_fs.engine.block.blockio import BlockIO
 from llmkv_fs.engine.block.options import IoOptions
 from llmkv_fs.engine.block.sealed import SealedBytes
 from llmkv_fs.engine.workers.crew import WorkerLaunch
-from llmkv_fs.layout.blockfile import Corruption
+from llmkv_fs.layout.blockfile import TRAILER_SIZE, Corruption
 from llmkv_fs.layout.paths import CacheLayout
 from llmkv_fs.layout.sealed import NAMESPACE_FIELD, SCHEME
 from llmkv_fs.volume.keyfiles import load_keyring
@@ -317,7 +317,7 @@ def test_a_block_sealed_in_pieces_opens_whole_and_the_reverse(tmp_path, keys):
 
     for writer, reader in ((piece, 0), (0, piece), (piece, piece)):
         path = str(tmp_path / f"block_{writer}_{reader}")
-        source, trailer = page_aligned(size), page_aligned(4096)
+        source, trailer = page_aligned(size), page_aligned(TRAILER_SIZE)
         source[:] = payload
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
@@ -325,7 +325,7 @@ def test_a_block_sealed_in_pieces_opens_whole_and_the_reverse(tmp_path, keys):
             assert source.tobytes() == payload  # the CPU tier's row is not changed
             with open(path, "rb") as f:
                 assert payload[: 4 << 10] not in f.read()
-            into, tail = page_aligned(size), page_aligned(2 * 4096)
+            into, tail = page_aligned(size), page_aligned(2 * TRAILER_SIZE)
             sealer(reader).read(fd, make_key(1), into, tail)
             assert into.tobytes() == payload
         finally:
