@@ -116,7 +116,9 @@ class Housekeeping:
         current = self.root.is_current()
         if current == (not signals.root_lost):
             return current
-        signals.root_lost = not current
+        # Logged before the verdict is published: whoever sees the gauge or a
+        # refused store can already find the line that says why (a test that
+        # waited on the gauge once missed the "is back" line, logged after it).
         if not current:
             logger.error(
                 "llmkv_fs: root_dir %s is missing or is no longer the directory this "
@@ -131,6 +133,7 @@ class Housekeeping:
             logger.warning(
                 "llmkv_fs: root_dir %s is back; the volume is in use again", self.root.path
             )
+        signals.root_lost = not current
         return current
 
     def _guarded(self, step: Callable[[], object]) -> None:
