@@ -16,6 +16,10 @@ A variant is ``NAME:key=value,...`` with keys
 * ``seal`` -- a key file: blocks sealed with it (``seal_key_files``, key id
   1; layout/sealed.py), e.g. ``--ours plain: --ours sealed:seal=/tmp/k``
   for sealed against unsealed in one run;
+* ``seal_kib`` -- the piece a sealed block is encrypted and decrypted in,
+  for I/O threads and worker processes alike
+  (``engine/startup/io_setup._SEAL_PIECE_THREADS`` and
+  ``_SEAL_PIECE_WORKERS``);
 * ``site`` -- a directory put first on the workers' PYTHONPATH, e.g. an
   unpacked wheel of another xxhash, so two builds of a dependency are
   compared in one run (workers mode: I/O threads hash in the benchmark's
@@ -38,7 +42,7 @@ from collections.abc import Iterator
 
 __all__ = ["Variant", "applied", "parse_variant"]
 
-_KEYS = ("io_workers", "hash_kib", "prefault", "nice", "site", "seal")
+_KEYS = ("io_workers", "hash_kib", "prefault", "nice", "site", "seal", "seal_kib")
 _SITECUSTOMIZE = """
 import os
 if os.environ.get("LLMKV_BENCH_NO_PREFAULT"):
@@ -83,10 +87,14 @@ def applied(variant: Variant) -> Iterator[None]:
 
     saved_env = dict(os.environ)
     saved_chunks = io_setup._HASH_CHUNK, io_setup._HASH_CHUNK_WORKERS
+    saved_pieces = io_setup._SEAL_PIECE_THREADS, io_setup._SEAL_PIECE_WORKERS
     site = None
     try:
         if "hash_kib" in variant:
             io_setup._HASH_CHUNK = io_setup._HASH_CHUNK_WORKERS = int(variant["hash_kib"]) << 10
+        if "seal_kib" in variant:
+            piece = int(variant["seal_kib"]) << 10
+            io_setup._SEAL_PIECE_THREADS = io_setup._SEAL_PIECE_WORKERS = piece
         if "site" in variant:
             _put_first_on_pythonpath(os.path.abspath(variant["site"]))
         if variant.get("prefault") == "off":
@@ -98,6 +106,7 @@ def applied(variant: Variant) -> Iterator[None]:
         yield
     finally:
         io_setup._HASH_CHUNK, io_setup._HASH_CHUNK_WORKERS = saved_chunks
+        io_setup._SEAL_PIECE_THREADS, io_setup._SEAL_PIECE_WORKERS = saved_pieces
         os.environ.clear()
         os.environ.update(saved_env)
         if site:

@@ -1,8 +1,9 @@
 """The engine benchmark's variants (tools/bench/variants.py) and the hash
 benchmark (tools/bench/hash.py) do what the docs' figures say they did: a
-``site`` directory comes first on the workers' PYTHONPATH only while the
-variant's engine starts, a bad key is refused by name, and tools/bench/hash.py prints
-one JSON line per case with the xxhash it measured. No timing is asserted."""
+``site`` directory comes first on the workers' PYTHONPATH and a seal piece
+is in force only while the variant's engine starts, a bad key is refused by
+name, and tools/bench/hash.py prints one JSON line per case with the xxhash
+it measured. No timing is asserted."""
 
 import importlib
 import json
@@ -26,6 +27,18 @@ def test_a_site_variant_is_first_on_pythonpath_only_inside(variants, tmp_path, m
     with variants.applied(variant):
         assert os.environ["PYTHONPATH"].split(os.pathsep) == [str(tmp_path), "/before"]
     assert os.environ["PYTHONPATH"] == "/before"
+
+
+def test_a_seal_piece_variant_is_in_force_only_inside(variants):
+    from llmkv_fs.engine.block.options import IoOptions
+    from llmkv_fs.engine.startup import io_setup
+
+    shipped = IoOptions(4 << 20, False, False, False, True, sealed=True)
+    with variants.applied(variants.parse_variant("sealed1m:seal_kib=1024")):
+        assert io_setup.for_worker_processes(shipped).seal_piece == 1 << 20
+        assert io_setup._SEAL_PIECE_THREADS == 1 << 20
+    assert io_setup.for_worker_processes(shipped).seal_piece == 256 << 10
+    assert io_setup._SEAL_PIECE_THREADS == 4 << 20
 
 
 def test_an_unknown_variant_key_is_refused_by_name(variants):
