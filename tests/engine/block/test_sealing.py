@@ -20,7 +20,7 @@ from llmkv_fs.engine.block.blockio import BlockIO
 from llmkv_fs.engine.block.options import IoOptions
 from llmkv_fs.engine.block.sealed import SealedBytes
 from llmkv_fs.engine.workers.crew import WorkerLaunch
-from llmkv_fs.layout.blockfile import TRAILER_SIZE, Corruption
+from llmkv_fs.layout.blockfile import TRAILER_SIZE, BlockFileError, Corruption
 from llmkv_fs.layout.paths import CacheLayout
 from llmkv_fs.layout.sealed import NAMESPACE_FIELD, SCHEME
 from llmkv_fs.volume.keyfiles import load_keyring
@@ -300,33 +300,75 @@ def test_keys_never_travel_pickled_nor_on_a_workers_command_line(engines, tmp_pa
         assert secret not in pickle.dumps(launch)
 
 
+PIECES_SIZE, PIECE = 40 << 10, 16 << 10  # two pieces and a half
+
+
+def _page_aligned(n: int) -> memoryview:
+    return memoryview(mmap.mmap(-1, n))
+
+
+def _sealer(keyring, seal_piece: int) -> SealedBytes:
+    options = IoOptions(PIECES_SIZE, False, False, False, True, sealed=True, seal_piece=seal_piece)
+    return SealedBytes(options, keyring, "m_0123_r0")
+
+
+def _seal_to(path: str, sealer: SealedBytes, payload: bytes) -> None:
+    source, trailer = _page_aligned(PIECES_SIZE), _page_aligned(TRAILER_SIZE)
+    source[:] = payload
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        sealer.write(fd, make_key(1), source, trailer)
+    finally:
+        os.close(fd)
+    assert source.tobytes() == payload  # the CPU tier's row is not changed
+
+
+def _open_from(path: str, sealer: SealedBytes, into: memoryview) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        sealer.read(fd, make_key(1), into, _page_aligned(2 * TRAILER_SIZE))
+    finally:
+        os.close(fd)
+
+
 def test_a_block_sealed_in_pieces_opens_whole_and_the_reverse(tmp_path, keys):
     """I/O threads seal a block in one cipher call, worker processes in
     pieces (engine/startup/io_setup.py): the file is the same format either
     way, and a last piece shorter than the others is sealed and opened."""
-    size, piece = 40 << 10, 16 << 10  # two pieces and a half
     keyring = load_keyring({1: keys()}, None)
-    payload = os.urandom(size)
-
-    def sealer(seal_piece: int) -> SealedBytes:
-        options = IoOptions(size, False, False, False, True, sealed=True, seal_piece=seal_piece)
-        return SealedBytes(options, keyring, "m_0123_r0")
-
-    def page_aligned(n: int) -> memoryview:
-        return memoryview(mmap.mmap(-1, n))
-
-    for writer, reader in ((piece, 0), (0, piece), (piece, piece)):
+    payload = os.urandom(PIECES_SIZE)
+    for writer, reader in ((PIECE, 0), (0, PIECE), (PIECE, PIECE)):
         path = str(tmp_path / f"block_{writer}_{reader}")
-        source, trailer = page_aligned(size), page_aligned(TRAILER_SIZE)
-        source[:] = payload
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
-            sealer(writer).write(fd, make_key(1), source, trailer)
-            assert source.tobytes() == payload  # the CPU tier's row is not changed
-            with open(path, "rb") as f:
-                assert payload[: 4 << 10] not in f.read()
-            into, tail = page_aligned(size), page_aligned(2 * TRAILER_SIZE)
-            sealer(reader).read(fd, make_key(1), into, tail)
-            assert into.tobytes() == payload
-        finally:
-            os.close(fd)
+        _seal_to(path, _sealer(keyring, writer), payload)
+        with open(path, "rb") as f:
+            assert payload[: 4 << 10] not in f.read()
+        into = _page_aligned(PIECES_SIZE)
+        _open_from(path, _sealer(keyring, reader), into)
+        assert into.tobytes() == payload
+
+
+@pytest.mark.parametrize(
+    ("damage", "reason"),
+    [
+        (lambda p: os.truncate(p, PIECES_SIZE + 100), Corruption.BAD_LENGTH),
+        (lambda p: os.truncate(p, PIECES_SIZE - 100), Corruption.TRUNCATED),
+        (_extend, Corruption.BAD_LENGTH),
+        (lambda p: flip_bit(p, PIECE + 5), Corruption.BAD_SEAL),  # the second piece
+    ],
+    ids=["truncated-trailer", "truncated-payload", "extended", "payload-bit"],
+)
+@pytest.mark.parametrize("reader", [0, PIECE], ids=["whole", "in-pieces"])
+def test_a_damaged_block_is_refused_whole_and_in_pieces(tmp_path, keys, damage, reason, reader):
+    """Opened as I/O threads open it (one piece) and as worker processes do
+    (several, the last one short), a damaged file is refused for the same
+    reason and leaves zeros in the row."""
+    keyring = load_keyring({1: keys()}, None)
+    path = str(tmp_path / "block")
+    _seal_to(path, _sealer(keyring, 0), os.urandom(PIECES_SIZE))
+    damage(path)
+    into = _page_aligned(PIECES_SIZE)
+    into[:] = b"\xaa" * PIECES_SIZE
+    with pytest.raises(BlockFileError) as refused:
+        _open_from(path, _sealer(keyring, reader), into)
+    assert refused.value.reason == reason
+    assert into.tobytes() == bytes(PIECES_SIZE)
