@@ -211,8 +211,31 @@ def _failed_gauge(engine) -> float:
     return engine.root_gauges()[engine.roots[0].layout.root_dir]["volume_failed"]
 
 
+class _GaugeAtEachLine(logging.Handler):
+    """Notes the volume_failed gauge as each line is logged, on the thread
+    that logs it."""
+
+    def __init__(self, engine: FsEngine):
+        super().__init__(logging.INFO)
+        self.engine = engine
+        self.seen: list[tuple[str, float]] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.seen.append((record.getMessage(), _failed_gauge(self.engine)))
+
+    def __enter__(self) -> _GaugeAtEachLine:
+        logging.getLogger("vllm.llmkv_fs").addHandler(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        logging.getLogger("vllm.llmkv_fs").removeHandler(self)
+
+
 @pytest.mark.parametrize("where", ["mount-point", "subdirectory"])
 def test_unmount_while_running_fails_the_volume_and_recovers(where, bind_volume, engines, caplog):
+    """Also: each change is logged before the gauge shows it, so whoever
+    sees the gauge finds the line that says why (a test that waited on the
+    gauge once missed the "is back" line)."""
     if where == "mount-point":
         root = bind_volume.mountpoint
     else:
@@ -225,7 +248,10 @@ def test_unmount_while_running_fails_the_volume_and_recovers(where, bind_volume,
     assert settle(engine, make_key(0), "before") is True
     assert _failed_gauge(engine) == 0
 
-    with caplog.at_level(logging.INFO, logger="vllm.llmkv_fs"):
+    with (
+        caplog.at_level(logging.INFO, logger="vllm.llmkv_fs"),
+        _GaugeAtEachLine(engine) as gauge_at_line,
+    ):
         bind_volume.unmount()
         wait_until(lambda: _failed_gauge(engine) == 1, "the tier to notice the unmount")
 
@@ -253,6 +279,7 @@ def test_unmount_while_running_fails_the_volume_and_recovers(where, bind_volume,
     assert len(errors) == 1 and root in errors[0].getMessage(), caplog.text
     back = [r for r in caplog.records if "is back;" in r.getMessage()]
     assert len(back) == 1, caplog.text
+    assert [gauge for line, gauge in gauge_at_line.seen if "root_dir" in line] == [0, 1]
 
     engine.end_step()  # lookups read the lost roots as of the last step's end
     assert settle(engine, make_key(1), "after") is True
