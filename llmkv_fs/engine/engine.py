@@ -22,6 +22,7 @@ back to the scheduler; counters are updated by the owner in
 from __future__ import annotations
 
 import collections
+import functools
 import logging
 import time
 from collections.abc import Sequence
@@ -40,7 +41,7 @@ from llmkv_fs.engine.launch import (
 )
 from llmkv_fs.engine.lookup import AsyncExistence
 from llmkv_fs.engine.outcomes import CounterKey, Direction, Failure, LookupAnswer, Tally
-from llmkv_fs.engine.root_presence import each_key, on_their_roots
+from llmkv_fs.engine.root_presence import at_once, each_key, on_their_roots
 from llmkv_fs.engine.roots import EngineRoot, open_roots
 from llmkv_fs.engine.scheduling.accounting import FinishedJob, JobAccountant, ThrottledErrorLog
 from llmkv_fs.engine.scheduling.executor import Executor
@@ -179,10 +180,13 @@ class FsEngine:
             self.pause.reached("exists", "lookup", key)
         return on_their_roots(self.roots, self.placement, [key], each_key)[0]
 
-    def _exist_on_their_roots(self, keys: list[bytes]) -> list[bool]:
+    def _exist_on_their_roots(self, keys: list[bytes], budget_s: float) -> list[bool]:
         """A lookup thread's check of a chunk of keys at once (the compiled
-        presence check; same roots and rules as ``_exists_on_its_roots``)."""
-        return on_their_roots(self.roots, self.placement, keys)
+        presence check; same roots and rules as ``_exists_on_its_roots``),
+        of the first keys only if ``budget_s`` is spent first."""
+        return on_their_roots(
+            self.roots, self.placement, keys, functools.partial(at_once, budget_s=budget_s)
+        )
 
     def _presence(self) -> str:
         """Which presence check the lookups run, for the start-up line."""

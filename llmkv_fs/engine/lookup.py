@@ -51,7 +51,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from llmkv_fs.engine.lookup_checks import BatchChecks
+from llmkv_fs.engine.lookup_checks import BatchChecks, CheckMany
 
 __all__ = ["AsyncExistence"]
 
@@ -81,7 +81,7 @@ class AsyncExistence:
         name: str = "llmkv_fs",
         timeout: float = 5.0,
         miss_for_s: float = 60.0,
-        exist_many: Callable[[list[bytes]], list[bool]] | None = None,
+        exist_many: CheckMany | None = None,
     ):
         self._exists = exists
         self._timeout = timeout

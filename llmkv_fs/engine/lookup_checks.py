@@ -18,7 +18,11 @@ A chunk is checked in one call where the engine has a batch check
 which runs without the GIL); then the chunk is timed whole, and it waited on
 the volume when its time per key did. A batch check that raises (a key's
 own failure: the volume, a replaced root) has its chunk checked again key
-by key, each failure a miss of its own key.
+by key, each failure a miss of its own key. A chunk stops itself once
+CHUNK_BUDGET_S is spent, in the compiled call or key by key, and gives the
+keys it did not check back to the batch: on a volume that answers a
+prompt's known head from cache and turns slow for its tail, nobody's
+verdicts wait on one thread's long chunk for longer than that.
 
 Answers go out when a batch is decided, or earlier for the prefix decided
 so far when it holds a miss: vLLM's prefix lookup stops at the first miss,
@@ -45,26 +49,31 @@ import threading
 import time
 from collections.abc import Callable
 
-__all__ = ["BatchChecks", "Post"]
+__all__ = ["BatchChecks", "CheckMany", "Post"]
 
 logger = logging.getLogger("vllm.llmkv_fs.lookup")
 
 # Keys checked between two looks at how the volume answers: a batch starts
 # with this many, and while no chunk waited on the volume each chunk takes as
-# many keys as were taken before it, up to MAX_CHUNK_KEYS. A compiled chunk
-# gives the interpreter lock back only when it ends, and a thread that wants
-# it back while the scheduler re-scans a long prompt waits for the switch
-# interval (5 ms): 512 chunks of 16 for an 8,192-key prompt made the lookup
-# thread progress mostly while the scheduler slept (17-39 steps at a 1 ms
-# step, 16 cores; issue 33). The cap bounds what one chunk costs before a
-# volume that turned slow is noticed (256 checks of a 3 ms volume: 0.8 s);
-# once helpers are recruited, chunks are CHUNK_KEYS again, to share.
+# many keys as were taken before it. A compiled chunk gives the interpreter
+# lock back only when it ends, and a thread that wants it back while the
+# scheduler re-scans a long prompt waits for the switch interval (5 ms):
+# 512 chunks of 16 for an 8,192-key prompt took 17-39 scheduler steps of 1
+# ms, 36 chunks of up to 256 took 18, 10 doubling chunks 7-8 (the built-in:
+# 11; 16 cores, docs/benchmarks.md, issue 33). What bounds a chunk is its
+# time, CHUNK_BUDGET_S: a volume that turns slow in the middle of a long
+# chunk is noticed within it (the 256-key cap this replaced let 256 checks
+# of a 3 ms volume take 0.8 s). Once helpers are recruited, chunks are
+# CHUNK_KEYS again, to share.
 CHUNK_KEYS = 16
-MAX_CHUNK_KEYS = 256
+CHUNK_BUDGET_S = 0.02
 WAITS_ON_THE_VOLUME_S = 100e-6
 
 # (batch id, [(key, generation, found)], final): one publication of a batch.
 Post = Callable[[int, list[tuple[bytes, int, bool]], bool], None]
+# Keys' answers in one call, in order; given a time budget (seconds) it may
+# answer the first keys only, one at least.
+CheckMany = Callable[[list[bytes], float], list[bool]]
 
 
 class _Run:
@@ -81,6 +90,7 @@ class _Run:
         "prefix",
         "published",
         "recruited",
+        "returned",
         "scanned",
         "taken",
     )
@@ -96,18 +106,34 @@ class _Run:
         self.scanned = 0  # keys of that prefix looked at for a miss
         self.published = 0  # keys answered
         self.recruited = False
+        self.returned: list[list[int]] = []  # [start, end) given back by chunks that stopped
         self.lock = threading.Lock()
         self.finished = threading.Event()
 
     def take(self) -> tuple[int, int] | None:
-        """The next chunk's keys (start, end), None when all are taken."""
+        """The next chunk's keys (start, end), None when all are taken:
+        keys given back first (they come before the cursor)."""
         with self.lock:
+            if self.returned:
+                given = self.returned[-1]
+                start = given[0]
+                end = min(given[1], start + CHUNK_KEYS) if self.recruited else given[1]
+                if end == given[1]:
+                    self.returned.pop()
+                else:
+                    given[0] = end
+                return start, end
             start = self.taken
             if start >= len(self.batch):
                 return None
-            size = CHUNK_KEYS if self.recruited else min(MAX_CHUNK_KEYS, max(CHUNK_KEYS, start))
+            size = CHUNK_KEYS if self.recruited else max(CHUNK_KEYS, start)
             self.taken = end = min(start + size, len(self.batch))
         return start, end
+
+    def give_back(self, start: int, end: int) -> None:
+        """Keys a chunk took and did not check (its budget spent)."""
+        with self.lock:
+            self.returned.append([start, end])
 
 
 class BatchChecks:
@@ -122,7 +148,7 @@ class BatchChecks:
         n_helpers: int,
         post: Post,
         name: str = "llmkv_fs",
-        check_many: Callable[[list[bytes]], list[bool]] | None = None,
+        check_many: CheckMany | None = None,
     ):
         self._check_one = check_one
         self._check_many = check_many
@@ -167,27 +193,35 @@ class BatchChecks:
             self.progress_at = time.monotonic()
             if 2 * waited > len(found) and not run.recruited:
                 self._recruit(run)
+            if lo + len(found) < hi:
+                run.give_back(lo + len(found), hi)
             self._decided(run, lo, found)
 
     def _check_chunk(self, pairs: list[tuple[bytes, int]]) -> tuple[list[bool], int]:
-        """The chunk's answers, and how many of its checks waited on the volume."""
+        """The answers of the chunk's first keys (all, unless its budget was
+        spent first; one at least), and how many of them waited on the volume."""
         if self._check_many is not None:
             started = time.perf_counter()
             try:
-                found = self._check_many([key for key, _generation in pairs])
+                found = self._check_many([key for key, _generation in pairs], CHUNK_BUDGET_S)
             except Exception:  # each key again on its own: its failure is its miss
                 logger.debug("llmkv_fs: a batch of existence checks failed", exc_info=True)
             else:
-                per_key = (time.perf_counter() - started) / max(1, len(found))
-                return found, len(found) if per_key >= WAITS_ON_THE_VOLUME_S else 0
+                if found:  # none for keys asked would give the chunk back forever
+                    per_key = (time.perf_counter() - started) / len(found)
+                    return found, len(found) if per_key >= WAITS_ON_THE_VOLUME_S else 0
         check, clock, limit = self._check_one, time.perf_counter, WAITS_ON_THE_VOLUME_S
         found = []
         waited = 0
+        chunk_started = clock()
         for key, _generation in pairs:
             started = clock()
             found.append(check(key))
-            if clock() - started >= limit:
+            done = clock()
+            if done - started >= limit:
                 waited += 1
+            if done - chunk_started >= CHUNK_BUDGET_S:
+                break
         return found, waited
 
     def _recruit(self, run: _Run) -> None:

@@ -32,9 +32,10 @@ def each_key(blockio: BlockIO, keys: list[bytes]) -> list[bool]:
     return [blockio.exists(key) for key in keys]
 
 
-def at_once(blockio: BlockIO, keys: list[bytes]) -> list[bool]:
-    """A root's check of ``keys`` in one call (compiled where it runs)."""
-    return blockio.exists_many(keys)
+def at_once(blockio: BlockIO, keys: list[bytes], budget_s: float = 0.0) -> list[bool]:
+    """A root's check of ``keys`` in one call (compiled where it runs);
+    with ``budget_s``, possibly of the first keys only."""
+    return blockio.exists_many(keys, budget_s)
 
 
 def on_their_roots(
@@ -45,21 +46,28 @@ def on_their_roots(
 ) -> list[bool]:
     """Whether each key's block is on its roots (the module doc), in order,
     each root asked through ``check``; raises what a root's check raises
-    other than RootGone."""
+    other than RootGone. A check that answers fewer keys than asked (its
+    time budget spent) makes this answer the keys before the first one it
+    left, one at least."""
     if len(roots) == 1:  # every key's only choice: no per-key placement (8,192-key prompts)
         return _asked(roots[0], keys, check) or [False] * len(keys)
     found = [False] * len(keys)
+    answered = len(keys)
     choices = [placement.choices(key) for key in keys]
     for rank in range(max(map(len, choices), default=0)):
         asked: dict[int, list[int]] = collections.defaultdict(list)
-        for at, chosen in enumerate(choices):
+        for at, chosen in enumerate(choices[:answered]):
             if rank < len(chosen) and not found[at]:
                 asked[chosen[rank]].append(at)
         for index, members in asked.items():
             answers = _asked(roots[index], [keys[at] for at in members], check)
-            for at, hit in zip(members, answers or ()):
+            if answers is None:
+                continue  # lost: its keys are not there
+            for at, hit in zip(members, answers):
                 found[at] = hit
-    return found
+            if len(answers) < len(members):
+                answered = min(answered, members[len(answers)])
+    return found[:answered]
 
 
 def _asked(

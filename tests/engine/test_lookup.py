@@ -21,6 +21,7 @@ import os
 import subprocess
 import threading
 import time
+from collections.abc import Callable
 
 import pytest
 
@@ -203,7 +204,7 @@ def test_a_chunk_checked_at_once_is_timed_whole_and_a_failure_checked_key_by_key
         one_by_one.append(int.from_bytes(key, "big"))
         return int.from_bytes(key, "big") % 3 != 2
 
-    def exist_many(keys: list[bytes]) -> list[bool]:
+    def exist_many(keys: list[bytes], budget_s: float) -> list[bool]:
         if number(40) in keys:
             raise OSError(5, "one key's failure")
         clock.spend(3e-3 * len(keys))
@@ -237,34 +238,70 @@ def test_checks_on_a_volume_answering_in_cpu_time_stay_on_one_thread():
     assert len(checked_on) == 1
 
 
-def test_chunks_grow_while_the_volume_answers_in_cpu_time(monkeypatch):
-    """A long prompt on a fast volume is checked in few compiled calls (each
-    gives the interpreter lock back once): chunks double up to the cap; on
-    a volume that makes checks wait they stay small, for the helpers."""
+def _budgeted(clock: ThreadClock, cost_s: Callable[[int], float], calls: list[tuple[int, float]]):
+    """A compiled check on a test clock: key number i costs ``cost_s(i)``;
+    it stops once the budget is spent, as ``check_keys`` does; records each
+    call's (keys asked, seconds spent)."""
+
+    def exist_many(keys: list[bytes], budget_s: float) -> list[bool]:
+        spent = 0.0
+        answers = []
+        for key in keys:
+            cost = cost_s(int.from_bytes(key, "big"))
+            clock.spend(cost)
+            spent += cost
+            answers.append(True)
+            if 0 < budget_s <= spent:
+                break
+        calls.append((len(keys), spent))
+        return answers
+
+    return exist_many
+
+
+def _checked_in_chunks(monkeypatch, name: str, cost_s: Callable[[int], float]):
+    """8,192 keys through the lookups with a budgeted compiled check: the
+    verdicts, the calls made and the helper threads started."""
     clock = ThreadClock()
     monkeypatch.setattr(lookup_checks, "time", clock)
-    sizes: dict[str, list[int]] = {"fast": [], "slow": []}
+    calls: list[tuple[int, float]] = []
+    lookups = AsyncExistence(
+        lambda key: True, 2, timeout=60.0, name=name, exist_many=_budgeted(clock, cost_s, calls)
+    )
+    try:
+        verdicts = step_until_known(lookups, [number(i) for i in range(8192)])
+        helpers = [t for t in threading.enumerate() if t.name.startswith(f"{name}_stat")]
+    finally:
+        lookups.shutdown()
+    return verdicts, calls, helpers
 
-    def answering(kind: str, per_key_s: float):
-        def exist_many(keys: list[bytes]) -> list[bool]:
-            sizes[kind].append(len(keys))
-            clock.spend(per_key_s * len(keys))
-            return [True] * len(keys)
 
-        return exist_many
+def test_chunks_grow_while_the_volume_answers_in_cpu_time(monkeypatch):
+    """A long prompt on a fast volume is checked in few compiled calls (each
+    gives the interpreter lock back once): chunks double; on a volume that
+    makes checks wait they stay small, for the helpers."""
+    verdicts, fast, helpers = _checked_in_chunks(monkeypatch, "fast", lambda i: 2e-6)
+    assert verdicts == [True] * 8192 and not helpers
+    assert [asked for asked, _spent in fast] == [16, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096]
 
-    for kind, per_key_s in (("fast", 2e-6), ("slow", 3e-3)):
-        lookups = AsyncExistence(
-            lambda key: True, 2, timeout=60.0, name=kind, exist_many=answering(kind, per_key_s)
-        )
-        try:
-            assert step_until_known(lookups, [number(i) for i in range(8192)]) == [True] * 8192
-        finally:
-            lookups.shutdown()
-    cap = lookup_checks.MAX_CHUNK_KEYS
-    assert sizes["fast"][:6] == [16, 16, 32, 64, 128, 256] and set(sizes["fast"][5:]) == {cap}
-    assert len(sizes["fast"]) == 5 + (8192 - 256) // cap  # 36 calls, not 512
-    assert set(sizes["slow"]) == {lookup_checks.CHUNK_KEYS}
+    verdicts, slow, helpers = _checked_in_chunks(monkeypatch, "slow", lambda i: 3e-3)
+    assert verdicts == [True] * 8192 and len(helpers) == 1
+    assert max(asked for asked, _spent in slow) == lookup_checks.CHUNK_KEYS
+
+
+def test_a_chunk_stops_itself_when_the_volume_turns_slow(monkeypatch):
+    """A prompt whose head answers from cache (2 us a key) and whose tail
+    takes 3 ms a key: the long chunk that reaches the tail stops once its
+    budget is spent, gives the rest back, and the helpers share it -- no
+    call holds verdicts for much longer than the budget (a 2,048-key chunk
+    would have taken 3.2 s)."""
+    verdicts, calls, helpers = _checked_in_chunks(
+        monkeypatch, "turning", lambda i: 2e-6 if i < 3000 else 3e-3
+    )
+    assert verdicts == [True] * 8192 and len(helpers) == 1
+    assert lookup_checks.CHUNK_BUDGET_S <= 0.05
+    assert max(spent for _asked, spent in calls) < lookup_checks.CHUNK_BUDGET_S + 3e-3
+    assert any(asked >= 2048 for asked, _spent in calls)  # the long chunk was asked
 
 
 def test_a_volume_that_answers_slowly_is_not_stalled(monkeypatch):

@@ -8,11 +8,12 @@ asked; tests/engine/test_lookup.py runs the same through real files."""
 from __future__ import annotations
 
 import errno
+import functools
 from types import SimpleNamespace
 
 import pytest
 
-from llmkv_fs.engine.root_presence import on_their_roots
+from llmkv_fs.engine.root_presence import at_once, on_their_roots
 from llmkv_fs.layout.placement import RootPlacement
 from llmkv_fs.volume.pinned_root import RootGone
 from tests.kits.engine_kit import make_key
@@ -22,15 +23,18 @@ class Checks:
     """One root's block checks: ``present`` keys answer yes; ``gone``: every
     check raises RootGone; records every key asked."""
 
-    def __init__(self, present: set[bytes], gone: bool = False):
+    def __init__(self, present: set[bytes], gone: bool = False, budget_keys: int = 0):
         self.present = present
         self.gone = gone
+        self.budget_keys = budget_keys  # > 0: a budgeted call answers this many keys at most
         self.asked: list[bytes] = []
 
     def exists(self, key: bytes) -> bool:
         return self.exists_many([key])[0]
 
-    def exists_many(self, keys: list[bytes]) -> list[bool]:
+    def exists_many(self, keys: list[bytes], budget_s: float = 0.0) -> list[bool]:
+        if budget_s and self.budget_keys:
+            keys = keys[: self.budget_keys]
         self.asked.extend(keys)
         if self.gone:
             raise RootGone(errno.ENOENT, "gone", "/root")
@@ -93,3 +97,23 @@ def test_one_root_and_an_empty_batch():
     assert on_their_roots(roots, placement, []) == []
     roots[0].lost = True
     assert on_their_roots(roots, placement, KEYS[:3]) == [False, False, False]
+
+
+def test_a_check_that_ran_out_of_time_answers_a_prefix():
+    """Roots whose budgeted checks answer 10 keys at most: the batch answers
+    the keys before the first one any root left -- exactly what the full
+    batch answers for them, one key at least -- and one root alone its 10."""
+    placement = RootPlacement(["/r0", "/r1", "/r2"])
+    full = on_their_roots(roots_where(placement, None, None), placement, KEYS)
+    roots = roots_where(placement, None, None)
+    for root in roots:
+        root.blockio.budget_keys = 10
+    budgeted = functools.partial(at_once, budget_s=1.0)
+
+    part = on_their_roots(roots, placement, KEYS, budgeted)
+
+    at_home = [[i for i, k in enumerate(KEYS) if placement.choices(k)[0] == r] for r in range(3)]
+    assert 1 <= len(part) <= min(members[10] for members in at_home)
+    assert part == full[: len(part)]
+    one = [SimpleNamespace(lost=False, blockio=Checks(set(KEYS), budget_keys=10))]
+    assert on_their_roots(one, RootPlacement(["/r0"]), KEYS, budgeted) == [True] * 10

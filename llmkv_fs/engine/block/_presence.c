@@ -22,6 +22,11 @@
  * lock ~1.1 us a key (8,192 keys: 9 ms of 47, 2-core VM), the lock the
  * scheduler's re-scan of the same prompt needs every step.
  *
+ * A call may be given a time budget: it then stops once the budget is spent
+ * (after at least one key) and answers only the keys it checked, so that a
+ * long chunk on a volume that turns slow mid-way holds nobody's verdicts
+ * for longer than that (engine/lookup_checks.py).
+ *
  * Optional: built by the package's ordinary install where a C compiler and
  * Python's headers are (pyproject.toml, ext-modules, optional); the tier
  * runs the Python path without it. Linux only (openat2, 5.6+).
@@ -38,6 +43,7 @@
 #include <stdint.h>
 #include <stdio.h>
 #include <string.h>
+#include <time.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -143,14 +149,21 @@ static void block_path(char *out, const char *prefix, size_t prefix_len,
     memcpy(at, ".bin", 5);
 }
 
+static long long now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (long long)t.tv_sec * 1000000000LL + t.tv_nsec;
+}
+
 static PyObject *check_keys(PyObject *self, PyObject *args) {
     int root_fd, revalidate;
     const char *prefix;
     Py_ssize_t prefix_len;
     PyObject *given_keys, *given_sizes;
+    long long budget_ns = 0;
     (void)self;
-    if (!PyArg_ParseTuple(args, "iy#OOp:check_keys", &root_fd, &prefix, &prefix_len, &given_keys,
-                          &given_sizes, &revalidate)) {
+    if (!PyArg_ParseTuple(args, "iy#OOp|L:check_keys", &root_fd, &prefix, &prefix_len,
+                          &given_keys, &given_sizes, &revalidate, &budget_ns)) {
         return NULL;
     }
     if (prefix_len > MAX_PREFIX || strlen(prefix) != (size_t)prefix_len) {
@@ -183,18 +196,24 @@ static PyObject *check_keys(PyObject *self, PyObject *args) {
         }
     }
     char *out = PyBytes_AS_STRING(answers);
+    Py_ssize_t checked = n;
     Py_BEGIN_ALLOW_THREADS
     char path[PATH_BYTES];
+    long long started = budget_ns > 0 ? now_ns() : 0;
     for (Py_ssize_t i = 0; i < n; i++) {
         Py_ssize_t key_len = held[i] == NULL ? 0 : PyBytes_GET_SIZE(held[i]);
         size_t hash_len = key_len > 4 ? (size_t)key_len - 4 : 0;
         if (hash_len < MIN_HASH_BYTES || hash_len > MAX_HASH_BYTES) {
             out[i] = 2;  /* not a key this layout names: the Python path decides */
-            continue;
+        } else {
+            block_path(path, prefix, (size_t)prefix_len,
+                       (const unsigned char *)PyBytes_AS_STRING(held[i]), hash_len);
+            out[i] = check_one(root_fd, path, sizes, n_sizes, revalidate);
         }
-        block_path(path, prefix, (size_t)prefix_len,
-                   (const unsigned char *)PyBytes_AS_STRING(held[i]), hash_len);
-        out[i] = check_one(root_fd, path, sizes, n_sizes, revalidate);
+        if (budget_ns > 0 && i + 1 < n && now_ns() - started >= budget_ns) {
+            checked = i + 1;
+            break;
+        }
     }
     Py_END_ALLOW_THREADS
     for (Py_ssize_t i = 0; i < n; i++) {
@@ -202,16 +221,23 @@ static PyObject *check_keys(PyObject *self, PyObject *args) {
     }
     PyMem_Free(held);
     Py_DECREF(seq);
+    if (checked < n) {  /* the budget was spent: the keys checked */
+        PyObject *some = PyBytes_FromStringAndSize(PyBytes_AS_STRING(answers), checked);
+        Py_DECREF(answers);
+        return some;
+    }
     return answers;
 }
 
 static PyMethodDef methods[] = {
     {"check_keys", check_keys, METH_VARARGS,
-     "check_keys(root_fd, prefix, keys, sizes, revalidate_misses) -> bytes\n\n"
+     "check_keys(root_fd, prefix, keys, sizes, revalidate_misses, budget_ns=0) -> bytes\n\n"
      "One byte per key: is its block file below prefix (bytes: the rank\n"
      "directory), at the path layout/names.py's block_rel_path names, one of\n"
      "sizes: 1 yes, 0 settled no, 2 unsettled (the caller's own path decides;\n"
-     "also a key too short or too long to name a block). Releases the GIL."},
+     "also a key too short or too long to name a block). Releases the GIL.\n"
+     "With budget_ns > 0, stops once that much time is spent (after one key at\n"
+     "least): then fewer bytes than keys, for the first keys."},
     {NULL, NULL, 0, NULL},
 };
 

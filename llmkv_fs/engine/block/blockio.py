@@ -124,10 +124,11 @@ class BlockIO:
         (see BlockPresence)."""
         return self._presence.at(*self._place(key))
 
-    def exists_many(self, keys: list[bytes]) -> list[bool]:
+    def exists_many(self, keys: list[bytes], budget_s: float = 0.0) -> list[bool]:
         """``exists`` for each key, in order: in one compiled call without
-        the GIL where ``checks_in_batches`` (see BlockPresence.many)."""
-        return self._presence.many(self._rank, keys)
+        the GIL where ``checks_in_batches``; with ``budget_s``, possibly for
+        the first keys only (see BlockPresence.many)."""
+        return self._presence.many(self._rank, keys, budget_s)
 
     @property
     def checks_in_batches(self) -> bool:

@@ -49,7 +49,7 @@ PRESENCE_ENV = "LLMKV_FS_PRESENCE"
 # The compiled check's answers per path (_presence.c).
 _BLOCK, _UNSETTLED = 1, 2
 COMPILED_PRESENCE = "compiled (_presence: openat2 and fstat in C, the GIL released per chunk)"
-CompiledCheck = Callable[[int, bytes, list[bytes], tuple[int, ...], bool], bytes]
+CompiledCheck = Callable[[int, bytes, list[bytes], tuple[int, ...], bool, int], bytes]
 
 
 def _built() -> CompiledCheck | None:
@@ -100,11 +100,13 @@ class BlockPresence:
         """``many`` runs the compiled loop (else it is ``at`` per block)."""
         return self._compiled is not None and self._below.one_call
 
-    def many(self, prefix: str, keys: list[bytes]) -> list[bool]:
+    def many(self, prefix: str, keys: list[bytes], budget_s: float = 0.0) -> list[bool]:
         """``at`` for the block of each key below ``prefix`` (the rank
         directory), in order: in one compiled call without the GIL where it
         runs, each block it cannot settle (a mount point on the way, NFS
-        revalidation, ...) then by ``at`` itself. Raises what ``at`` raises
+        revalidation, ...) then by ``at`` itself. With ``budget_s`` the
+        compiled call stops once that is spent: the answers are then for
+        the first keys only (one at least). Raises what ``at`` raises
         (RootGone, OSError) for such a block."""
         check = self._compiled
         if check is None or not self._below.one_call:
@@ -115,6 +117,7 @@ class BlockPresence:
             keys,
             self._size_list,
             self._revalidate_misses,
+            int(budget_s * 1e9),
         )
         return [
             code == _BLOCK if code != _UNSETTLED else self.at(*block_place(prefix, key))

@@ -218,7 +218,8 @@ def test_a_path_that_leaves_the_root_is_no_block(tmp_path, monkeypatch, compiled
 def test_the_compiled_answers_per_key(tmp_path):
     """What the C loop settles itself (0, 1), what it leaves to the Python
     path (2: a miss to revalidate, a key too short to name a block), and
-    its paths: layout/names.py's, for every group and hash length."""
+    its paths: layout/names.py's, for every group and hash length; and a
+    call given a time budget answers the keys it checked before it ran out."""
     if not _compiled_built() or not OPENAT2:
         pytest.skip("the compiled check is not built here, or no openat2")
     check = importlib.import_module(COMPILED_MODULE).check_keys
@@ -232,6 +233,10 @@ def test_the_compiled_answers_per_key(tmp_path):
         answers = check(fd, b"rank", list(keys.values()), tuple(SIZES), False)
         assert list(answers) == [int(hit) for _make, hit in CASES.values()]
         assert list(check(fd, b"rank", placed, (SIZE,), False)) == [1] * len(placed)
+        # A time budget: spent after the first key (1 ns), the call answers it alone.
+        assert list(check(fd, b"rank", placed, (SIZE,), False, 1)) == [1]
+        assert list(check(fd, b"rank", placed, (SIZE,), False, 0)) == [1] * len(placed)
+        assert list(check(fd, b"rank", placed, (SIZE,), False, 10**12)) == [1] * len(placed)
         assert list(check(fd, b"rank", [keys["missing file"]], (SIZE,), True)) == [2]
         short, long = bytes(6), bytes(261)  # hashes of 2 and 257 bytes
         assert list(check(fd, b"rank", [short, long, "not bytes"], (SIZE,), False)) == [2, 2, 2]
