@@ -6,16 +6,16 @@ and the xxh3 checksum do for an unsealed one, with AES-256-GCM instead
 around it (resolving beneath the root, temp file and rename, quarantine,
 stamps) stays ``BlockIO``'s.
 
-Store: the row is the CPU tier's own copy and must not change, so each
-piece of it (``IoOptions.seal_piece``: a whole block in I/O threads, 256
-KiB in worker processes) is encrypted into a per-thread page-aligned buffer
-of that size and written from there at its offset; then the trailer with
-the tag. Load: the trailer first (its nonce, key id and
-tag are needed before the first byte can be opened, and its read tells a
-short or long file at once), then each piece is read into the row and
-decrypted there in place, right after it lands (a worker's piece still in
-cache), and the tag is checked at the end. A block that fails is zeroed in the row: not a
-byte of it, ciphertext or unauthenticated plaintext, stays in the CPU tier.
+Store: the row is the CPU tier's own copy and must not change, so each piece
+of it (``IoOptions.seal_piece``: a whole block in I/O threads, 256 KiB in
+worker processes) is encrypted into a per-thread page-aligned buffer of that
+size and written from there at its offset; then the trailer with the tag.
+Load: the trailer first (its nonce, key id and tag are needed before the
+first byte can be opened, and its read tells a short or long file at once),
+then each piece is read into the row and decrypted there in place, right
+after it lands (a worker's piece still in cache), and the tag is checked at
+the end. A block that fails is zeroed in the row: not a byte of it,
+ciphertext or unauthenticated plaintext, stays in the CPU tier.
 
 In place: ``update_into(row, row)`` (OpenSSL underneath) decrypts in the
 buffer it reads from. Measured for a 2 MiB block on the 2-core machine:

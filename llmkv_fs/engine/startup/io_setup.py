@@ -39,8 +39,9 @@ _HASH_CHUNK_WORKERS = 256 << 10
 # Sealed blocks, on any volume: I/O threads encrypt a whole block (up to
 # this) in one cipher call, since each call takes vLLM's GIL back once; 14
 # threads sealing 2 MiB blocks on the 16-core host wrote 7.5 GB/s so, 5.8
-# in 256 KiB pieces. Worker processes keep a piece in L2 between the copy
-# and the cipher (sealed 0.88-0.97x of unsealed for many jobs there;
+# in 256 KiB pieces (and loads 10.7 GB/s whole, 6.1 in those pieces).
+# Worker processes keep a piece in L2 between the copy and the cipher
+# (sealed 0.82-1.03x of unsealed there, 128 KiB to 1 MiB within ~10 %;
 # docs/benchmarks.md, "Sealed against unsealed").
 _SEAL_PIECE_THREADS = 4 << 20
 _SEAL_PIECE_WORKERS = 256 << 10
