@@ -122,9 +122,8 @@ class Gate:
         marks = []
         for name in os.listdir(self.dir):
             if name.startswith(f"at.{self.point}."):
-                _at, _point, kind, key_hex, pid, tid = name.split(".")
-                when = os.stat(os.path.join(self.dir, name)).st_mtime_ns
-                marks.append((when, f"{pid}.{tid}", kind, bytes.fromhex(key_hex)))
+                _at, _point, kind, key_hex, pid, tid, when = name.split(".")
+                marks.append((int(when), f"{pid}.{tid}", kind, bytes.fromhex(key_hex)))
         return [(place, kind, key) for _when, place, kind, key in sorted(marks)]
 
     def wait_entered(self, n: int) -> None:

@@ -144,7 +144,7 @@ def stores_at_publish(pause_dir: str) -> list[tuple[bytes, int]]:
     held = []
     for name in os.listdir(pause_dir):
         if name.startswith("at.publish.store."):
-            _at, _point, _op, key_hex, pid, _thread = name.split(".")
+            _at, _point, _op, key_hex, pid, _thread, _ns = name.split(".")
             held.append((bytes.fromhex(key_hex), int(pid)))
     return held
 

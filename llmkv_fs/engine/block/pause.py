@@ -16,10 +16,13 @@ The protocol is files in that directory, so it crosses process boundaries:
   ``publish``: a store whose temp file is written and closed, right before
   its rename; ``exists``, op ``lookup``: an existence check of the engine's
   lookup threads, before it touches the volume);
-* on stopping, a block creates ``at.<point>.<op>.<key hex>.<pid>.<thread>``
-  (what the test waits for), then waits while ``open`` is missing or
-  ``hold.<key hex>`` exists, polling every millisecond, at most
-  ``MAX_PAUSE_S`` (then it goes on: a forgotten gate costs time, not a hang).
+* on stopping, a block creates ``at.<point>.<op>.<key hex>.<pid>.<thread>.<ns>``
+  (what the test waits for; ``<ns>`` is CLOCK_MONOTONIC, one clock for every
+  process, so markers sort in arrival order -- file times are kernel ticks,
+  milliseconds apart, and tied when blocks arrive close together), then
+  waits while ``open`` is missing or ``hold.<key hex>`` exists, polling
+  every millisecond, at most ``MAX_PAUSE_S`` (then it goes on: a forgotten
+  gate costs time, not a hang).
 
 Threading: stateless apart from the directory; any thread or process.
 """
@@ -55,7 +58,8 @@ class PausePoints:
         if not (os.path.exists(armed) or os.path.exists(f"{armed}.{op}")):
             return
         key_hex = key.hex()
-        marker = f"at.{point}.{op}.{key_hex}.{os.getpid()}.{threading.get_native_id()}"
+        place = f"{os.getpid()}.{threading.get_native_id()}"
+        marker = f"at.{point}.{op}.{key_hex}.{place}.{time.monotonic_ns()}"
         with open(os.path.join(directory, marker), "w"):
             pass
         opened = os.path.join(directory, "open")
