@@ -423,7 +423,9 @@ def test_a_crashing_existence_check_answers_miss_not_retry_forever(disk_root, en
 
 
 @pytest.mark.threads_only("the throttled log is the owner's; the failure is injected in-process")
-def test_repeated_block_errors_are_logged_once_per_interval(disk_root, engines, caplog):
+def test_repeated_block_errors_are_logged_once_per_interval(
+    disk_root, engines, caplog, engine_clock
+):  # the interval is the test's clock: three jobs on a loaded machine stay inside it
     engine, _, _primary = engines(disk_root, n_blocks=4)
 
     def failing_store(key, row_view, still_wanted=None):

@@ -319,7 +319,7 @@ def test_housekeeping_survives_any_exception(root):
     hk = Housekeeping(guard, digest_dir, lease_interval_s=0.2, stamp=broken_stamp)
     try:
         hk.set_lease(lease_for("sha256", "f" * 16, 0.2, "", ""))
-        wait_until(lambda: len(calls) >= 3, "three stamp rounds")
+        wait_until(lambda: hk.errors >= 3, "three failed stamp rounds")
         wait_until(lambda: hk.lease_path and os.path.exists(hk.lease_path), "the lease")
         assert hk._thread.is_alive() and hk.errors >= 3
     finally:
