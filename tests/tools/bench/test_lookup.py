@@ -19,7 +19,6 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 import uuid
 from pathlib import Path
 
@@ -427,9 +426,7 @@ def test_a_server_side_delay_slows_a_stat_from_the_second_mount():
         probe = delay.probe_dir(vol)
         delay.set_delay(vol, 0)
         without = delay.negative_stat_p50(probe, 30)
-        started = time.monotonic()
-        delay.set_delay(vol, 2000, server_threads=32)
-        assert time.monotonic() - started < delay.RECONNECT_DEADLINE_S
+        delay.set_delay(vol, 2000, server_threads=32)  # fails itself if a mount stays away
         with_delay = delay.negative_stat_p50(probe, 30)
         options = delay.volume_options(vol, ["delay-gen.delay-duration"])
         assert options["delay-gen.delay-duration"] == "2000"
