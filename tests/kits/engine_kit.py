@@ -11,6 +11,7 @@ import hashlib
 import mmap
 import os
 import time
+from typing import NamedTuple
 
 import pytest
 
@@ -92,6 +93,27 @@ def settle(engine: FsEngine, key: bytes, request: str) -> bool:
         time.sleep(0.002)
 
 
+class PauseMark(NamedTuple):
+    """One block stopped at a pause point: its marker's fields."""
+
+    when_ns: int
+    pid: int
+    thread: int
+    op: str
+    key: bytes
+
+
+def pause_marks(pause_dir: str, point: str) -> list[PauseMark]:
+    """The blocks that stopped at ``point`` so far, in arrival order (the
+    markers engine/block/pause.py names)."""
+    marks = []
+    for name in os.listdir(pause_dir):
+        if name.startswith(f"at.{point}."):
+            _at, _point, op, key_hex, pid, thread, when = name.split(".")
+            marks.append(PauseMark(int(when), int(pid), int(thread), op, bytes.fromhex(key_hex)))
+    return sorted(marks)
+
+
 class Gate:
     """Holds blocks at one of the engine's pause points (engine/block/pause.py)
     -- in its I/O threads and in its worker processes alike, through files in
@@ -119,12 +141,7 @@ class Gate:
 
     @property
     def entries(self) -> list[tuple[str, str, bytes]]:
-        marks = []
-        for name in os.listdir(self.dir):
-            if name.startswith(f"at.{self.point}."):
-                _at, _point, kind, key_hex, pid, tid, when = name.split(".")
-                marks.append((int(when), f"{pid}.{tid}", kind, bytes.fromhex(key_hex)))
-        return [(place, kind, key) for _when, place, kind, key in sorted(marks)]
+        return [(f"{m.pid}.{m.thread}", m.op, m.key) for m in pause_marks(self.dir, self.point)]
 
     def wait_entered(self, n: int) -> None:
         wait_until(lambda: len(self.entries) >= n, f"{n} blocks at the gate")

@@ -46,6 +46,7 @@ import pytest
 
 from llmkv_fs.layout.names import block_rel_path, parse_temp_name
 from tests.kits import KITS, REPO, e2e_kit
+from tests.kits.engine_kit import pause_marks
 from tools.e2e.server import (
     OUR_PREFIX,
     ServeConfig,
@@ -141,12 +142,7 @@ def stores_at_publish(pause_dir: str) -> list[tuple[bytes, int]]:
     """(key, pid) of each store stopped at the ``publish`` pause point: its
     temp file written and closed, its rename not done
     (llmkv_fs/engine/block/pause.py names the marker)."""
-    held = []
-    for name in os.listdir(pause_dir):
-        if name.startswith("at.publish.store."):
-            _at, _point, _op, key_hex, pid, _thread, _ns = name.split(".")
-            held.append((bytes.fromhex(key_hex), int(pid)))
-    return held
+    return [(m.key, m.pid) for m in pause_marks(pause_dir, "publish") if m.op == "store"]
 
 
 def temp_files_of(root: str, key: bytes, pid: int) -> list[str]:
