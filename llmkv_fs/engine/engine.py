@@ -40,6 +40,7 @@ from llmkv_fs.engine.launch import (
     start_executor,
 )
 from llmkv_fs.engine.lookup import AsyncExistence
+from llmkv_fs.engine.lookup_checks import Found
 from llmkv_fs.engine.outcomes import CounterKey, Direction, Failure, LookupAnswer, Tally
 from llmkv_fs.engine.root_presence import at_once, each_key, on_their_roots
 from llmkv_fs.engine.roots import EngineRoot, open_roots
@@ -172,15 +173,15 @@ class FsEngine:
             exist_many=self._exist_on_their_roots if self._checks_in_batches() else None,
         )
 
-    def _exists_on_its_roots(self, key: bytes) -> bool:
+    def _exists_on_its_roots(self, key: bytes) -> Found:
         """A lookup thread's check: the key's home root, then (several
-        roots) its second choice (see ``RootPlacement``); a lost root
-        answers no without being touched."""
+        roots) its second choice (see ``RootPlacement``); a lost root is
+        not touched (root_presence.py: a key it may hold answers None)."""
         if self.pause is not None:  # tests only: a check held as in a stalled mount
             self.pause.reached("exists", "lookup", key)
         return on_their_roots(self.roots, self.placement, [key], each_key)[0]
 
-    def _exist_on_their_roots(self, keys: list[bytes], budget_s: float) -> list[bool]:
+    def _exist_on_their_roots(self, keys: list[bytes], budget_s: float) -> list[Found]:
         """A lookup thread's check of a chunk of keys at once (the compiled
         presence check; same roots and rules as ``_exists_on_its_roots``),
         of the first keys only if ``budget_s`` is spent first."""
@@ -303,10 +304,13 @@ class FsEngine:
 
     def miss_was_checked(self, key: bytes) -> bool:
         """Whether this step's MISS for ``key`` says the file is not there
-        (a check found none, or its root is lost) rather than that the
-        volume did not answer: refused while stalled, or the lookup deadline
-        passed. Removal announcements trust only the former."""
-        return not self._stalled and not self._lookups.guessed_miss(key)
+        (a check looked and found none) rather than that nobody looked:
+        refused while stalled or while its home root is lost, the lookup
+        deadline passed, the check failed (EIO), or a load of it failed.
+        Removal announcements trust only the former."""
+        if self._stalled or (self._lost_roots and self.placement.home(key) in self._lost_roots):
+            return False
+        return not self._lookups.guessed_miss(key)
 
     @property
     def counters(self) -> collections.Counter[CounterKey]:

@@ -51,7 +51,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from llmkv_fs.engine.lookup_checks import BatchChecks, CheckMany
+from llmkv_fs.engine.lookup_checks import BatchChecks, CheckMany, Found
 
 __all__ = ["AsyncExistence"]
 
@@ -67,16 +67,29 @@ class _State:
     def __init__(self, generation: int):
         self.generation = generation
         self.verdict: bool | None = None
-        self.guessed = False  # the verdict is the deadline's MISS, not a check's
+        # The MISS is not a check's finding that no file is there: the
+        # deadline answered, the check failed, the root is lost, or a load
+        # of the key failed (guessed_miss).
+        self.guessed = False
         self.in_flight = False
         self.override: bool | None = None  # set while in flight; wins over the probe
         self.requests: set[str] = set()
 
 
+def _settle(state: _State, found: Found) -> None:
+    """An in-flight key's verdict from its check's answer (None: unknown),
+    unless the owner overrode it meanwhile (``set_verdict``)."""
+    if state.override is not None:
+        found = state.override or None  # a failed load's MISS: the file may be there
+        state.override = None
+    state.verdict = found is True
+    state.guessed = found is None
+
+
 class AsyncExistence:
     def __init__(
         self,
-        exists: Callable[[bytes], bool],
+        exists: Callable[[bytes], Found],
         n_threads: int,
         name: str = "llmkv_fs",
         timeout: float = 5.0,
@@ -100,7 +113,7 @@ class AsyncExistence:
         self._to_worker: queue.SimpleQueue[tuple[int, list[tuple[bytes, int]]] | None] = (
             queue.SimpleQueue()
         )
-        self._answers: queue.SimpleQueue[tuple[int, list[tuple[bytes, int, bool]], bool]] = (
+        self._answers: queue.SimpleQueue[tuple[int, list[tuple[bytes, int, Found]], bool]] = (
             queue.SimpleQueue()
         )
         self._checks = BatchChecks(self._check, n_threads - 1, self._post, name, exist_many)
@@ -130,6 +143,7 @@ class AsyncExistence:
             self._states[key] = state
             if self._misses and self._remembered_miss(key):
                 state.verdict = False  # no probe: the file would fail again
+                state.guessed = True  # and it is there
             else:
                 self._batch.append((key, state.generation))
         state.requests.add(request_id)
@@ -173,9 +187,7 @@ class AsyncExistence:
                 if state is None or state.generation != generation or not state.in_flight:
                     continue
                 state.in_flight = False
-                state.guessed = state.override is None
-                state.verdict = False if state.override is None else state.override
-                state.override = None
+                _settle(state, None)
                 decided += 1
         return decided
 
@@ -190,8 +202,10 @@ class AsyncExistence:
         return max(posted, self._checks.progress_at) + self._timeout <= now
 
     def guessed_miss(self, key: bytes) -> bool:
-        """Whether ``key``'s MISS was answered by the deadline, not by a
-        check: the file may well be there (a stalled or slow volume)."""
+        """Whether ``key``'s MISS says nothing of its file: answered by the
+        deadline (a stalled or slow volume), by a check that failed (EIO, a
+        root lost), by a remembered miss or a failed load -- the file may
+        well be there. False for a key this owner is not tracking."""
         state = self._states.get(key)
         return state is not None and state.guessed
 
@@ -243,7 +257,7 @@ class AsyncExistence:
                 state.override = verdict
             else:
                 state.verdict = verdict
-                state.guessed = False
+                state.guessed = not verdict  # a failed load: the file may be there
 
     def forget_request(self, request_id: str) -> None:
         for key in self._request_keys.pop(request_id, ()):
@@ -306,20 +320,20 @@ class AsyncExistence:
                 if not state.requests:
                     del self._states[key]
                     continue
-                state.verdict = found if state.override is None else state.override
-                state.override = None
+                _settle(state, found)
 
     # -- lookup thread ---------------------------------------------------------------
 
-    def _check(self, key: bytes) -> bool:
+    def _check(self, key: bytes) -> Found:
         try:
             return self._exists(key)
         except OSError as exc:
-            # An unreachable volume is a miss, not a crash and not a stall.
+            # An unreachable volume is a miss, not a crash and not a stall,
+            # and not a finding that the file is gone.
             logger.warning("llmkv_fs: existence check failed (%s); treating as a miss", exc)
-            return False
+            return None
 
-    def _post(self, batch_id: int, answers: list[tuple[bytes, int, bool]], final: bool) -> None:
+    def _post(self, batch_id: int, answers: list[tuple[bytes, int, Found]], final: bool) -> None:
         self._answers.put((batch_id, answers, final))
 
     def _worker(self) -> None:

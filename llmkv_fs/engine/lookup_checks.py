@@ -18,11 +18,16 @@ A chunk is checked in one call where the engine has a batch check
 which runs without the GIL); then the chunk is timed whole, and it waited on
 the volume when its time per key did. A batch check that raises (a key's
 own failure: the volume, a replaced root) has its chunk checked again key
-by key, each failure a miss of its own key. A chunk stops itself once
+by key, each failure an unknown of its own key. A chunk stops itself once
 CHUNK_BUDGET_S is spent, in the compiled call or key by key, and gives the
 keys it did not check back to the batch: on a volume that answers a
 prompt's known head from cache and turns slow for its tail, nobody's
 verdicts wait on one thread's long chunk for longer than that.
+
+An answer is True (the block is there), False (a check looked and found
+none) or None (nothing was learned: the check failed, or the key's root is
+lost). None is a miss to the scheduler but not proof that the file is gone,
+so removal announcements never trust it (engine/lookup.py ``guessed_miss``).
 
 Answers go out when a batch is decided, or earlier for the prefix decided
 so far when it holds a miss: vLLM's prefix lookup stops at the first miss,
@@ -49,7 +54,7 @@ import threading
 import time
 from collections.abc import Callable
 
-__all__ = ["BatchChecks", "CheckMany", "Post"]
+__all__ = ["BatchChecks", "CheckMany", "Found", "Post"]
 
 logger = logging.getLogger("vllm.llmkv_fs.lookup")
 
@@ -69,11 +74,13 @@ CHUNK_KEYS = 16
 CHUNK_BUDGET_S = 0.02
 WAITS_ON_THE_VOLUME_S = 100e-6
 
+# One key's answer: there, checked and not there, or unknown (the module doc).
+Found = bool | None
 # (batch id, [(key, generation, found)], final): one publication of a batch.
-Post = Callable[[int, list[tuple[bytes, int, bool]], bool], None]
+Post = Callable[[int, list[tuple[bytes, int, Found]], bool], None]
 # Keys' answers in one call, in order; given a time budget (seconds) it may
 # answer the first keys only, one at least.
-CheckMany = Callable[[list[bytes], float], list[bool]]
+CheckMany = Callable[[list[bytes], float], list[Found]]
 
 
 class _Run:
@@ -99,7 +106,7 @@ class _Run:
         self.batch_id = batch_id
         self.batch = batch
         self.taken = 0  # keys handed to a checking thread, from the start
-        self.found: list[bool] = [False] * len(batch)
+        self.found: list[Found] = [None] * len(batch)
         self.decided: dict[int, int] = {}  # decided chunks past the prefix: start -> end
         self.left = len(batch)  # keys not decided
         self.prefix = 0  # keys decided from the start, without a gap
@@ -137,14 +144,14 @@ class _Run:
 
 
 class BatchChecks:
-    """Checks posted batches with ``check_one`` (True: the block is there;
-    it answers OSError itself) -- or a chunk at once with ``check_many``
-    where given -- on the calling thread and up to ``n_helpers`` helper
-    threads; answers through ``post``."""
+    """Checks posted batches with ``check_one`` (a key's ``Found``; it
+    answers OSError itself) -- or a chunk at once with ``check_many`` where
+    given -- on the calling thread and up to ``n_helpers`` helper threads;
+    answers through ``post``."""
 
     def __init__(
         self,
-        check_one: Callable[[bytes], bool],
+        check_one: Callable[[bytes], Found],
         n_helpers: int,
         post: Post,
         name: str = "llmkv_fs",
@@ -189,7 +196,7 @@ class BatchChecks:
             except Exception:
                 # Every chunk taken must be decided, or its batch never ends.
                 logger.exception("llmkv_fs: existence checks failed; answering miss")
-                found, waited = [False] * (hi - lo), 0
+                found, waited = [None] * (hi - lo), 0
             self.progress_at = time.monotonic()
             if 2 * waited > len(found) and not run.recruited:
                 self._recruit(run)
@@ -197,9 +204,10 @@ class BatchChecks:
                 run.give_back(lo + len(found), hi)
             self._decided(run, lo, found)
 
-    def _check_chunk(self, pairs: list[tuple[bytes, int]]) -> tuple[list[bool], int]:
+    def _check_chunk(self, pairs: list[tuple[bytes, int]]) -> tuple[list[Found], int]:
         """The answers of the chunk's first keys (all, unless its budget was
         spent first; one at least), and how many of them waited on the volume."""
+        found: list[Found]
         if self._check_many is not None:
             started = time.perf_counter()
             try:
@@ -243,7 +251,7 @@ class BatchChecks:
         while (run := self._help.get()) is not None:
             self._take_chunks(run)
 
-    def _decided(self, run: _Run, lo: int, found: list[bool]) -> None:
+    def _decided(self, run: _Run, lo: int, found: list[Found]) -> None:
         """Record a chunk's answers; post what a scheduler can use: the
         prefix decided so far when it holds a new miss, or the whole batch."""
         with run.lock:
@@ -255,7 +263,7 @@ class BatchChecks:
                 end = run.decided.pop(end)
             run.prefix = end
             final = run.left == 0
-            new_miss = False in run.found[run.scanned : end]
+            new_miss = not all(run.found[run.scanned : end])
             run.scanned = end
             if final or new_miss:
                 start, stop = run.published, end

@@ -1,9 +1,10 @@
 """Whether a key's block is on the engine's roots, for the lookups
 (engine/lookup.py): on its home root, else -- with several roots -- on its
 second choice, where it was written before its home was added
-(layout/placement.py). A lost root answers no without being touched; one
-found gone meanwhile (RootGone: lost since its housekeeping last looked)
-answers no as if lost.
+(layout/placement.py). A lost root is not touched; one found gone
+meanwhile (RootGone: lost since its housekeeping last looked) is as if
+lost. A key not found on its other roots then answers None, not False:
+nobody looked where its file may be (engine/lookup_checks.py, ``Found``).
 
 ``on_their_roots`` is the one answer, for one key or a batch: each root is
 asked once for all the keys it is first asked about (``BlockIO.exists_many``:
@@ -20,6 +21,7 @@ import collections
 from collections.abc import Callable, Sequence
 
 from llmkv_fs.engine.block.blockio import BlockIO
+from llmkv_fs.engine.lookup_checks import Found
 from llmkv_fs.engine.roots import EngineRoot
 from llmkv_fs.layout.placement import RootPlacement
 from llmkv_fs.volume.pinned_root import RootGone
@@ -43,15 +45,17 @@ def on_their_roots(
     placement: RootPlacement,
     keys: list[bytes],
     check: Callable[[BlockIO, list[bytes]], list[bool]] = at_once,
-) -> list[bool]:
+) -> list[Found]:
     """Whether each key's block is on its roots (the module doc), in order,
     each root asked through ``check``; raises what a root's check raises
     other than RootGone. A check that answers fewer keys than asked (its
     time budget spent) makes this answer the keys before the first one it
     left, one at least."""
     if len(roots) == 1:  # every key's only choice: no per-key placement (8,192-key prompts)
-        return _asked(roots[0], keys, check) or [False] * len(keys)
-    found = [False] * len(keys)
+        answers = _asked(roots[0], keys, check)
+        return [None] * len(keys) if answers is None else list(answers)
+    found: list[Found] = [False] * len(keys)
+    unasked: set[int] = set()  # keys one of whose roots was lost
     answered = len(keys)
     choices = [placement.choices(key) for key in keys]
     for rank in range(max(map(len, choices), default=0)):
@@ -62,11 +66,15 @@ def on_their_roots(
         for index, members in asked.items():
             answers = _asked(roots[index], [keys[at] for at in members], check)
             if answers is None:
-                continue  # lost: its keys are not there
+                unasked.update(members)
+                continue
             for at, hit in zip(members, answers):
                 found[at] = hit
             if len(answers) < len(members):
                 answered = min(answered, members[len(answers)])
+    for at in unasked:
+        if not found[at]:
+            found[at] = None
     return found[:answered]
 
 

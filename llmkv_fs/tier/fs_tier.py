@@ -198,7 +198,7 @@ class FsTier(SecondaryTierManager):
         job quarantined; what it found present or gone, for RemovalWatch."""
         assert self._events is not None and self._removals is not None
         removals = self._removals
-        removals.present(job.succeeded)
+        removals.present(job.succeeded, stored=not job.is_load)
         if not job.is_load and job.succeeded:
             self._events.append(
                 OffloadingEvent(
@@ -217,14 +217,17 @@ class FsTier(SecondaryTierManager):
 
     def take_events(self) -> Iterable[OffloadingEvent]:
         if self._removals is not None:
-            gone = self._removals.take()
-            if gone:
-                assert self._events is not None
-                self._events.append(
-                    OffloadingEvent(
-                        keys=gone, medium=self.medium, removed=True, locality=self.locality
+            assert self._events is not None
+            for keys, removed in (
+                (self._removals.take(), True),
+                (self._removals.take_back(), False),
+            ):
+                if keys:
+                    self._events.append(
+                        OffloadingEvent(
+                            keys=keys, medium=self.medium, removed=removed, locality=self.locality
+                        )
                     )
-                )
         if self._events:
             events, self._events = self._events, []
             yield from events

@@ -72,11 +72,16 @@ def test_a_batch_answers_what_each_key_answers_alone(lost, gone):
 
     out = {lost, gone} - {None}
     choices = [placement.choices(key) for key in KEYS]
+    # Found (True), looked for everywhere and not found (False), or not found
+    # where one of its roots was lost or gone (None: nobody looked there).
     expected = [
-        (i % 3 == 0 and c[0] not in out) or (i % 3 == 1 and c[1] not in out)
+        True
+        if (i % 3 == 0 and c[0] not in out) or (i % 3 == 1 and c[1] not in out)
+        else (None if out & set(c) else False)
         for i, c in enumerate(choices)
     ]
     assert batch == alone == expected and any(expected)
+    assert (None in expected) == bool(out)
     for index, root in enumerate(roots):
         had_at_home = [
             c[0] not in out and k in roots[c[0]].blockio.present for k, c in zip(KEYS, choices)
@@ -96,7 +101,7 @@ def test_one_root_and_an_empty_batch():
     assert on_their_roots(roots, placement, KEYS[:3]) == [True, False, False]
     assert on_their_roots(roots, placement, []) == []
     roots[0].lost = True
-    assert on_their_roots(roots, placement, KEYS[:3]) == [False, False, False]
+    assert on_their_roots(roots, placement, KEYS[:3]) == [None, None, None]  # unknown
 
 
 def test_a_check_that_ran_out_of_time_answers_a_prefix():
