@@ -328,9 +328,9 @@ class Beneath:
                     if missing_or_stale(exc) and i == 0 and again and self._drop_removed_root(exc):
                         return self._walk(parts, last, again=False)
                     raise
-                if fd != top:
-                    os.close(fd)
-                fd = child
+                parent, fd = fd, child  # held as fd before the close: _failed closes it
+                if parent != top:
+                    os.close(parent)
                 self._same_device(fd, root.dev, name)
         except BaseException as exc:
             self._failed(exc, fd, top, parts, i)
@@ -369,9 +369,9 @@ class Beneath:
                         made = child != ALREADY_THERE
                         if child < 0:
                             child = open_child_dir(fd, name, flags)
-                if fd != top:
-                    os.close(fd)
-                fd = child
+                parent, fd = fd, child  # held as fd before the close: _failed closes it
+                if parent != top:
+                    os.close(parent)
                 if not made:
                     self._same_device(fd, root.dev, name)
                 if len(known) >= _KNOWN_DIRS_MAX:
