@@ -163,7 +163,10 @@ class TierSettings:
             "a prompt from the volume or plants KV in it (docs/reliability.md, "
             '"Sealed blocks"). An object of key ids to files each holding one key '
             '({"1": "/var/run/secrets/llmkv/key-1"}), a mounted Secret: 32 random '
-            "bytes as hex or base64 (openssl rand -base64 32), not readable by everyone. "
+            "bytes as hex or base64 (openssl rand -base64 32), not readable by everyone; "
+            "the file, and every directory and link on its path up to /, owned by the "
+            "tier's user or root and writable by no one else (a sticky directory, like a "
+            "Secret volume's root, only for entries of theirs). "
             "Blocks sealed with any listed key are read; new ones are sealed with "
             "seal_write_key_id. A block of a key not listed, or another key under a "
             "listed id, is a miss (load_failures reason foreign_key), left in place. "

@@ -23,7 +23,8 @@ cross a mount point (``RESOLVE_NO_XDEV``), the walk compares each level's
 LinkInTree: a miss, a refused store). A bind mount of the root's own
 filesystem has the root's ``st_dev``: where ``openat2`` works, a directory
 the creating walk made or found is opened once more in one call to be sure;
-without it, only another device is seen.
+without it (or where the call cannot answer: EAGAIN, a sandbox's ENOSYS or
+EPERM), only another device is seen.
 
 One call where the kernel can: ``openat2`` with ``RESOLVE_BENEATH |
 RESOLVE_NO_SYMLINKS`` (volume/openat2.py) gives the same guarantee for a
@@ -63,6 +64,7 @@ from llmkv_fs.volume.nofollow import (
     ALREADY_THERE,
     DIR_FLAGS,
     OPEN_DIR_FLAGS,
+    LinkInTree,
     MountInTree,
     make_dir_at,
     open_child_dir,
@@ -78,6 +80,10 @@ __all__ = ["Beneath"]
 _ROOT_FLAGS = os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC
 _KNOWN_DIRS_MAX = 1 << 16  # directories remembered as existing (a few MiB)
 _NOT_NAMES = frozenset(("", ".", ".."))  # components a relative path may not have
+# openat2 answers that leave a bind mount unsettled, not the path wrong (the
+# walk's st_dev check stands); EAGAIN is tried _UNSETTLED_TRIES times first.
+_UNSETTLED = frozenset((errno.EAGAIN, errno.ENOSYS, errno.EPERM))
+_UNSETTLED_TRIES = 3
 
 
 def _mount_on_the_way(exc: OSError, shown: str) -> None:
@@ -216,14 +222,7 @@ class Beneath:
         last = OPEN_DIR_FLAGS if revalidate else DIR_FLAGS
         if not create:
             return self._walk(parts, last)
-        fd = self._walk_creating_retried(parts, dir_mode, last, after_race)
-        if self.one_call:
-            try:  # a bind mount of the root's own device: only openat2 sees it
-                os.close(open_beneath(self.root_fd(), rel, DIR_FLAGS))
-            except OSError as exc:
-                os.close(fd)
-                _mount_on_the_way(exc, self._shown(rel))
-        return fd
+        return self._walk_creating_retried(parts, dir_mode, last, after_race)
 
     def open_file(self, rel: str, flags: int) -> int:
         """The file (or directory) ``rel`` below the root opened with
@@ -251,9 +250,10 @@ class Beneath:
     def _walk_creating_retried(
         self, parts: list[str], dir_mode: int, last: int, careful: bool
     ) -> int:
-        """The creating walk, again after a creation race (SHARED_FS_ATTEMPTS
-        in all). Every retry opens each level for real: an ``O_PATH`` open
-        trusts a dentry the network client still caches for a directory
+        """The creating walk and its bind-mount check (``_no_bind_mount``),
+        again after a creation race in either (SHARED_FS_ATTEMPTS in all);
+        a failed attempt closes its descriptor. Every retry opens each level
+        for real: an ``O_PATH`` open trusts a dentry the network client still caches for a directory
         another client removed or re-made (no FUSE_OPENDIR, no NFS
         close-to-open GETATTR), so a walk that only resolves keeps handing
         out the same stale handle and the level below answers ESTALE every
@@ -265,8 +265,16 @@ class Beneath:
 
         def walk() -> int:
             if careful:
-                return self._walk_creating(parts, dir_mode, OPEN_DIR_FLAGS, OPEN_DIR_FLAGS)
-            return self._walk_creating(parts, dir_mode, last, DIR_FLAGS)
+                fd = self._walk_creating(parts, dir_mode, OPEN_DIR_FLAGS, OPEN_DIR_FLAGS)
+            else:
+                fd = self._walk_creating(parts, dir_mode, last, DIR_FLAGS)
+            if self.one_call:
+                try:
+                    self._no_bind_mount("/".join(parts))
+                except BaseException:
+                    os.close(fd)
+                    raise
+            return fd
 
         def recover(exc: OSError) -> None:
             nonlocal careful
@@ -274,6 +282,33 @@ class Beneath:
             self._drop_removed_root(exc)
 
         return retry_transient(walk, recover, _creation_race)
+
+    def _no_bind_mount(self, rel: str) -> None:
+        """The creating walk's last check: ``rel`` opened once more in one
+        ``openat2`` call, which sees a bind mount of the root's own device
+        (the walk's ``st_dev`` check cannot). Returns when the path holds no
+        mount point, or when the call cannot settle it here: EAGAIN still
+        after a few tries (the kernel could not rule out a concurrent
+        rename), ENOSYS or EPERM (a sandbox's filter); the walk's own check
+        stands then. Raises MountInTree for a mount point; LinkInTree for a
+        link swapped in since the walk; else the call's OSError naming the
+        path -- ENOENT, ESTALE or ENOTDIR are a directory removed or replaced
+        meanwhile (a creation race, walked again by the caller)."""
+        for attempt in range(_UNSETTLED_TRIES):
+            try:
+                os.close(open_beneath(self.root_fd(), rel, DIR_FLAGS))
+                return
+            except OSError as exc:
+                if exc.errno == errno.EAGAIN and attempt + 1 < _UNSETTLED_TRIES:
+                    continue
+                if exc.errno in _UNSETTLED:
+                    return
+                shown = self._shown(rel)
+                _mount_on_the_way(exc, shown)
+                if exc.errno == errno.ELOOP:
+                    raise LinkInTree(errno.ELOOP, "a symlink, not followed", shown) from None
+                exc.filename = shown
+                raise
 
     def _walk(self, parts: list[str], last: int, again: bool = True) -> int:
         root = self._root()
@@ -293,9 +328,9 @@ class Beneath:
                     if missing_or_stale(exc) and i == 0 and again and self._drop_removed_root(exc):
                         return self._walk(parts, last, again=False)
                     raise
-                if fd != top:
-                    os.close(fd)
-                fd = child
+                parent, fd = fd, child  # held as fd before the close: _failed closes it
+                if parent != top:
+                    os.close(parent)
                 self._same_device(fd, root.dev, name)
         except BaseException as exc:
             self._failed(exc, fd, top, parts, i)
@@ -334,9 +369,9 @@ class Beneath:
                         made = child != ALREADY_THERE
                         if child < 0:
                             child = open_child_dir(fd, name, flags)
-                if fd != top:
-                    os.close(fd)
-                fd = child
+                parent, fd = fd, child  # held as fd before the close: _failed closes it
+                if parent != top:
+                    os.close(parent)
                 if not made:
                     self._same_device(fd, root.dev, name)
                 if len(known) >= _KNOWN_DIRS_MAX:

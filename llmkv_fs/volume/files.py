@@ -352,8 +352,10 @@ def write_file_atomically_at(
             view = view[os.write(fd, view) :]
         if durable:
             os.fsync(fd)
-        os.close(fd)
-        fd = -1
+        # Forgotten before the close: a close that fails (NFS reports a lost
+        # writeback there) has released the number all the same.
+        closing, fd = fd, -1
+        os.close(closing)
         os.rename(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
     except BaseException:
         if fd >= 0:

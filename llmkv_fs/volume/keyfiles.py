@@ -1,14 +1,23 @@
 """Reading the sealing keys (``seal_key_files``) from their files, once, at
 start-up: a mounted Kubernetes Secret, or any file only its owner and group
-can read.
+can read and only its owner can change.
 
 A key file holds 32 random bytes written as 64 hex digits or as base64
 (``openssl rand -base64 32 > key``); surrounding whitespace is ignored.
 Anything else -- a missing, unreadable, empty, too short, too long or
 malformed file, or one everyone may read -- is a ``TierConfigError`` naming
-the setting, the key id and the path, never the file's contents. The link
-a Secret volume makes (``key -> ..data/key``) is followed: the mode checked
-is that of the file it names.
+the setting, the key id and the path, never the file's contents.
+
+Nobody but the tier's user (``os.geteuid()``) and root may be able to
+choose the key, as OpenSSH's StrictModes asks of a key: the file must be
+owned by one of them and writable by neither its group nor others, and so
+must every directory the path is resolved through, up to ``/``, and every
+link on the way (a Secret volume's ``key -> ..data/key`` and ``..data ->
+..<timestamp>`` are followed, each checked). One exception, unlike OpenSSH:
+a directory writable by others with the sticky bit set (``/tmp``; the
+tmpfs root of a Secret volume, which kubelet leaves ``1777``) is accepted
+when the entry the path takes in it is owned by the tier's user or root,
+since nobody else may rename or remove that entry there.
 
 Called on the constructing thread before any I/O thread or worker exists.
 """
@@ -27,6 +36,7 @@ from llmkv_fs.layout.sealed import KEY_BYTES, MAX_KEY_ID, Keyring, SealKey
 __all__ = ["KEY_FILE_LIMIT", "keyring_from_args", "load_keyring", "read_key_file"]
 
 KEY_FILE_LIMIT = 1024  # a key is 44 or 64 characters; more is not a key file
+_MAX_LINKS = 40  # links followed on one path, as the kernel does (ELOOP)
 _HEX = frozenset("0123456789abcdefABCDEF")
 FILES_SETTING = "seal_key_files"
 WRITE_SETTING = "seal_write_key_id"
@@ -47,6 +57,94 @@ def _decode(text: bytes) -> bytes | None:
         return None
 
 
+def _trusted(uid: int) -> bool:
+    return uid in (0, os.geteuid())
+
+
+def _owner_and_mode(st: os.stat_result) -> str:
+    return f"mode {stat.S_IMODE(st.st_mode):04o}, owner uid {st.st_uid}"
+
+
+def _untrusted_entry(kind: str, where: str, st: os.stat_result) -> str | None:
+    """Why the entry ``where`` (``kind``: a directory, a link) is owned by
+    someone but the tier's user and root, or None."""
+    if not _trusted(st.st_uid):
+        return (
+            f"has a {kind} {where!r} on its path owned by uid {st.st_uid}, not by the "
+            f"tier's user (uid {os.geteuid()}) or root"
+        )
+    return None
+
+
+def _unsafe_path(path: str) -> tuple[str | None, os.stat_result | None]:
+    """Resolve ``path`` as the kernel does, one name at a time, checking each
+    directory looked in and each entry passed (links included). Returns why
+    another user could change what the path names (or None) and the lstat
+    of the file it names."""
+    pending = [name for name in os.path.abspath(path).split("/") if name]
+    current = "/"
+    looked_in = os.lstat(current)
+    if why := _untrusted_entry("directory", current, looked_in):
+        return why, None
+    hops = 0
+    while pending:
+        name = pending.pop(0)
+        if name == ".":
+            continue
+        if name == "..":  # ``current`` is resolved: its parent was checked already
+            current = os.path.dirname(current)
+            looked_in = os.lstat(current)
+            continue
+        entry = os.path.join(current, name)
+        st = os.lstat(entry)
+        link = stat.S_ISLNK(st.st_mode)
+        # The file itself is _unsafe_file's, checked on its descriptor.
+        kind = "link" if link else "directory" if pending else ""
+        if kind and (why := _untrusted_entry(kind, entry, st)):
+            return why, None
+        if looked_in.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not (
+            looked_in.st_mode & stat.S_ISVTX and _trusted(st.st_uid)
+        ):
+            return (
+                f"has a directory {current!r} on its path that its group or others may "
+                f"write ({_owner_and_mode(looked_in)}); make it writable by its owner only"
+            ), None
+        if link:
+            hops += 1
+            if hops > _MAX_LINKS:
+                return f"has more than {_MAX_LINKS} links on its path", None
+            target = os.readlink(entry)
+            pending[:0] = [part for part in target.split("/") if part]
+            if target.startswith("/"):
+                current, looked_in = "/", os.lstat("/")
+            continue
+        if not pending:
+            return None, st
+        if not stat.S_ISDIR(st.st_mode):
+            return f"has {entry!r} on its path, not a directory", None
+        current, looked_in = entry, st
+    return None, looked_in  # the path names a directory
+
+
+def _unsafe_file(st: os.stat_result) -> str | None:
+    """Why the opened key file itself may be read or changed by others."""
+    if not stat.S_ISREG(st.st_mode):
+        return "is not a regular file"
+    if st.st_mode & stat.S_IROTH:
+        return (
+            f"is readable by everyone (mode {stat.S_IMODE(st.st_mode):04o}); "
+            "make it 0400 or 0440 (a Secret volume's defaultMode)"
+        )
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return (
+            f"is writable by its group or others (mode {stat.S_IMODE(st.st_mode):04o}); "
+            "make it 0400 or 0440 (a Secret volume's defaultMode)"
+        )
+    if not _trusted(st.st_uid):
+        return f"is owned by uid {st.st_uid}, not by the tier's user (uid {os.geteuid()}) or root"
+    return None
+
+
 def read_key_file(key_id: int, path: str, setting: str = FILES_SETTING) -> SealKey:
     """The key in ``path`` under ``key_id``; TierConfigError, naming
     ``setting``, says why not."""
@@ -56,16 +154,15 @@ def read_key_file(key_id: int, path: str, setting: str = FILES_SETTING) -> SealK
         raise _refuse(key_id, path, f"cannot be read ({exc.strerror or exc})", setting) from None
     try:
         st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise _refuse(key_id, path, "is not a regular file", setting)
-        if st.st_mode & stat.S_IROTH:
-            raise _refuse(
-                key_id,
-                path,
-                f"is readable by everyone (mode {stat.S_IMODE(st.st_mode):04o}); "
-                "make it 0400 or 0440 (a Secret volume's defaultMode)",
-                setting,
-            )
+        why = _unsafe_file(st)
+        if why is None:
+            why, named = _unsafe_path(path)
+            if why is None and (
+                named is None or (named.st_dev, named.st_ino) != (st.st_dev, st.st_ino)
+            ):
+                why = "was replaced while being checked"
+        if why is not None:
+            raise _refuse(key_id, path, why, setting)
         data = os.read(fd, KEY_FILE_LIMIT + 1)
     except OSError as exc:
         raise _refuse(key_id, path, f"cannot be read ({exc.strerror or exc})", setting) from None

@@ -14,10 +14,12 @@ Real files, real filesystems, real worker processes; no sleeps.
 
 from __future__ import annotations
 
+import errno
 import gc
 import hashlib
 import mmap
 import os
+import stat
 import time
 
 import pytest
@@ -37,7 +39,12 @@ from llmkv_fs.layout.blockfile import TRAILER_SIZE
 from llmkv_fs.layout.names import lease_dir, quarantine_dir, trash_path
 from llmkv_fs.layout.paths import CacheLayout
 from llmkv_fs.ops.gc.actions import delete_tree
+from llmkv_fs.volume import beneath
+from llmkv_fs.volume.beneath import Beneath
+from llmkv_fs.volume.files import SHARED_FS_ATTEMPTS
 from llmkv_fs.volume.leases import lease_for, read_leases, refresh_lease, remove_lease, write_lease
+from llmkv_fs.volume.nofollow import DIR_FLAGS, LinkInTree, MountInTree
+from llmkv_fs.volume.openat2 import open_beneath
 from llmkv_fs.volume.pinned_root import PinnedRoot
 from tests.kits.engine_kit import (
     BS,
@@ -398,3 +405,152 @@ def test_no_descriptor_outlives_its_user(base, mode):
     del engine
     gc.collect()
     assert _dir_fds_below("self", root) == 0
+
+
+# -- the creating walk's bind-mount check (a second openat2 call) ----------------------------
+
+
+class Openat2Answers:
+    """``open_beneath`` as beneath.py calls it, counting the calls: those
+    numbered in ``fail`` (from 1) answer ``code`` (after ``before(path)``,
+    if given), the others are the real call. A fresh directory's creating
+    walk makes no call first, so call 1 is the check after it."""
+
+    def __init__(self, code: int, fail, before=None):
+        self.code, self.fail, self.before = code, set(fail), before
+        self.calls = 0
+
+    def __call__(self, dir_fd: int, path: str, flags: int, mode: int = 0) -> int:
+        self.calls += 1
+        if self.calls in self.fail:
+            if self.before is not None:
+                self.before(path)
+            raise OSError(self.code, os.strerror(self.code), path)
+        return open_beneath(dir_fd, path, flags, mode)
+
+
+def _open_fds() -> set[str]:
+    return set(os.listdir("/proc/self/fd"))
+
+
+@pytest.fixture
+def below(tmp_path):
+    """A Beneath on a fresh root, its root descriptor already open (so a
+    count of this process's descriptors sees only what a call leaves)."""
+    made = Beneath(str(tmp_path / "kv"))
+    os.mkdir(made.path)
+    made.one_call = True
+    made.root_fd()
+    return made
+
+
+def _is_the_dir(fd: int, path: str) -> None:
+    st = os.fstat(fd)  # EBADF for a descriptor closed and handed out
+    assert stat.S_ISDIR(st.st_mode)
+    assert (st.st_dev, st.st_ino) == (os.stat(path).st_dev, os.stat(path).st_ino)
+
+
+@pytest.mark.parametrize(
+    ("code", "calls"),
+    [(errno.EAGAIN, 3), (errno.ENOSYS, 1), (errno.EPERM, 1)],
+    ids=["EAGAIN", "ENOSYS", "EPERM"],
+)
+def test_a_check_openat2_cannot_settle_keeps_the_walks_descriptor(below, monkeypatch, code, calls):
+    answers = Openat2Answers(code, range(1, 100))
+    monkeypatch.setattr(beneath, "open_beneath", answers)
+    before = _open_fds()
+    fd = below.open_dir("a/b/c", create=True)
+    try:
+        _is_the_dir(fd, f"{below.path}/a/b/c")
+        assert answers.calls == calls  # EAGAIN is asked again, the others once
+    finally:
+        os.close(fd)
+    assert _open_fds() == before
+
+
+def test_an_eagain_once_is_asked_again(below, monkeypatch):
+    answers = Openat2Answers(errno.EAGAIN, [1])
+    monkeypatch.setattr(beneath, "open_beneath", answers)
+    fd = below.open_dir("a/b", create=True)
+    try:
+        _is_the_dir(fd, f"{below.path}/a/b")
+        assert answers.calls == 2
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize("code", [errno.ENOENT, errno.ESTALE], ids=["ENOENT", "ESTALE"])
+def test_a_dir_removed_before_the_check_is_made_again(below, monkeypatch, code):
+    # gc removes the directory the walk has just made, before the check.
+    answers = Openat2Answers(code, [1], before=lambda rel: os.rmdir(f"{below.path}/{rel}"))
+    monkeypatch.setattr(beneath, "open_beneath", answers)
+    before = _open_fds()
+    fd = below.open_dir("a/b/c", create=True)
+    try:
+        _is_the_dir(fd, f"{below.path}/a/b/c")
+        assert answers.calls == 2  # the walk again, and its check
+    finally:
+        os.close(fd)
+    assert _open_fds() == before
+
+
+def test_a_dir_removed_before_every_check_fails_cleanly(below, monkeypatch):
+    answers = Openat2Answers(errno.ENOENT, range(1, 100))
+    monkeypatch.setattr(beneath, "open_beneath", answers)
+    before = _open_fds()
+    with pytest.raises(FileNotFoundError) as raised:
+        below.open_dir("a/b", create=True)
+    assert raised.value.filename == f"{below.path}/a/b"
+    assert answers.calls == SHARED_FS_ATTEMPTS
+    assert _open_fds() == before
+
+
+@pytest.mark.parametrize(
+    ("code", "error"),
+    [(errno.ELOOP, LinkInTree), (errno.EXDEV, MountInTree)],
+    ids=["ELOOP", "EXDEV"],
+)
+def test_a_link_or_mount_seen_by_the_check_closes_the_walks_descriptor(
+    below, monkeypatch, code, error
+):
+    monkeypatch.setattr(beneath, "open_beneath", Openat2Answers(code, range(1, 100)))
+    before = _open_fds()
+    with pytest.raises(error) as raised:
+        below.open_dir("a/b", create=True)
+    assert raised.value.filename == f"{below.path}/a/b"
+    assert _open_fds() == before
+
+
+def test_stores_land_where_openat2_answers_eagain_to_the_check(tmp_path, monkeypatch):
+    """Threads only: the answer is made in this process (worker processes
+    are fresh interpreters and call the real openat2)."""
+    dir_opens = Openat2Answers(errno.EAGAIN, range(1, 10**6))
+
+    def answers(dir_fd: int, path: str, flags: int, mode: int = 0) -> int:
+        if flags == DIR_FLAGS:  # the check, and a known directory's one-call open
+            return dir_opens(dir_fd, path, flags, mode)
+        return open_beneath(dir_fd, path, flags, mode)
+
+    monkeypatch.setattr(beneath, "open_beneath", answers)
+    root = str(tmp_path / "kv")
+    primary = mmap.mmap(-1, 4 * BS)
+    engine = FsEngine(  # start-up makes the rank directory: a creating walk
+        TierSettings(root_dir=root, io_workers=0),
+        CacheLayout.for_identity(root, IDENTITY),
+        primary,
+        BS,
+    )
+    try:
+        layout = CacheLayout.for_identity(root, IDENTITY)
+        keys = [key_at("12345", 1), key_at("12345", 2), key_at("abcde", 3)]
+        for i, key in enumerate(keys):
+            assert store(engine, primary, 1 + i, key, i, pattern(f"eagain-{i}")).success
+            with open(layout.block_path(key), "rb") as f:
+                assert f.read(BS) == pattern(f"eagain-{i}")
+        assert dir_opens.calls >= 3 * len(keys)  # every check answered EAGAIN
+        for i, key in enumerate(keys):
+            assert load(engine, 10 + i, key, 3).success and row(primary, 3) == pattern(
+                f"eagain-{i}"
+            )
+    finally:
+        engine.shutdown()

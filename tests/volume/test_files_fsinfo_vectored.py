@@ -10,7 +10,7 @@ import os
 import pytest
 
 from llmkv_fs.volume import fsinfo
-from llmkv_fs.volume.files import SHARED_FS_ATTEMPTS, retry_transient
+from llmkv_fs.volume.files import SHARED_FS_ATTEMPTS, retry_transient, write_file_atomically_at
 from llmkv_fs.volume.fsinfo import Mount, VolumeUsage, mount_of, parse_mounts
 from llmkv_fs.volume.vectored import read_all, write_all
 
@@ -160,3 +160,29 @@ def test_retry_passes_other_errors_through_at_once():
     with pytest.raises(PermissionError):
         retry_transient(operation, recovered.append)
     assert len(calls) == 1 and recovered == []
+
+
+def test_a_failed_close_of_the_temp_file_is_not_closed_again(tmp_path, monkeypatch):
+    """On NFS a close reports a lost writeback (EIO), yet has released the
+    descriptor: closing the number again would close whatever another
+    thread opened under it meanwhile."""
+    closed: list[int] = []
+    real_close = os.close
+
+    def close(fd: int) -> None:
+        closed.append(fd)
+        real_close(fd)
+        if len(closed) == 1:  # the temp file's close
+            raise OSError(errno.EIO, "Input/output error")
+
+    dir_fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        monkeypatch.setattr(os, "close", close)
+        with pytest.raises(OSError) as raised:
+            write_file_atomically_at(dir_fd, "config.json", b"{}", durable=False)
+        monkeypatch.undo()
+    finally:
+        os.close(dir_fd)
+    assert raised.value.errno == errno.EIO
+    assert len(closed) == 1
+    assert os.listdir(tmp_path) == []  # the temp file removed, nothing published

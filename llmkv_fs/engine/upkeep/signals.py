@@ -43,8 +43,12 @@ class VolumeSignals:
     @classmethod
     def create(cls, name: str = "llmkv_fs") -> VolumeSignals:
         fd = os.memfd_create(f"{name}_volume_signals", os.MFD_CLOEXEC)
-        os.ftruncate(fd, mmap.PAGESIZE)
-        return cls(fd, mmap.mmap(fd, mmap.PAGESIZE))
+        try:
+            os.ftruncate(fd, mmap.PAGESIZE)
+            return cls(fd, mmap.mmap(fd, mmap.PAGESIZE))
+        except BaseException:
+            os.close(fd)
+            raise
 
     @classmethod
     def attach(cls, fd: int) -> VolumeSignals:

@@ -144,8 +144,12 @@ class CancelBoard:
 
     def __init__(self, name: str, n_workers: int):
         self.fd = os.memfd_create(f"{name}_cancel_board", os.MFD_CLOEXEC)
-        os.ftruncate(self.fd, n_workers * DEPTH)
-        self.places = mmap.mmap(self.fd, n_workers * DEPTH)
+        try:
+            os.ftruncate(self.fd, n_workers * DEPTH)
+            self.places = mmap.mmap(self.fd, n_workers * DEPTH)
+        except BaseException:
+            os.close(self.fd)
+            raise
 
     def close(self) -> None:
         if self.fd >= 0:  # once: the number may be someone else's afterwards
@@ -224,33 +228,38 @@ class Crew:
         worker.failed_starts = 0
 
     def spawn(self, worker: WorkerHandle, selector: selectors.BaseSelector) -> None:
+        """Start ``worker``'s process. Whatever fails on the way (a respawn's
+        fork refused, say), every descriptor opened for it is closed again."""
         jobs_r, jobs_w = os.pipe2(os.O_CLOEXEC)
-        results_r, results_w = os.pipe2(os.O_CLOEXEC)
-        spec, board = self.spec, self.board
-        handover = spec.handover
-        signals_fds = tuple(signals.fd for signals in spec.signals)
-        inherited = (jobs_r, results_w, board.fd, *signals_fds, *handover.fds)
-        keys_fd = keys_pipe(spec.step.keyring)
-        launch = WorkerLaunch(
-            step=spec.step.without_keys(),
-            region_size=handover.size,
-            segments=handover.segments,
-            region_fds=tuple(handover.fds),
-            signals_fds=signals_fds,
-            board_fd=board.fd,
-            board_size=len(board.places),
-            jobs_fd=jobs_r,
-            results_fd=results_w,
-            parent=os.getpid(),
-            cpus=tuple(sorted(spec.cpus)) if spec.cpus else None,
-            nice=spec.nice,
-            keys_fd=keys_fd,
-        )
-        # llmkv_fs/engine/workers/crew.py -> the directory holding llmkv_fs
-        package_root = str(pathlib.Path(__file__).resolve().parents[3])
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
+        results_r = results_w = keys_fd = -1
         try:
+            results_r, results_w = os.pipe2(os.O_CLOEXEC)
+            spec, board = self.spec, self.board
+            handover = spec.handover
+            signals_fds = tuple(signals.fd for signals in spec.signals)
+            inherited = (jobs_r, results_w, board.fd, *signals_fds, *handover.fds)
+            keys_fd = keys_pipe(spec.step.keyring)
+            launch = WorkerLaunch(
+                step=spec.step.without_keys(),
+                region_size=handover.size,
+                segments=handover.segments,
+                region_fds=tuple(handover.fds),
+                signals_fds=signals_fds,
+                board_fd=board.fd,
+                board_size=len(board.places),
+                jobs_fd=jobs_r,
+                results_fd=results_w,
+                parent=os.getpid(),
+                cpus=tuple(sorted(spec.cpus)) if spec.cpus else None,
+                nice=spec.nice,
+                keys_fd=keys_fd,
+            )
+            # llmkv_fs/engine/workers/crew.py -> the directory holding llmkv_fs
+            package_root = str(pathlib.Path(__file__).resolve().parents[3])
+            env = dict(os.environ)
+            env["PYTHONPATH"] = os.pathsep.join(
+                p for p in (package_root, env.get("PYTHONPATH")) if p
+            )
             worker.proc = subprocess.Popen(
                 [
                     sys.executable,
@@ -267,6 +276,11 @@ class Crew:
                 stdin=subprocess.DEVNULL,
                 env=env,
             )
+        except BaseException:
+            for fd in (jobs_w, results_r):
+                if fd >= 0:
+                    os.close(fd)
+            raise
         finally:
             for fd in (jobs_r, results_w, keys_fd):
                 if fd >= 0:

@@ -114,8 +114,16 @@ def _held_fds() -> dict[tuple[int, int], int]:
 
 
 def _same_inode(fd: int, mapping: _Mapping) -> bool:
-    st = os.fstat(fd)
-    return (st.st_dev, st.st_ino) == (mapping.dev, mapping.inode)
+    """``fd`` is the mapping's file; else (an fstat failing too) closed."""
+    try:
+        st = os.fstat(fd)
+        if (st.st_dev, st.st_ino) == (mapping.dev, mapping.inode):
+            return True
+    except BaseException:
+        os.close(fd)
+        raise
+    os.close(fd)
+    return False
 
 
 def _open_mapping(mapping: _Mapping, held: dict[tuple[int, int], int]) -> tuple[int, str]:
@@ -126,13 +134,11 @@ def _open_mapping(mapping: _Mapping, held: dict[tuple[int, int], int]) -> tuple[
             fd = os.open(f"/proc/self/fd/{fd_number}", flags)
             if _same_inode(fd, mapping):
                 return fd, "fd"
-            os.close(fd)
     if mapping.path.startswith("/") and not mapping.path.endswith(" (deleted)"):
         with contextlib.suppress(OSError):
             fd = os.open(mapping.path, flags | os.O_NOFOLLOW)
             if _same_inode(fd, mapping):
                 return fd, "path"
-            os.close(fd)
     try:
         fd = os.open(f"/proc/self/map_files/{mapping.start:x}-{mapping.end:x}", flags)
     except OSError as exc:

@@ -67,17 +67,25 @@ class VolumeLock:
                     fd = create_exclusive(self.path, os.O_RDWR, LOCK_FILE_MODE)
                 except FileExistsError:
                     continue  # another gc created it just now: open that one
-                self._share(fd, created=True)
+                try:
+                    self._share(fd, created=True)
+                except BaseException:
+                    os.close(fd)
+                    raise
                 return fd
             except OSError as exc:
                 if exc.errno != errno.ELOOP:
                     raise
                 self._remove_planted()
                 continue
-            st = os.fstat(fd)
-            if stat.S_ISREG(st.st_mode):
-                self._share(fd, created=False, st=st)
-                return fd
+            try:
+                st = os.fstat(fd)
+                if stat.S_ISREG(st.st_mode):
+                    self._share(fd, created=False, st=st)
+                    return fd
+            except BaseException:
+                os.close(fd)
+                raise
             os.close(fd)
             self._remove_planted()
         raise OSError(
@@ -111,6 +119,7 @@ class VolumeLock:
         """Take the lock. Without ``wait`` raise LockBusy if it is held;
         with it, poll until it is free (False if ``stop`` is set first)."""
         fd = self._open()
+        stopped = False
         try:
             while True:
                 try:
@@ -125,14 +134,17 @@ class VolumeLock:
                         "not running (pass --wait to wait for it)"
                     )
                 if stop is not None and stop.wait(_POLL_S):
-                    os.close(fd)
-                    return False
+                    stopped = True
+                    break
                 if stop is None:
                     time.sleep(_POLL_S)
         except BaseException:
             with contextlib.suppress(OSError):
                 os.close(fd)
             raise
+        if stopped:
+            os.close(fd)
+            return False
         note = f"host={socket.gethostname()} pid={os.getpid()} since={time.time():.0f}\n"
         with contextlib.suppress(OSError):
             os.ftruncate(fd, 0)

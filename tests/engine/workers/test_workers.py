@@ -5,10 +5,12 @@ process left behind. No vLLM; real processes, real files."""
 from __future__ import annotations
 
 import ctypes
+import errno
 import glob
 import itertools
 import mmap
 import os
+import selectors
 import signal
 import subprocess
 import sys
@@ -517,4 +519,36 @@ def test_workers_import_the_engines_package_not_one_in_the_current_directory(tmp
     try:
         round_trip(engine, primary, 4)
     finally:
+        engine.shutdown()
+
+
+def _pipes() -> set[str]:
+    found = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            if os.readlink(f"/proc/self/fd/{fd}").startswith("pipe:"):
+                found.add(fd)
+        except OSError:
+            continue  # closed meanwhile
+    return found
+
+
+def test_a_worker_that_cannot_be_started_leaves_no_pipe_open(root, monkeypatch):
+    """A respawn whose fork the system refuses (EAGAIN under memory pressure)
+    is retried later: every failed start must close the pipes it made."""
+    engine = start(root, memfd_primary())
+    try:
+        crew = executor(engine)._crew
+        before = _pipes()
+
+        def refused(*args, **kwargs):
+            raise OSError(errno.EAGAIN, "Resource temporarily unavailable")
+
+        monkeypatch.setattr(crew_module.subprocess, "Popen", refused)
+        for _ in range(3):
+            with pytest.raises(OSError, match="temporarily unavailable"):
+                crew.spawn(crew.workers[0], selectors.DefaultSelector())
+        assert _pipes() == before
+    finally:
+        monkeypatch.undo()
         engine.shutdown()
