@@ -8,7 +8,10 @@ engine/lookup_checks.py) and posts verdicts -- for the whole batch, or
 earlier up to a miss -- that the next step's first lookup applies. A key
 keeps its verdict while some request refers to it; ``set_verdict``
 overrides it when a load fails or a store lands, so a failed promotion
-turns into MISS instead of being retried forever.
+turns into MISS instead of being retried forever. A guessed miss -- one no
+check found: the deadline's, a failed check's (EIO), a lost root's, a
+failed load's -- answers the requests that saw it, and a request asking
+for the first time checks again (``guessed_miss``).
 
 A key whose load failed in a way that would repeat -- the file is still
 there but unreadable (EIO), bad and could not be moved aside, or carries no
@@ -141,17 +144,30 @@ class AsyncExistence:
             state = _State(self._next_generation)
             self._next_generation += 1
             self._states[key] = state
-            if self._misses and self._remembered_miss(key):
-                state.verdict = False  # no probe: the file would fail again
-                state.guessed = True  # and it is there
-            else:
-                self._batch.append((key, state.generation))
+            self._ask(key, state)
+        elif state.guessed:
+            # A miss nobody found (the deadline, a failed check, a lost root,
+            # a failed load) is not handed on: this request asks again, so a
+            # root that is back or a volume that answers again is seen.
+            state.generation = self._next_generation
+            self._next_generation += 1
+            state.verdict = None
+            state.guessed = False
+            self._ask(key, state)
         state.requests.add(request_id)
         keys = self._request_keys.get(request_id)
         if keys is None:  # not setdefault: a new set per call, 8,192 per prompt
             keys = self._request_keys[request_id] = set()
         keys.add(key)
         return state.verdict
+
+    def _ask(self, key: bytes, state: _State) -> None:
+        """Into this step's batch -- unless a remembered miss answers."""
+        if self._misses and self._remembered_miss(key):
+            state.verdict = False  # no probe: the file would fail again
+            state.guessed = True  # and it is there
+        else:
+            self._batch.append((key, state.generation))
 
     def end_step(self) -> None:
         """Apply answers that arrived and post this step's batch (one queue

@@ -16,6 +16,7 @@ through the compiled batch check and through the Python path agree with
 the files on disk, and the start-up log says which one runs.
 """
 
+import errno
 import logging
 import os
 import subprocess
@@ -162,6 +163,39 @@ def step_until_known(lookups: AsyncExistence, keys: list[bytes], request: str = 
         assert time.monotonic() < deadline, "verdicts still missing"
         lookups.end_step()
         time.sleep(0.002)
+
+
+def test_a_guessed_miss_is_not_handed_to_a_new_request():
+    """A miss no check found (the check failed: EIO, a lost root) answers the
+    request that saw it; a request asking for the first time checks again,
+    and finds the block once the volume answers. A checked miss is shared
+    without a probe; a remembered miss (its file would fail again) too."""
+    there: set[bytes] = set()
+    failing: set[bytes] = set()
+    probes: list[bytes] = []
+
+    def exists(key: bytes) -> bool | None:
+        probes.append(key)
+        if key in failing:
+            raise OSError(errno.EIO, "Input/output error")
+        return key in there
+
+    lookups = AsyncExistence(exists, 1)
+    try:
+        failing.add(b"eio")
+        assert step_until_known(lookups, [b"eio", b"gone"], "open") == [False, False]
+        assert lookups.guessed_miss(b"eio") and not lookups.guessed_miss(b"gone")
+        lookups.remember_misses([b"bad"])
+        assert lookups.lookup(b"bad", "open") is False
+        failing.clear()
+        there.update((b"eio", b"gone", b"bad"))
+        probes.clear()
+        assert lookups.lookup(b"eio", "open") is False  # the request that saw it
+        assert step_until_known(lookups, [b"eio", b"gone", b"bad"], "new") == [True, False, False]
+        assert probes == [b"eio"]
+        assert lookups.lookup(b"eio", "open") is True  # the fresh answer is shared
+    finally:
+        lookups.shutdown()
 
 
 def test_checks_go_parallel_once_the_volume_makes_them_wait(monkeypatch):

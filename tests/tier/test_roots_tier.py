@@ -11,7 +11,7 @@ import pytest
 from vllm.v1.kv_offload.base import LookupResult
 
 from llmkv_fs.rootlist import RootListError
-from tests.kits.tier_kit import make_keys, ours, payload_for, resolve, start
+from tests.kits.tier_kit import MiB, make_keys, ours, payload_for, resolve, start, wait_until
 from tests.kits.volume_kit import block_files
 
 pytestmark = pytest.mark.usefixtures("io_mode")
@@ -79,3 +79,36 @@ def test_a_bad_root_list_stops_start_up_naming_the_entry(case, tmp_path, replica
         start(replicas, ours(root_dir, **SHARDED))
     assert sorted(os.listdir(tmp_path)) == before  # "other" not created either
     assert os.listdir(real) == []
+
+
+def test_a_lost_root_back_serves_what_lookups_missed_while_it_was_lost(tmp_path, replicas):
+    """A request open across the loss asked for the root's keys; their check
+    ran while the root was lost (a miss without a look). Once the root is
+    back, a new request gets its blocks: the verdict of the loss, shared
+    while that request is open, does not outlive it."""
+    roots = roots_in(tmp_path, "a", "b", "c")
+    replica = start(replicas, ours(",".join(roots), **SHARDED), cpu_bytes=8 * MiB)
+    engine = replica.tier.engine
+    keys = make_keys(36, "lost-and-back")
+    for i in range(0, len(keys), 3):
+        replica.store(keys[i : i + 3])
+    # Out of the CPU tier (4 chunks) by now, on the root that will be lost.
+    on_b = [key for key in keys[:24] if engine.placement.home(key) == 1][:3]
+    assert len(on_b) == 3
+    serving = replica.new_request()
+    with replica.manager.lock:
+        asked = [replica.manager.lookup(key, serving) for key in on_b]
+    assert asked == [LookupResult.RETRY] * 3  # their checks wait for the step's batch
+    os.rename(tmp_path / "b", tmp_path / "b-away")
+    os.makedirs(tmp_path / "b" / "kv")
+    wait_until(lambda: engine.roots[1].lost, "the housekeeping thread to see root b lost")
+    during, _ = replica.find(on_b, serving)  # the batch is checked while b is lost
+    assert set(during.values()) == {LookupResult.MISS}
+    os.rename(tmp_path / "b", tmp_path / "b-empty")
+    os.rename(tmp_path / "b-away", tmp_path / "b")
+    wait_until(lambda: not engine.roots[1].lost, "the housekeeping thread to see root b back")
+    replica.step()  # the engine sees it
+    after = {key: resolve(replica, [key])[key] for key in on_b}  # while serving is open
+    replica.finish_request(serving)
+    assert set(after.values()) == {LookupResult.HIT}
+    assert served(replica, on_b)

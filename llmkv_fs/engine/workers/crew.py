@@ -254,28 +254,7 @@ class Crew:
                 nice=spec.nice,
                 keys_fd=keys_fd,
             )
-            # llmkv_fs/engine/workers/crew.py -> the directory holding llmkv_fs
-            package_root = str(pathlib.Path(__file__).resolve().parents[3])
-            env = dict(os.environ)
-            env["PYTHONPATH"] = os.pathsep.join(
-                p for p in (package_root, env.get("PYTHONPATH")) if p
-            )
-            worker.proc = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-c",
-                    # -c puts the current directory first on sys.path: a
-                    # checkout of another llmkv_fs there would be imported
-                    # instead of the engine's (python -P is 3.11+ only).
-                    "import os, sys; os.umask(0); "
-                    "sys.path[:1] = [] if sys.path[:1] == [''] else sys.path[:1]; "
-                    "from llmkv_fs.engine.workers.child import main; main()",
-                    launch.encoded(),
-                ],
-                pass_fds=tuple(fd for fd in (*inherited, keys_fd) if fd >= 0),
-                stdin=subprocess.DEVNULL,
-                env=env,
-            )
+            worker.proc = _start_child(launch, (*inherited, keys_fd))
         except BaseException:
             for fd in (jobs_w, results_r):
                 if fd >= 0:
@@ -405,3 +384,27 @@ def resolve_io_workers(setting: str | int, cpus: int | None = None) -> int:
         return int(setting)
     cpus = len(os.sched_getaffinity(0)) if cpus is None else cpus
     return 0 if cpus < AUTO_MIN_CPUS else min(AUTO_MAX_WORKERS, cpus - 2)
+
+
+def _start_child(launch: WorkerLaunch, fds: tuple[int, ...]) -> subprocess.Popen[bytes]:
+    """The worker process for ``launch``, inheriting ``fds`` (-1: none)."""
+    # llmkv_fs/engine/workers/crew.py -> the directory holding llmkv_fs
+    package_root = str(pathlib.Path(__file__).resolve().parents[3])
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            # -c puts the current directory first on sys.path: a checkout of
+            # another llmkv_fs there would be imported instead of the
+            # engine's (python -P is 3.11+ only).
+            "import os, sys; os.umask(0); "
+            "sys.path[:1] = [] if sys.path[:1] == [''] else sys.path[:1]; "
+            "from llmkv_fs.engine.workers.child import main; main()",
+            launch.encoded(),
+        ],
+        pass_fds=tuple(fd for fd in fds if fd >= 0),
+        stdin=subprocess.DEVNULL,
+        env=env,
+    )

@@ -351,7 +351,9 @@ def test_lookup_deadline_is_job_timeout_capped_at_5s(
         assert engine.lookup(make_key("k"), "r") is False
         # A guess, not a check: removal announcements must not trust it.
         assert lookups.guessed_miss(make_key("k"))
-        lookups.set_verdict([make_key("k")], False)  # a load that failed: checked
+        lookups.set_verdict([make_key("k")], False)  # a load that failed: no finding either
+        assert lookups.guessed_miss(make_key("k"))
+        lookups.set_verdict([make_key("k")], True)  # a store that landed
         assert not lookups.guessed_miss(make_key("k"))
     finally:
         release.set()
