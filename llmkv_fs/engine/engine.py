@@ -43,7 +43,7 @@ from llmkv_fs.engine.lookup import AsyncExistence
 from llmkv_fs.engine.lookup_checks import Found
 from llmkv_fs.engine.outcomes import CounterKey, Direction, Failure, LookupAnswer, Tally
 from llmkv_fs.engine.root_presence import at_once, each_key, on_their_roots
-from llmkv_fs.engine.roots import EngineRoot, open_roots
+from llmkv_fs.engine.roots import EngineRoot, close_roots, open_roots
 from llmkv_fs.engine.scheduling.accounting import FinishedJob, JobAccountant, ThrottledErrorLog
 from llmkv_fs.engine.scheduling.executor import Executor
 from llmkv_fs.engine.scheduling.jobs import IoJob, QueueFull
@@ -394,13 +394,20 @@ class FsEngine:
         self._scheduler.drain()
 
     def shutdown(self) -> None:
+        """Stop everything. The lookup threads, then the housekeeping
+        threads of all roots together, are each waited for at most the
+        lookup deadline, min(job_timeout_s, 5 s): a thread still inside a
+        call on a volume that does not answer is left behind and logged
+        (with the lease file it leaves). Blocks the executor holds are
+        waited for within its own bound (``Executor.stop``: worker
+        processes are killed after their grace; an I/O thread returns when
+        its block's call does)."""
         started = time.monotonic()
         self._lookups.shutdown()
         self._scheduler.shutdown()
         if self._started.handover is not None:
             self._started.handover.close()
-        for root in self.roots:
-            root.close()
+        close_roots(self.roots, min(self.settings.job_timeout_s, _LOOKUP_TIMEOUT_CAP_S))
         # Our view pins the primary mmap; vLLM unmaps it right after us.
         self._flat.release()
         logger.info("llmkv_fs engine stopped in %.3fs", time.monotonic() - started)

@@ -97,7 +97,7 @@ def start_executor(
                 pinning.cpus,
                 settings.io_workers_nice,
             )
-            scheduler.start(ProcessExecutor(worker_spec, wanted))
+            scheduler.start(ProcessExecutor(worker_spec, wanted, flat))
             nice = settings.io_workers_nice
             return Started(wanted, handover, f"{wanted} worker processes (nice +{nice})")
         except (NoHandover, OSError, RuntimeError) as exc:

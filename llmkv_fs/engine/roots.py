@@ -14,6 +14,7 @@ housekeeping thread writes its root's signals, the guard its verdict).
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Sequence
 
 from llmkv_fs.config import TierSettings
@@ -21,7 +22,7 @@ from llmkv_fs.engine.block.blockio import BlockIO
 from llmkv_fs.engine.block.bytepath import BytePathKind
 from llmkv_fs.engine.block.spec import RootSpec
 from llmkv_fs.engine.startup.io_setup import choose_o_direct, io_options
-from llmkv_fs.engine.upkeep.housekeeping import Housekeeping
+from llmkv_fs.engine.upkeep.housekeeping import STOP_WAIT_S, Housekeeping
 from llmkv_fs.engine.upkeep.prepare import check_root, prepare_volume
 from llmkv_fs.engine.upkeep.signals import VolumeSignals
 from llmkv_fs.engine.upkeep.space import SpaceGuard
@@ -30,7 +31,7 @@ from llmkv_fs.layout.sealed import Keyring
 from llmkv_fs.rootlist import check_roots_distinct
 from llmkv_fs.volume.fsinfo import filesystem_type
 
-__all__ = ["EngineRoot", "open_roots"]
+__all__ = ["EngineRoot", "close_roots", "open_roots"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,11 +65,25 @@ class EngineRoot:
     def use_o_direct(self) -> bool:
         return self.spec.options.use_o_direct
 
-    def close(self) -> None:
-        """Stop the housekeeping thread (removes the lease) and close the
-        signals fd; the signals page stays readable."""
-        self.housekeeping.stop()
-        self.signals.close()
+    def close(self, wait_s: float = STOP_WAIT_S) -> None:
+        """Stop the housekeeping thread (it removes the lease), waiting at
+        most ``wait_s`` for it, and close the signals fd; the signals page
+        stays readable. A housekeeping thread left behind inside a call on
+        the volume (logged by ``Housekeeping.stop``) keeps the page open:
+        it may still write there (root check, space guard) until it ends,
+        and the page goes with the process."""
+        if self.housekeeping.stop(wait_s):
+            self.signals.close()
+
+
+def close_roots(roots: Sequence[EngineRoot], wait_s: float) -> None:
+    """Close every root, waiting for their housekeeping threads together:
+    at most ``wait_s`` in all, however many roots hang."""
+    for root in roots:
+        root.housekeeping.stop_soon()
+    deadline = time.monotonic() + wait_s
+    for root in roots:
+        root.close(max(0.0, deadline - time.monotonic()))
 
 
 def open_roots(
@@ -94,8 +109,7 @@ def open_roots(
         for layout in layouts:
             roots.append(_open_root(settings, layout, flat, block_size, byte_path, keyring))
     except BaseException:
-        for root in roots:
-            root.close()
+        close_roots(roots, STOP_WAIT_S)
         raise
     return roots
 

@@ -10,11 +10,20 @@ callable from the engine). It alone writes ``root_lost`` (a byte of the
 shared ``VolumeSignals`` page the owner and the I/O workers read without a
 lock: the stat that may hang on a dead network volume never runs on the
 scheduler thread). The owner only calls ``set_lease`` (hands a
-Lease over, returns at once) and ``stop`` (joins; removes the lease). The
-thread never dies of an exception: each round's failure is counted in
-``errors``, logged (throttled) and the next round runs as usual -- a dead
-thread would mean no lease refresh, no access stamps and a space guard that
-never lifts.
+Lease over, returns at once), ``stop_soon`` (returns at once) and ``stop``
+(waits a bounded time). The thread never dies of an exception: each round's
+failure is counted in ``errors``, logged (throttled) and the next round runs
+as usual -- a dead thread would mean no lease refresh, no access stamps and
+a space guard that never lifts.
+
+Stopping: the thread itself applies the last access stamps and removes the
+lease on its way out, so no call on the volume runs on the owner's thread.
+``stop`` waits for that at most ``wait_s``; a thread still inside a call on
+a volume that does not answer is left behind (a daemon thread: it finishes
+its way out if the volume answers, and never starts another round) and the
+log names what it leaves: the lease file, which gc takes for dead once it
+is ``STALE_AFTER_INTERVALS`` lease intervals old, or at once from this host
+when this process has exited (``Lease.is_live``).
 """
 
 from __future__ import annotations
@@ -27,7 +36,14 @@ from collections.abc import Callable
 
 from llmkv_fs.engine.upkeep.space import SpaceGuard
 from llmkv_fs.volume.files import DEFAULT_DIR_MODE, DEFAULT_FILE_MODE
-from llmkv_fs.volume.leases import Lease, read_leases, refresh_lease, remove_lease, write_lease
+from llmkv_fs.volume.leases import (
+    STALE_AFTER_INTERVALS,
+    Lease,
+    read_leases,
+    refresh_lease,
+    remove_lease,
+    write_lease,
+)
 from llmkv_fs.volume.pinned_root import PinnedRoot
 
 __all__ = ["Housekeeping"]
@@ -35,6 +51,10 @@ __all__ = ["Housekeeping"]
 logger = logging.getLogger("vllm.llmkv_fs.housekeeping")
 
 SPACE_SAMPLE_INTERVAL_S = 1.0
+# How long ``stop`` waits by default: a metadata call that has not answered
+# in this long means the volume is not answering (the engine passes its
+# lookup deadline, min(job_timeout_s, this)).
+STOP_WAIT_S = 5.0
 # One traceback per this many seconds at most: a failure that repeats every
 # round must not flood the log.
 ERROR_LOG_INTERVAL_S = 60.0
@@ -59,6 +79,7 @@ class Housekeeping:
         self._modes = (file_mode, dir_mode)
         self._wake = threading.Event()
         self._stopping = False
+        self._stop_asked: float | None = None  # monotonic, when stop_soon was first called
         self._pending_lease: Lease | None = None
         self.lease: Lease | None = None
         self.lease_path: str | None = None
@@ -75,17 +96,40 @@ class Housekeeping:
         self._pending_lease = lease
         self._wake.set()
 
-    def stop(self) -> None:
+    def stop_soon(self) -> None:
+        """Owner side: tell the thread to finish (see the module doc);
+        returns at once. Idempotent."""
+        if self._stop_asked is None:
+            self._stop_asked = time.monotonic()
         self._stopping = True
         self._wake.set()
-        self._thread.join()
-        self._guarded(self._apply_stamps)  # a failed stamp is skipped
-        if self.lease_path is not None:
-            if not remove_lease(self.lease_path, self.root):
-                logger.warning(
-                    "llmkv_fs: could not remove lease %s; it will go stale", self.lease_path
-                )
-            self.lease_path = None
+
+    def stop(self, wait_s: float = STOP_WAIT_S) -> bool:
+        """Owner side: ``stop_soon`` and wait at most ``wait_s`` for the
+        thread to apply the last stamps and remove the lease. False if it is
+        still inside a call on the volume then: left behind and logged."""
+        self.stop_soon()
+        self._thread.join(wait_s)
+        if not self._thread.is_alive():
+            return True
+        lease, asked = self.lease, self._stop_asked
+        assert asked is not None  # set by stop_soon
+        logger.warning(
+            "llmkv_fs: shutdown did not wait for the housekeeping thread of %s, still "
+            "inside a call on the volume after %.1fs -- the volume is not answering; "
+            "left behind: %s; its last access stamps are not applied. The thread "
+            "applies them and removes the lease if the volume answers.",
+            self.guard.path,
+            time.monotonic() - asked,
+            "no lease written yet"
+            if self.lease_path is None or lease is None
+            else (
+                f"lease file {self.lease_path} (gc takes it for dead once it is "
+                f"{STALE_AFTER_INTERVALS * lease.interval_s:.0f}s old, or at once from "
+                "this host when this process has exited)"
+            ),
+        )
+        return False
 
     def _run(self) -> None:
         next_lease = 0.0
@@ -95,16 +139,27 @@ class Housekeeping:
         while not self._stopping:
             self._wake.wait(tick)
             self._wake.clear()
-            if self._stopping:
-                return
-            if not self._root_is_ours():
+            if self._stopping or not self._root_is_ours():
                 continue  # nothing below touches a volume that is not ours
             for step in (self._sample_space, self._apply_stamps):
-                self._guarded(step)
+                if not self._stopping:
+                    self._guarded(step)
             now = time.monotonic()
+            if self._stopping:
+                break
             if self._pending_lease is not None or (self.lease is not None and now >= next_lease):
                 self._guarded(self._tend_lease)
                 next_lease = now + self.lease_interval_s
+        self._guarded(self._apply_stamps)  # a failed stamp is skipped
+        self._guarded(self._remove_lease)
+
+    def _remove_lease(self) -> None:
+        if self.lease_path is not None:
+            if not remove_lease(self.lease_path, self.root):
+                logger.warning(
+                    "llmkv_fs: could not remove lease %s; it will go stale", self.lease_path
+                )
+            self.lease_path = None
 
     def _root_is_ours(self) -> bool:
         """Re-check the root; log once when it is lost and once when back."""
@@ -114,6 +169,8 @@ class Housekeeping:
         # one place the engine and its I/O workers read it from.
         signals = self.guard.signals
         current = self.root.is_current()
+        if self._stopping:  # answered after stop: the engine is gone, say nothing
+            return False
         if current == (not signals.root_lost):
             return current
         # Logged before the verdict is published: whoever sees the gauge or a

@@ -22,6 +22,15 @@ Guarantees:
   again before a store's rename: an abandoned store is never published.
 * A worker that dies (crash, SIGKILL, OOM) fails exactly the blocks it held
   (Failure.WORKER_DIED), is replaced, and the executor keeps serving.
+* No byte a dead worker put into a row reaches vLLM: the rows of every load
+  block it held and had not answered (the block it was reading, earlier
+  blocks of its slice whose results it had not sent yet, and the slice
+  waiting in its pipe) are zeroed before those blocks are given back. The
+  conductor zeroes them, after the worker is reaped (no process writes them
+  any more) and before ``slice_done``: a load job is reported to vLLM only
+  once all its blocks are back (scheduling/scheduler.py), so until then no
+  other job names those rows and no replacement worker can be given them --
+  a replacement gets slices only from this same thread, afterwards.
 * ``stop`` waits for held blocks at most ``crew.STOP_GRACE_S``, then kills
   the workers (a stopped or stuck worker cannot hang shutdown) and gives
   their blocks back CANCELLED; every fd is closed, no process is left.
@@ -39,6 +48,7 @@ import select
 import selectors
 import threading
 import time
+from collections.abc import Sequence
 
 from llmkv_fs.engine.outcomes import BlockResult, Failed, Failure
 from llmkv_fs.engine.scheduling.executor import BlockSource
@@ -66,8 +76,12 @@ class ProcessExecutor:
     ``start`` blocks until every worker mapped the region and said hello; it
     raises OSError/RuntimeError if they cannot (the engine then uses threads)."""
 
-    def __init__(self, spec: WorkerSpec, n_workers: int, name: str = "llmkv_fs"):
+    def __init__(self, spec: WorkerSpec, n_workers: int, rows: memoryview, name: str = "llmkv_fs"):
         self._crew = Crew(spec, n_workers, name)
+        # The engine's flat view of the primary region (the same pages the
+        # workers map), written here only to zero a dead worker's rows.
+        self._rows = rows
+        self._block_size = spec.step.roots[0].options.block_size
         self._workers = self._crew.workers
         self._board = self._crew.board.places
         self._name = name
@@ -270,11 +284,27 @@ class ProcessExecutor:
 
     def _fail_held(self, worker: WorkerHandle, failure: Failed) -> None:
         """Give back what ``worker`` holds: the results it sent, ``failure``
-        for the rest of each slice."""
+        for the rest of each slice. The worker's process is gone (reaped or
+        killed and waited for): the rows of the load blocks it had not
+        answered are zeroed first (see the module doc)."""
         for slot, taken in enumerate(worker.held):
             if taken is not None:
                 got = worker.got[slot]
+                if taken.job.is_load:
+                    self._zero_rows(taken.chunks[len(got) :])
                 self._give_back(worker, slot, [*got, *[failure] * (taken.n_blocks - len(got))])
+
+    def _zero_rows(self, chunks: Sequence[int]) -> None:
+        """Zero the rows of ``chunks`` (one outside the primary buffer was
+        never written: the worker's step refuses it)."""
+        if not chunks:
+            return
+        size = self._block_size
+        rows = self._rows.nbytes // size
+        zeros = bytes(size)
+        for chunk in chunks:
+            if 0 <= chunk < rows:
+                self._rows[chunk * size : (chunk + 1) * size] = zeros
 
     def _worker_gone(self, worker: WorkerHandle, selector: selectors.BaseSelector) -> None:
         """Fail what the worker held, reap it, schedule its replacement."""

@@ -46,6 +46,7 @@ from tests.kits.engine_kit import (
     worker_engine,
     write_blocks,
 )
+from tests.kits.seal_kit import key_file
 
 CHUNKS = 32
 
@@ -275,6 +276,52 @@ def test_sigkill_under_load_never_publishes_a_bad_file_or_hangs(root, pause_dir)
             with open(path, "rb") as f:
                 data = memoryview(f.read())
             verify_block(data[:BS], data[BS:], keys_of[path], True)
+    finally:
+        engine.shutdown()
+
+
+SENTINEL = b"\xaa"  # every row before the load: what vLLM's row held
+
+
+@pytest.mark.parametrize("sealed", [False, True], ids=["plain", "sealed"])
+def test_a_dead_workers_load_leaves_zeros_in_every_row_it_held(root, pause_dir, tmp_path, sealed):
+    """Worker processes only: an I/O thread cannot die in the middle of a
+    block. The victim has read its slice's first block into the row (sealed:
+    decrypted and authenticated there) and is held at the next block's read
+    when it is SIGKILLed; by the time the job comes back failed, every row
+    of every load block it held -- the one it read, the one it was reading,
+    the slice waiting in its pipe -- holds zeros."""
+    extra = {}
+    if sealed:
+        secrets = tmp_path / "secrets"
+        secrets.mkdir()
+        extra = {"seal_key_files": {"1": key_file(secrets)}}
+    primary = memfd_primary()
+    engine = start(root, primary, **extra)
+    try:
+        n = 16  # 2 workers x DEPTH places: the first slices take 2 blocks each
+        keys = [make_key(i) for i in range(n)]
+        assert not store_all(engine, primary, range(n)).failed
+        primary[:] = SENTINEL * len(primary)
+        gate = Gate(engine, pause_dir, kinds=("load",), point="read")
+        gate.hold(keys[1])
+        gate.open()
+        assert engine.submit_load(2, keys, list(range(n)))
+        wait_until(lambda: keys[1] in [key for _, _, key in gate.entries], "block 1 at its read")
+        pid = int(next(place for place, _, key in gate.entries if key == keys[1]).split(".")[0])
+        victim = next(w for w in executor(engine)._workers if w.proc and w.proc.pid == pid)
+        wait_until(lambda: all(victim.held), "both of the victim's places taken")
+        running = next(h for h in victim.held if h is not None and keys[1] in h.keys)
+        assert list(running.keys[:2]) == keys[:2], "block 0 must run before block 1 in its slice"
+        assert row(primary, 0) == pattern(0)  # read into the row, not reported yet
+        held = [chunk for h in victim.held if h is not None for chunk in h.chunks]
+        os.kill(pid, signal.SIGKILL)
+        job = wait_jobs(engine, [2])[2]
+        assert set(job.failed) == set(keys)  # block 0 failed: nothing of the job is served
+        assert engine.counters[Direction.LOAD, Failure.WORKER_DIED] == len(held)
+        gate.close_for_good()
+        for chunk in held:
+            assert row(primary, chunk) == bytes(BS), f"row {chunk} kept the dead worker's bytes"
     finally:
         engine.shutdown()
 
