@@ -1,7 +1,16 @@
-"""Checking one block file from the outside, for ``llmkv-fs verify`` (and the
-chunk-size probe ``llmkv-fs stats`` shares). Reads through ``volume`` and
-``layout`` only: no vLLM, no engine; safe against a volume that live tiers
-are writing.
+"""Checking one block file from the outside, for ``llmkv-fs verify`` (and
+the chunk-size probe and the sealed-trailer count ``llmkv-fs stats``
+shares). Reads through ``volume`` and ``layout`` only: no vLLM, no engine;
+safe against a volume that live tiers are writing.
+
+A block is judged by the rule the engine's loads apply
+(layout/judgement.py), as a reader with checksums that accepts unverified
+blocks in a plain namespace (it reads what either tier wrote). Whether the
+namespace is sealed is its ``config.json``'s word, taken only when that
+file hashes to the digest's name (``namespace_sealing``): it is then the
+run config every tier of the namespace has. Without that proof each block
+is judged by the format its own trailer claims -- which a forger writes --
+and verify says so.
 
 The chunk size (payload bytes per block) is not in ``config.json``: vLLM
 takes it from the CPU tier's row stride, i.e. the model's KV bytes per
@@ -28,13 +37,15 @@ from llmkv_fs.layout.blockfile import (
     file_sizes,
     length_fault,
     unpack_trailer,
-    verify_block,
 )
+from llmkv_fs.layout.judgement import BlockRules, Judgement
 from llmkv_fs.layout.names import parse_block_path
-from llmkv_fs.layout.sealed import ForeignKey, Keyring, check_unopened, open_payload
+from llmkv_fs.layout.sealed import NAMESPACE_FIELD, Keyring
+from llmkv_fs.ops import scan
 from llmkv_fs.ops.problems import kind_of
 from llmkv_fs.volume.nofollow import open_path_beneath
 from llmkv_fs.volume.quarantine import file_ident
+from llmkv_fs.volume.run_config import run_config_proves
 from llmkv_fs.volume.vectored import read_all
 
 __all__ = [
@@ -49,7 +60,10 @@ __all__ = [
     "Result",
     "check_block",
     "infer_chunk_size",
+    "namespace_sealing",
     "open_for_check",
+    "reader_rules",
+    "sealed_trailer",
     "undo_atime",
 ]
 
@@ -58,6 +72,14 @@ VERIFIED, UNVERIFIED, BAD, ERROR, VANISHED = "verified", "unverified", "bad", "e
 # key given (its length and key were checked); FOREIGN is sealed with a key
 # not given (another deployment's, or a retired one). Neither is bad.
 SEALED, FOREIGN = "sealed", "foreign-key"
+# What is not bad, by the shared judgement. NO_CHECKSUM never comes: verify
+# accepts unverified blocks where a namespace may hold them.
+_STATUS = {
+    Judgement.VERIFIED: VERIFIED,
+    Judgement.UNVERIFIED: UNVERIFIED,
+    Judgement.SEALED_UNCHECKED: SEALED,
+    Judgement.FOREIGN_KEY: FOREIGN,
+}
 
 _PAGE = mmap.PAGESIZE
 O_NOATIME = getattr(os, "O_NOATIME", 0)
@@ -109,6 +131,67 @@ def undo_atime(fd: int, before: os.stat_result) -> bool:
         return True
     except OSError:
         return False
+
+
+def namespace_sealing(d: scan.Digest) -> tuple[bool | None, str]:
+    """Whether ``d``'s blocks are sealed, as its config.json says when that
+    file hashes to the digest's name (the run config every tier of the
+    namespace has: its sealing field is part of the digest). (None, why)
+    when it does not prove that: missing, unreadable, or altered."""
+    config, why = d.config_status()
+    if config is None:
+        return None, why
+    if not run_config_proves(config, d.digest):
+        return None, f"config.json does not hash to {d.digest}"
+    return config.get(NAMESPACE_FIELD) is not None, ""
+
+
+def reader_rules(rank_dir: str, chunk: int, sealed: bool, keyring: Keyring | None) -> BlockRules:
+    """The rules verify reads a rank directory's blocks by: checksums
+    checked, unverified blocks accepted where the namespace may hold them
+    (plain), sealed ones opened with ``keyring`` (None: unchecked)."""
+    return BlockRules(
+        chunk,
+        sealed,
+        checksum=True,
+        accept_trailerless=not sealed,
+        keyring=keyring if sealed else None,
+        place=os.path.basename(rank_dir).encode("utf-8", "surrogateescape"),
+    )
+
+
+def sealed_trailer(rank_dir: str, path: str, size: int, chunk: int) -> str:
+    """What the block file at ``path`` (``size`` bytes when listed) of a
+    sealed namespace is by its own trailer, no key used: SEALED (its length
+    and sealed trailer are right: ``BlockRules.judge_unopened``), the
+    Corruption token that makes it bad there (a plain trailer:
+    ``bad-version``), VANISHED or ERROR. Reads one trailer page, atime kept."""
+    key = parse_block_path(rank_dir, path)
+    if key is None:
+        return "bad-name"
+    rules = BlockRules(chunk, sealed=True)
+    page = b""
+    if size == chunk + TRAILER_SIZE:
+        try:
+            fd, _ = _open_block(rank_dir, path)
+        except FileNotFoundError:
+            return VANISHED
+        except OSError:
+            return ERROR
+        try:
+            before = os.fstat(fd)
+            size = before.st_size
+            page = os.pread(fd, TRAILER_SIZE, size - TRAILER_SIZE) if size > TRAILER_SIZE else b""
+            undo_atime(fd, before)
+        except OSError:
+            return ERROR
+        finally:
+            os.close(fd)
+    try:
+        rules.judge_unopened(key, page, size)
+    except BlockFileError as exc:
+        return str(exc.reason)
+    return SEALED
 
 
 @dataclasses.dataclass(frozen=True)
@@ -190,40 +273,35 @@ def _bad(path: str, reason: str, detail: str, st: os.stat_result) -> Result:
     return Result(path, BAD, 0, reason, detail, file_ident(st))
 
 
-def _size_reason(n: int, chunk: int) -> tuple[str, str]:
-    # verify reads what either tier wrote: a bare payload is unverified, not bad.
-    fault = length_fault(n, chunk, trailerless=True)
+def _size_reason(n: int, chunk: int, trailerless: bool) -> tuple[str, str]:
+    fault = length_fault(n, chunk, trailerless)
     return str(fault.reason), str(fault).split(": ", 1)[1]
 
 
-def _judge(
-    rank_dir: str, key: bytes, payload: memoryview, page: memoryview, keyring: Keyring | None
-) -> str:
-    """The status of a whole-sized block read into ``payload`` and ``page``;
-    BlockFileError when it is bad. A sealed one is opened with ``keyring``
-    (decrypted in ``payload``) where given."""
-    trailer = unpack_trailer(page)
-    if trailer.seal is None:
-        trailer = verify_block(payload, page, key, verify_checksum=True)
-        # Written with checksum: false: key and length only, never "verified".
-        return VERIFIED if trailer.has_checksum else UNVERIFIED
-    if keyring is None:
-        check_unopened(page, key, payload.nbytes)
-        return SEALED
-    place = os.path.basename(rank_dir).encode("utf-8", "surrogateescape")
+def _claims_sealed(n: int, chunk: int, page: memoryview) -> bool:
+    """Whether a block file of ``n`` bytes ends in an intact sealed trailer
+    (``page``): what its namespace is taken to be when unproven."""
+    if n != chunk + TRAILER_SIZE:
+        return False
     try:
-        open_payload(keyring, place, payload, page, key)
-    except ForeignKey:
-        return FOREIGN
-    return VERIFIED
+        return unpack_trailer(page).seal is not None
+    except BlockFileError:
+        return False
 
 
 def check_block(
-    rank_dir: str, path: str, lst: os.stat_result, chunk: int, keyring: Keyring | None = None
+    rank_dir: str,
+    path: str,
+    lst: os.stat_result,
+    chunk: int,
+    keyring: Keyring | None = None,
+    sealed: bool | None = False,
 ) -> Result:
     """Judge one block file (``lst``: its lstat from the walk; ``chunk``: its
-    digest's payload size; ``keyring``: to open sealed blocks, None: SEALED).
-    Never follows a link or opens a non-regular file; reads <= chunk + 2 pages."""
+    digest's payload size; ``sealed``: its namespace's sealing, None when
+    unproven -- then each file by its own trailer's format; ``keyring``: to
+    open sealed blocks, None: SEALED). Never follows a link or opens a
+    non-regular file; reads <= chunk + 2 pages."""
     if stat.S_ISLNK(lst.st_mode):
         try:
             target = os.readlink(path)
@@ -247,34 +325,49 @@ def check_block(
                 return Result(path, VANISHED)
         return Result(path, ERROR, 0, "open-error", str(exc), error_kind=kind_of(exc))
     try:
-        st = os.fstat(fd)
-        result = Result(path, BAD, 0, "", "", file_ident(st), preserved)
-        if not stat.S_ISREG(st.st_mode):
-            result.reason, result.detail = "not-regular", "not a regular file"
-            return result
-        if st.st_size == 0:  # bad whatever the chunk size
-            result.reason, result.detail = _size_reason(0, max(chunk, 0))
-            return result
-        if chunk <= 0:  # appeared after the listing found no sized block file
-            return Result(path, ERROR, 0, "unknown-size", "no chunk size known for this digest")
-        if st.st_size not in file_sizes(chunk, trailerless=True):
-            result.reason, result.detail = _size_reason(st.st_size, chunk)
-            return result
-        payload, scratch = _BUFFERS.get(chunk)
-        n = result.nbytes = read_all(fd, [payload, scratch])
-        result.atime_preserved = undo_atime(fd, st)
-        if n == chunk + TRAILER_SIZE:
-            try:
-                result.status = _judge(rank_dir, key, payload, scratch[:TRAILER_SIZE], keyring)
-            except BlockFileError as exc:
-                result.reason, result.detail = exc.reason, str(exc)
-                return result
-        elif n == chunk:
-            result.status = UNVERIFIED  # vLLM's built-in tier wrote it
-        else:
-            result.reason, result.detail = _size_reason(n, chunk)
-        return result
+        return _judge_open(fd, preserved, rank_dir, path, key, chunk, keyring, sealed)
     except OSError as exc:
         return Result(path, ERROR, 0, "read-error", str(exc), error_kind=kind_of(exc))
     finally:
         os.close(fd)
+
+
+def _judge_open(
+    fd: int,
+    preserved: bool,
+    rank_dir: str,
+    path: str,
+    key: bytes,
+    chunk: int,
+    keyring: Keyring | None,
+    sealed: bool | None,
+) -> Result:
+    """``check_block`` of the block open as ``fd``; raises OSError."""
+    # A trailer-less file may be a plain namespace's (vLLM's built-in wrote it).
+    trailerless = sealed is not True
+    st = os.fstat(fd)
+    result = Result(path, BAD, 0, "", "", file_ident(st), preserved)
+    if not stat.S_ISREG(st.st_mode):
+        result.reason, result.detail = "not-regular", "not a regular file"
+        return result
+    if st.st_size == 0:  # bad whatever the chunk size
+        result.reason, result.detail = _size_reason(0, max(chunk, 0), trailerless)
+        return result
+    if chunk <= 0:  # appeared after the listing found no sized block file
+        return Result(path, ERROR, 0, "unknown-size", "no chunk size known for this digest")
+    if st.st_size not in file_sizes(chunk, trailerless):
+        result.reason, result.detail = _size_reason(st.st_size, chunk, trailerless)
+        return result
+    payload, scratch = _BUFFERS.get(chunk)
+    n = result.nbytes = read_all(fd, [payload, scratch])
+    result.atime_preserved = undo_atime(fd, st)
+    page = scratch[:TRAILER_SIZE]
+    if sealed is None:
+        sealed = _claims_sealed(n, chunk, page)
+    try:
+        judged = reader_rules(rank_dir, chunk, sealed, keyring).judge(key, payload, page, n)
+    except BlockFileError as exc:
+        result.reason, result.detail = exc.reason, str(exc)
+        return result
+    result.status = _STATUS[judged]
+    return result

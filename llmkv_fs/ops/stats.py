@@ -2,8 +2,11 @@
 blocks and bytes, how recently blocks were used, the tiers holding leases
 (and whether they hash blocks alike), temp files, quarantined files and
 anything unexpected. Reads metadata only (plus at most a few trailer pages
-per digest to tell the chunk size); never changes the volume, never follows
-a symlink. What cannot be read is counted under ``problems`` and skipped.
+per digest to tell the chunk size, and in a digest whose config.json names
+a sealing scheme every block's trailer page: a block counts as sealed by
+its own trailer, never by that unauthenticated file's word); never changes
+the volume, never follows a symlink. What cannot be read is counted under
+``problems`` and skipped.
 
 Here the report is assembled (config, leases, warnings, totals, the
 filesystem) and the command run; the walk that tallies a digest's files is
@@ -17,19 +20,21 @@ and in all.
 from __future__ import annotations
 
 import argparse
+import collections
 import io
 import json
 import os
 import socket
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from llmkv_fs.layout.blockfile import TRAILER_SIZE
 from llmkv_fs.layout.paths import run_config_digest
 from llmkv_fs.layout.sealed import NAMESPACE_FIELD
 from llmkv_fs.ops import scan
-from llmkv_fs.ops.blockcheck import infer_chunk_size
+from llmkv_fs.ops.blockcheck import SEALED, infer_chunk_size, sealed_trailer
 from llmkv_fs.ops.per_root import (
     RootOutcome,
     add_root_argument,
@@ -118,6 +123,23 @@ def _sealing(config: dict | None) -> str | None:
     return scheme if isinstance(scheme, str) else None
 
 
+def _sealed_trailers(
+    blocks: list[tuple[str, str, int]], chunk: int | None, threads: int
+) -> dict[str, Any]:
+    """The report's ``sealed_blocks`` and ``not_sealed``: what a sealed
+    namespace's block files are by their own trailers (one page each, read
+    on ``threads`` threads), SEALED or why not."""
+    if not chunk:  # no chunk size: every block file there is empty
+        found = collections.Counter({"truncated": len(blocks)} if blocks else {})
+    else:
+        with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="llmkv-stats") as pool:
+            found = collections.Counter(
+                pool.map(lambda b: sealed_trailer(b[0], b[1], b[2], chunk), blocks)
+            )
+    sealed = found.pop(SEALED, 0)
+    return {"sealed_blocks": sealed, "not_sealed": dict(sorted(found.items()))}
+
+
 def _config_digest_ok(d: scan.Digest, config: dict | None) -> bool | None:
     if config is None:
         return None
@@ -142,9 +164,18 @@ def _lease_json(lease: Lease, now: float) -> dict[str, Any]:
 
 
 def _warnings(
-    d: scan.Digest, config: dict[str, Any] | None, live: list[Lease], fingerprints: list[str]
+    d: scan.Digest,
+    config: dict[str, Any] | None,
+    live: list[Lease],
+    fingerprints: list[str],
+    not_sealed: int = 0,
 ) -> list[str]:
     warnings = []
+    if not_sealed:
+        warnings.append(
+            f"WARNING: {not_sealed} block files of sealed {d.name} are not sealed blocks "
+            "(a replica refuses them as bad): run llmkv-fs verify --repair"
+        )
     if len(fingerprints) > 1:
         warnings.append(
             f"WARNING: {len(live)} live replicas of {d.name} hash blocks with "
@@ -192,9 +223,11 @@ def _digest_stats(
     d: scan.Digest, now: float, this_host: str, threads: int, problems: Problems
 ) -> dict[str, Any]:
     config = d.read_config()
-    found = walk_digest(d, now, threads, problems)
+    sealing = _sealing(config)
+    found = walk_digest(d, now, threads, problems, keep_blocks=sealing is not None)
     ranks = found.ranks
     chunk = infer_chunk_size(found.probe)
+    trailers = _sealed_trailers(found.blocks, chunk.payload, threads)
     leases, live = _leases(d, now, this_host, problems)
     fingerprints = sorted({lease.seed_fingerprint for lease in live})
     return {
@@ -207,10 +240,11 @@ def _digest_stats(
         "ranks": {str(k): v for k, v in ranks.items()},
         "blocks": sum(r["blocks"] for r in ranks.values()),
         "bytes": sum(r["bytes"] for r in ranks.values()),
-        # The digest names its sealing scheme (layout/sealed.py): every block
-        # in it is sealed; counted without a key.
-        "sealing": _sealing(config),
-        "sealed_blocks": sum(r["blocks"] for r in ranks.values()) if _sealing(config) else 0,
+        # The sealing scheme config.json names (layout/sealed.py); a block
+        # counts as sealed by its own trailer (checked without a key), any
+        # other block there is bad to a replica, counted by why.
+        "sealing": sealing,
+        **trailers,
         "chunk_bytes": chunk.payload,
         "chunk_source": chunk.source,
         "trailer_bytes": TRAILER_SIZE if chunk.source == "trailer" else None,
@@ -242,7 +276,7 @@ def _digest_stats(
         },
         "nfs_silly_renamed": {"count": found.silly_count, "bytes": found.silly_bytes},
         "unreadable_dirs": found.unreadable,
-        "warnings": _warnings(d, config, live, fingerprints),
+        "warnings": _warnings(d, config, live, fingerprints, sum(trailers["not_sealed"].values())),
     }
 
 
@@ -285,6 +319,7 @@ def volume_stats(
     totals = {
         "digests": len(per),
         **{k: sum(p[k] for p in per) for k in ("blocks", "bytes", "sealed_blocks")},
+        "not_sealed_blocks": sum(sum(p["not_sealed"].values()) for p in per),
         "temp_files": sum(p["temp"]["count"] for p in per),
         "temp_bytes": sum(p["temp"]["bytes"] for p in per),
         "quarantined_files": sum(p["quarantined"]["count"] for p in per),

@@ -91,7 +91,12 @@ def _print_blocks(p: dict[str, Any], out: TextIO) -> None:
         file=out,
     )
     if p["sealing"]:
-        print(f"  sealed     {p['sealed_blocks']} blocks ({p['sealing']})", file=out)
+        bad = ", ".join(f"{k} {n}" for k, n in p["not_sealed"].items())
+        print(
+            f"  sealed     {p['sealed_blocks']} blocks ({p['sealing']})"
+            f"{'; not sealed: ' + bad if bad else ''}",
+            file=out,
+        )
     lu = p["last_used"]
     hist = "  ".join(f"{b} {n}" for b, n in lu["buckets"].items())
     print(

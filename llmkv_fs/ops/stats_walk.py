@@ -61,6 +61,9 @@ class DigestFiles:
     newest: float | None = None
     sizes: collections.Counter[int] = dataclasses.field(default_factory=collections.Counter)
     probe: list[tuple[str, int]] = dataclasses.field(default_factory=list)
+    # Every block file as (rank directory, path, size): kept only when asked
+    # (a sealed namespace's blocks have their trailers read).
+    blocks: list[tuple[str, str, int]] = dataclasses.field(default_factory=list)
     temp_count: int = 0
     temp_bytes: int = 0
     temp_oldest_mtime: float | None = None
@@ -76,7 +79,10 @@ class DigestFiles:
     unreadable: list[dict[str, str]] = dataclasses.field(default_factory=list)
 
 
-def walk_digest(d: scan.Digest, now: float, threads: int, problems: Problems) -> DigestFiles:
+def walk_digest(
+    d: scan.Digest, now: float, threads: int, problems: Problems, keep_blocks: bool = False
+) -> DigestFiles:
+    """Tally ``d``'s files; with ``keep_blocks``, list its block files too."""
     found = DigestFiles(ranks={rank: {"blocks": 0, "bytes": 0} for rank in sorted(d.rank_dirs)})
     ranks = found.ranks
     tops: list[tuple[str, str]] = [(d.rank_dirs[r], kinds.RANK_AREA) for r in ranks]
@@ -104,6 +110,8 @@ def walk_digest(d: scan.Digest, now: float, threads: int, problems: Problems) ->
                 found.sizes[e.st.st_size] += 1
                 if found.sizes[e.st.st_size] <= 3:
                     found.probe.append((e.path, e.st.st_size))
+                if keep_blocks:
+                    found.blocks.append((top_dir, e.path, e.st.st_size))
                 used = last_used(e.st)
                 found.oldest = used if found.oldest is None else min(found.oldest, used)
                 found.newest = used if found.newest is None else max(found.newest, used)

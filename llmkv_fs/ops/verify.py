@@ -33,7 +33,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from llmkv_fs.checks import TierConfigError
-from llmkv_fs.layout.names import in_quarantine, is_block_name
+from llmkv_fs.layout.names import config_path, in_quarantine, is_block_name
 from llmkv_fs.layout.sealed import Keyring
 from llmkv_fs.ops import kinds, scan, walker
 from llmkv_fs.ops.blockcheck import (
@@ -46,6 +46,7 @@ from llmkv_fs.ops.blockcheck import (
     VERIFIED,
     Result,
     infer_chunk_size,
+    namespace_sealing,
 )
 from llmkv_fs.ops.events.options import add_event_arguments, announcer_from_args
 from llmkv_fs.ops.per_root import (
@@ -127,6 +128,17 @@ class _Unread:
             {"path": path, "digest": digest, "reason": f"{op}-error", "detail": problem.detail}
         )
 
+    def unproven(self, d: scan.Digest, why: str) -> None:
+        """``d``'s sealing is unproven (``why``): its blocks are judged each
+        by its own trailer, which cannot tell a forgery in a sealed
+        namespace. An error, so the run is never OK."""
+        path = config_path(d.config_dir)
+        detail = f"{why}: whether its blocks must be sealed is unknown"
+        self.problems.add_kind("unproven-config", path, "read config", detail)
+        self.errors.append(
+            {"path": path, "digest": d.name, "reason": "unproven-config", "detail": detail}
+        )
+
 
 def _collect(digests: list[scan.Digest], threads: int, unread: _Unread) -> tuple[list, dict]:
     """List every rank directory (one walk, ``threads`` listings in flight)
@@ -149,21 +161,25 @@ def _collect(digests: list[scan.Digest], threads: int, unread: _Unread) -> tuple
                 found[d.name].append((rank_dir, entry))
             elif entry.kind == kinds.SYMLINK:
                 unread.symlinks.append(entry.path)
-    items: list[tuple[str, str, kinds.FileEntry, int]] = []
+    items: list[tuple[str, str, kinds.FileEntry, int, bool | None]] = []
     per_digest: dict[str, dict[str, Any]] = {}
     for d in digests:
         entries = found[d.name]
         chunk = infer_chunk_size(
             (e.path, e.st.st_size) for _, e in entries if stat.S_ISREG(e.st.st_mode)
         )
+        sealed, unproven = namespace_sealing(d)
         per_digest[d.name] = {
             "name": d.name,
             "chunk_bytes": chunk.payload,
             "chunk_source": chunk.source,
             "ranks": sorted(d.rank_dirs),
+            "sealed": sealed,
             **_new_counts(),
         }
-        items.extend((d.name, rank_dir, e, chunk.payload or 0) for rank_dir, e in entries)
+        if sealed is None and entries:
+            unread.unproven(d, unproven)
+        items.extend((d.name, rank_dir, e, chunk.payload or 0, sealed) for rank_dir, e in entries)
     for e in unread.errors:
         per_digest[e["digest"]]["errors"] += 1
     return items, per_digest
@@ -247,7 +263,7 @@ def verify_volume(
     listing_s = time.monotonic() - listed
     results = _Results(per_digest, unread, repair, announce if repair else None)
     totals, bad, errors = results.totals, results.bad, results.errors
-    total_bytes = sum(e.st.st_size for _, _, e, _ in items if stat.S_ISREG(e.st.st_mode))
+    total_bytes = sum(e.st.st_size for _, _, e, *_ in items if stat.S_ISREG(e.st.st_mode))
     progress = Progress(len(items), total_bytes, progress_stream)
 
     start = time.monotonic()

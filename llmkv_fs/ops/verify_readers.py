@@ -60,9 +60,9 @@ class Progress:
 
 
 def _work(item, out: queue.SimpleQueue, keyring: Keyring | None) -> None:
-    digest, rank_dir, entry, chunk = item
+    digest, rank_dir, entry, chunk, sealed = item
     try:
-        result = check_block(rank_dir, entry.path, entry.st, chunk, keyring)
+        result = check_block(rank_dir, entry.path, entry.st, chunk, keyring, sealed)
     except BaseException as exc:  # a bug must not hang the run
         result = Result(entry.path, ERROR, 0, "internal-error", repr(exc))
     out.put((digest, rank_dir, result))

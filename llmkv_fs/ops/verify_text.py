@@ -25,21 +25,7 @@ def print_report(report: dict[str, Any], out: TextIO) -> None:
         file=out,
     )
     for d in report["digests"]:
-        chunk = "-" if d["chunk_bytes"] is None else format_bytes(d["chunk_bytes"])
-        ranks = " ".join(f"r{r}" for r in d["ranks"]) or "no rank dirs"
-        source = {"trailer": "a trailer"}.get(d["chunk_source"], d["chunk_source"])
-        print(f"  {d['name']}  chunk {chunk} (from {source})  {ranks}", file=out)
-        print(
-            f"    verified {d['verified']}  unverified {d['unverified']}  bad {d['bad']}  "
-            f"unreadable {d['errors']}  vanished {d['vanished']}",
-            file=out,
-        )
-        if d["sealed_unchecked"] or d["foreign_key"]:
-            print(
-                f"    sealed: {d['sealed_unchecked']} not authenticated (no key given: "
-                f"--seal-key-file; not bad), {d['foreign_key']} of a key not given",
-                file=out,
-            )
+        _print_digest(d, out)
     if report["bad"]:
         print(f"bad files ({len(report['bad'])}):", file=out)
         for b in report["bad"]:
@@ -73,3 +59,22 @@ def print_report(report: dict[str, Any], out: TextIO) -> None:
     if report["repair"] and report["bad"]:
         summary += " (" + ", ".join(f"{n} {k}" for k, n in sorted(outcomes.items())) + ")"
     print(f"result: {summary}", file=out)
+
+
+def _print_digest(d: dict[str, Any], out: TextIO) -> None:
+    chunk = "-" if d["chunk_bytes"] is None else format_bytes(d["chunk_bytes"])
+    ranks = " ".join(f"r{r}" for r in d["ranks"]) or "no rank dirs"
+    source = {"trailer": "a trailer"}.get(d["chunk_source"], d["chunk_source"])
+    sealing = {True: "sealed", False: "plain"}.get(d["sealed"], "sealing unproven")
+    print(f"  {d['name']}  {sealing}  chunk {chunk} (from {source})  {ranks}", file=out)
+    print(
+        f"    verified {d['verified']}  unverified {d['unverified']}  bad {d['bad']}  "
+        f"unreadable {d['errors']}  vanished {d['vanished']}",
+        file=out,
+    )
+    if d["sealed_unchecked"] or d["foreign_key"]:
+        print(
+            f"    sealed: {d['sealed_unchecked']} not authenticated (no key given: "
+            f"--seal-key-file; not bad), {d['foreign_key']} of a key not given",
+            file=out,
+        )

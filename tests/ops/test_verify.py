@@ -206,8 +206,8 @@ def test_repair_leaves_a_file_republished_after_the_read(volume, capsys, monkeyp
     flip_byte(path, 7)
     real_check = verify_readers.check_block
 
-    def check_then_republish(rank_dir, p, lst, chunk, keyring=None):
-        result = real_check(rank_dir, p, lst, chunk, keyring)
+    def check_then_republish(rank_dir, p, lst, chunk, *rules):
+        result = real_check(rank_dir, p, lst, chunk, *rules)
         if p == path:
             os.rename(fresh, path)  # a store lands between our read and repair
         return result

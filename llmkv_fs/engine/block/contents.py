@@ -24,14 +24,8 @@ from llmkv_fs.engine.block.bytepath import BytePath, VectoredBytes
 from llmkv_fs.engine.block.options import IoOptions
 from llmkv_fs.engine.block.sealed import SealedBytes
 from llmkv_fs.engine.outcomes import NoChecksum, Outcome
-from llmkv_fs.layout.blockfile import (
-    TRAILER_SIZE,
-    file_sizes,
-    length_fault,
-    pack_trailer,
-    payload_checksum,
-    verify_block,
-)
+from llmkv_fs.layout.blockfile import TRAILER_SIZE, pack_trailer, payload_checksum
+from llmkv_fs.layout.judgement import BlockRules, Judgement
 from llmkv_fs.layout.paths import CacheLayout
 from llmkv_fs.layout.sealed import Keyring
 
@@ -68,9 +62,20 @@ class BlockContents:
         self._sealed = (
             None if keyring is None else SealedBytes(options, keyring, layout.rank_dir_rel)
         )
+        # How a block read back is judged: the rule llmkv-fs verify applies
+        # too (layout/judgement.py). SealedBytes applies its sealed half
+        # piece by piece.
+        self.rules = BlockRules(
+            options.block_size,
+            options.sealed,
+            options.checksum,
+            options.accept_trailerless,
+            keyring,
+            layout.rank_dir_rel.encode("utf-8", "surrogateescape"),
+        )
         # The file sizes a reader accepts (with a trailer; without one too
         # if accept_trailerless).
-        self.valid_sizes = file_sizes(options.block_size, options.accept_trailerless)
+        self.valid_sizes = self.rules.sizes
 
     # -- store -----------------------------------------------------------------
 
@@ -127,19 +132,10 @@ class BlockContents:
     def _check(
         self, key: bytes, row: memoryview, scratch: memoryview, n: int, digest: int | None
     ) -> Outcome:
-        opts = self.options
-        if n == opts.block_size + TRAILER_SIZE:
-            trailer = verify_block(row, scratch[:TRAILER_SIZE], key, opts.checksum, digest)
-            if not opts.checksum:
-                return Outcome.UNVERIFIED  # length and key checked, the payload not
-            if trailer.has_checksum:
-                return Outcome.VERIFIED
-            # Written with checksum: false. Without a checksum a flipped bit
-            # cannot be seen: like a trailer-less file, served only to a
-            # reader that accepts unverified blocks. Not corrupt: left alone.
-            if opts.accept_trailerless:
-                return Outcome.UNVERIFIED
-            raise NoChecksum(self.layout.block_path(key))
-        if n == opts.block_size and opts.accept_trailerless:
+        judged = self.rules.judge_plain(key, row, scratch[:TRAILER_SIZE], n, digest)
+        # By identity: an Enum's own hash is Python code (engine/outcomes.py).
+        if judged is Judgement.VERIFIED:
+            return Outcome.VERIFIED
+        if judged is Judgement.UNVERIFIED:
             return Outcome.UNVERIFIED
-        raise length_fault(n, opts.block_size, opts.accept_trailerless)
+        raise NoChecksum(self.layout.block_path(key))
