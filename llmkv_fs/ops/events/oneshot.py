@@ -4,7 +4,7 @@ the first event, never drops one on a full queue, and flushes on exit.
 
 vLLM's ``ZmqEventPublisher`` cannot do that: its PUB socket never tells
 who subscribed, so what it sends before a subscription has arrived is lost
-(ZMQ's "slow joiner": a router 1 ms away missed every event of a short
+(ZMQ's "slow joiner": a router across a network misses every event of a short
 run), it drops silently past its high-water mark, and its shutdown closes
 the socket without linger (what ZMQ still held is lost) -- harmless for an
 engine that runs for days, fatal for a tool that sends once and exits,
