@@ -9,7 +9,9 @@ directory that cannot be listed included: its blocks went unchecked).
 With --repair, bad files move into their rank directory's .quarantine/ --
 only if the path still names the inode that was read, so it is safe while
 tiers are live: a block republished meanwhile is left alone. With
---kv-events-config, each such move is announced first (a BlockRemoved).
+--kv-events-config, each such move is announced first (a BlockRemoved),
+waiting for the router's subscription; exit status 3 when a run otherwise
+clean could not deliver its events (``ops/events/options.py``).
 
 Here the files to read are chosen (one walk), the results counted on the
 owner thread and the report and command made; the reader threads and the
@@ -48,11 +50,17 @@ from llmkv_fs.ops.blockcheck import (
     infer_chunk_size,
     namespace_sealing,
 )
-from llmkv_fs.ops.events.options import add_event_arguments, announcer_from_args
+from llmkv_fs.ops.events.options import (
+    add_event_arguments,
+    announcer_from_args,
+    delivery_status,
+)
 from llmkv_fs.ops.per_root import (
+    EXIT_BAD_ROOT,
     RootOutcome,
     add_root_argument,
-    run_listed_roots,
+    roots_from_args,
+    run_roots,
     sum_totals,
 )
 from llmkv_fs.ops.problems import EXAMPLES_PER_KIND, Problems
@@ -343,11 +351,14 @@ def run(args: argparse.Namespace) -> int:
     except TierConfigError as exc:
         print(f"llmkv-fs verify: {exc}", file=sys.stderr)
         return 2
-    announce = announcer_from_args("verify", args) if args.repair else None
+    roots = roots_from_args("verify", args.root)
+    if roots is None:
+        return EXIT_BAD_ROOT
+    announce = announcer_from_args("verify", args, roots, one_shot=True) if args.repair else None
     try:
-        return run_listed_roots(
+        status = run_roots(
             "verify",
-            args.root,
+            roots,
             lambda root: _one_root(args, root, announce, keyring),
             as_json=args.json,
             dumps=lambda obj: json.dumps(obj, indent=1),
@@ -356,3 +367,4 @@ def run(args: argparse.Namespace) -> int:
     finally:
         if announce is not None:
             announce.close()
+    return delivery_status("verify", announce, status)

@@ -14,12 +14,20 @@ value), and ``group_idx`` the key's group. docs/deployment.md says what a
 router sees with ``self_describing_kv_events`` and chunks of several GPU
 blocks.
 
-Best-effort, never blocking: vLLM's ``publish`` waits on a full queue, so a
-batch is offered only while the queue has room (this object is the queue's
-only producer: the check cannot go stale into a wait) and otherwise
-dropped; a PUB socket drops on its own past ``hwm`` and never waits for a
-subscriber; an exception while publishing is counted and logged (once per
-kind every minute). ``counts`` says what was published, dropped and failed.
+Long-running (gc ``--watch``): best-effort, never blocking: vLLM's
+``publish`` waits on a full queue, so a batch is offered only while the
+queue has room (this object is the queue's only producer: the check cannot
+go stale into a wait) and otherwise dropped; a PUB socket drops on its own
+past ``hwm`` and never waits for a subscriber; an exception while
+publishing is counted and logged (once per kind every minute). ``counts``
+says what was published, dropped and failed.
+
+One-shot (``one_shot``: a tool that sends and exits): each target is a
+``OneShotPublisher`` (``oneshot.py``), which waits for its subscribers,
+never drops and flushes on close, each bounded by the target's ``wait_s``;
+``flush`` then blocks for as long. What could not reach every wanted
+subscriber counts as ``undelivered`` and ``troubles`` says why: the tool's
+output and exit status tell.
 
 Threading: one thread at a time calls ``removed``, ``stored``, ``flush``
 and ``close`` (gc acts from one thread); vLLM's publisher threads send.
@@ -34,9 +42,12 @@ import functools
 import logging
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from llmkv_fs.ops.events.config import EventsTarget
+
+if TYPE_CHECKING:
+    from llmkv_fs.ops.events.oneshot import OneShotPublisher
 
 __all__ = ["Announcer", "EventsUnavailable", "event_identity"]
 
@@ -53,6 +64,7 @@ class EventsUnavailable(RuntimeError):
 @functools.cache
 def _vllm() -> Any:
     try:
+        import msgspec
         from vllm.distributed import kv_events
         from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
         from vllm.v1.kv_offload.base import get_offload_block_hash, get_offload_group_idx
@@ -67,6 +79,8 @@ def _vllm() -> Any:
         convert = staticmethod(maybe_convert_block_hash)
         block_hash = staticmethod(get_offload_block_hash)
         group_idx = staticmethod(get_offload_group_idx)
+        # What vLLM's publisher encodes a batch with.
+        msgpack_encoder = staticmethod(msgspec.msgpack.Encoder)
 
     return Vllm
 
@@ -84,6 +98,7 @@ class Announcer:
         locality: str | None = None,
         batch_events: int = BATCH_EVENTS,
         clock: Callable[[], float] = time.time,
+        one_shot: bool = False,
     ):
         self._v = _vllm()
         self._locality = locality
@@ -95,13 +110,28 @@ class Announcer:
         self._stored: list[Any] = []
         self._pending = 0
         self._publishers: list[Any] = []
+        self._one_shot: list[OneShotPublisher] = []
+        self._start_troubles: list[str] = []
         for target in targets:
             try:
+                if one_shot:
+                    self._one_shot.append(self._one_shot_publisher(target))
+                    continue
                 publisher = self._v.events.ZmqEventPublisher(0, **target.publisher_kwargs())
             except Exception as exc:  # a bind that fails, a host ZMQ refuses, ...
                 self._failed("start", f"{target.endpoint}: {exc!r}")
+                self._start_troubles.append(f"{target.endpoint}: could not start: {exc}")
                 continue
             self._publishers.append(publisher)
+
+    def _one_shot_publisher(self, target: EventsTarget) -> OneShotPublisher:
+        from llmkv_fs.ops.events.oneshot import OneShotPublisher
+
+        zmq_publisher = self._v.events.ZmqEventPublisher
+        encoder = self._v.msgpack_encoder()
+        return OneShotPublisher(
+            target, encoder.encode, zmq_publisher._bind, zmq_publisher._is_bind_endpoint
+        )
 
     # -- what to announce ---------------------------------------------------------
 
@@ -156,9 +186,23 @@ class Announcer:
         self._removed, self._stored = {}, []
         for publisher in self._publishers:
             self._offer(publisher, events.KVEventBatch(ts=self._clock(), events=batch), n)
-        if not self._publishers:
-            self.counts["dropped"] += n
+        for one_shot in self._one_shot:
+            self._send(one_shot, events.KVEventBatch(ts=self._clock(), events=batch), n)
+        if not self._publishers and not self._one_shot:
+            self.counts["undelivered" if self._start_troubles else "dropped"] += n
         return n
+
+    def _send(self, publisher: OneShotPublisher, batch: Any, n: int) -> None:
+        batch.data_parallel_rank = 0  # as vLLM's publisher stamps it
+        try:
+            delivered = publisher.send(batch)
+        except Exception as exc:
+            self.counts["undelivered"] += n
+            self._failed("publish", repr(exc))
+            publisher.trouble = publisher.trouble or f"failed: {exc!r}"
+            return
+        self.counts["published" if delivered else "undelivered"] += n
+        self.counts["batches"] += 1 if delivered else 0
 
     def _offer(self, publisher: Any, batch: Any, n: int) -> None:
         try:
@@ -190,14 +234,29 @@ class Announcer:
     @property
     def publishing(self) -> bool:
         """Whether any target's publisher started."""
-        return bool(self._publishers)
+        return bool(self._publishers or self._one_shot)
+
+    def troubles(self) -> list[str]:
+        """One-shot: why events did not reach every wanted subscriber, one
+        line per target in trouble (complete after ``close``)."""
+        found = list(self._start_troubles)
+        for publisher in self._one_shot:
+            if publisher.trouble:
+                found.append(f"{publisher.endpoint}: {publisher.trouble}")
+            if not publisher.flushed:
+                found.append(
+                    f"{publisher.endpoint}: the flush on exit ran out of time (wait_s): "
+                    "the last events may not have arrived"
+                )
+        return found
 
     def report(self) -> dict[str, int]:
         return dict(sorted(self.counts.items()))
 
     def close(self) -> None:
         """Send what is queued and stop the publishers (vLLM's shutdown
-        gives its queue a second, then drops the rest)."""
+        gives its queue a second, then drops the rest; a one-shot publisher
+        flushes for up to its ``wait_s``)."""
         self.flush()
         publishers, self._publishers = self._publishers, []
         for publisher in publishers:
@@ -205,6 +264,14 @@ class Announcer:
                 publisher.shutdown()
             except Exception as exc:
                 self._failed("shutdown", repr(exc))
+        for one_shot in self._one_shot:
+            if one_shot.closed:
+                continue
+            try:
+                one_shot.close()
+            except Exception as exc:
+                self._failed("shutdown", repr(exc))
+                one_shot.flushed = False
 
     def __enter__(self) -> Announcer:
         return self

@@ -1,5 +1,11 @@
 """``llmkv-fs gc``'s arguments and its run loop: one pass under the
-volume's lock, or ``--watch`` passes until SIGTERM. Exit codes are below."""
+volume's lock, or ``--watch`` passes until SIGTERM. Exit codes are below.
+
+KV events: a one-pass gc is a one-shot tool (``ops/events/oneshot.py``:
+it waits for its subscribers at its first announcement and exits
+EXIT_UNDELIVERED when its events could not be delivered); ``--watch``
+publishes through vLLM's publisher, best effort. A dry run builds no
+publisher and binds nothing."""
 
 from __future__ import annotations
 
@@ -13,7 +19,12 @@ import traceback
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from llmkv_fs.ops.events.options import add_event_arguments, announcer_from_args
+from llmkv_fs.ops.events.options import (
+    EXIT_UNDELIVERED,
+    add_event_arguments,
+    announcer_from_args,
+    delivery_status,
+)
 from llmkv_fs.ops.gc.lock import LockBusy, VolumeLock
 from llmkv_fs.ops.gc.report import Progress
 from llmkv_fs.ops.gc.rules import Policy, pids_are_ours
@@ -31,11 +42,19 @@ from llmkv_fs.units import format_bytes, parse_duration, parse_percent_or_off, p
 if TYPE_CHECKING:
     from llmkv_fs.ops.events.announcer import Announcer
 
-__all__ = ["EXIT_BUSY", "EXIT_ERRORS", "EXIT_SIGTERM", "add_arguments", "run"]
+__all__ = [
+    "EXIT_BUSY",
+    "EXIT_ERRORS",
+    "EXIT_SIGTERM",
+    "EXIT_UNDELIVERED",
+    "add_arguments",
+    "run",
+]
 
 EXIT_ERRORS = 1  # the pass ran, some entries could not be read or acted on (in the report)
 EXIT_BUSY = 75  # EX_TEMPFAIL: another gc holds the volume's lock
 EXIT_SIGTERM = 143  # a one-shot run stopped by SIGTERM (--watch exits 0)
+# EXIT_UNDELIVERED (3): the pass ran clean, but some of its KV events were not delivered.
 
 DEFAULTS = {
     "min_age": "7d",  # a weekend plus slack: a model idle over a long weekend keeps its cache
@@ -288,7 +307,11 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_BAD_ROOT
     policy = _policy(args)
     stop = threading.Event()
-    announce = announcer_from_args("gc", args)  # one for every pass: --watch keeps it
+    if args.dry_run and args.kv_events_config:
+        print("llmkv-fs gc: --dry-run: no KV events are published", file=sys.stderr)
+    # One for every pass (--watch keeps it); none for a dry run, which touches nothing.
+    one_shot = args.watch is None
+    announce = None if args.dry_run else announcer_from_args("gc", args, roots, one_shot=one_shot)
 
     def one_pass(watching: bool) -> int:
         return run_roots(
@@ -307,8 +330,11 @@ def run(args: argparse.Namespace) -> int:
 
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
-        if args.watch is None:
-            return one_pass(watching=False)
+        if one_shot:
+            status = one_pass(watching=False)
+            if announce is not None:
+                announce.close()
+            return delivery_status("gc", announce, status)
         while not stop.is_set():
             try:
                 status = one_pass(watching=True)

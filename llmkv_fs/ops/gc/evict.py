@@ -13,8 +13,10 @@ older one stays. Each block is ``lstat``-ed once more right before its
 With KV events on (``announce``), blocks go in batches: each batch is
 re-checked, its removals are published, then it is unlinked -- a router
 learns of a block before it is gone, so one that still routes there meets a
-miss, never a half-deleted file. A block spared after all (loaded, replaced
-or failed between the check and its unlink) is announced stored again.
+miss, never a half-deleted file. A block spared after all (its unlink
+failed: EPERM, EACCES, EIO, ...: still there) is announced stored again;
+one already gone at its unlink (ENOENT: another gc or a person removed it
+after the announcement) is not: its removal announcement stands.
 """
 
 from __future__ import annotations
@@ -46,6 +48,8 @@ class _Candidate(NamedTuple):
 
 
 _BATCH_DIRS = 128
+# What an unlink did (``_Check.unlink``).
+_REMOVED, _GONE, _FAILED = "removed", "gone", "failed"
 
 
 def evict(
@@ -84,7 +88,10 @@ def evict(
                     planned += allocated(st)
             keys = _announce_removed(inv, chosen, announce)
             for index, (candidate, st) in enumerate(chosen):
-                if not check.unlink(candidate, dirs):
+                outcome = check.unlink(candidate, dirs)
+                if outcome == _GONE:
+                    continue  # removed by someone else: announced removed, rightly
+                if outcome == _FAILED:
                     spared = keys[index]
                     if spared is not None and announce is not None:
                         announce.stored(spared)  # still there after all
@@ -222,17 +229,18 @@ class _Check:
             return None  # republished, or loaded since it was listed
         return st
 
-    def unlink(self, candidate: _Candidate, dirs: DirHandles) -> bool:
-        """Unlink the candidate; whether that removed it."""
+    def unlink(self, candidate: _Candidate, dirs: DirHandles) -> str:
+        """Unlink the candidate: _REMOVED; _GONE if it (or its directory)
+        was already gone; _FAILED if it is still there (reported)."""
         try:
             fd = dirs.get(self.inv.top_of(candidate.dir_id), candidate.directory)
             os.unlink(candidate.name, dir_fd=fd)
         except FileNotFoundError:
-            return False
+            return _GONE
         except OSError as exc:
             self.problems.add(exc, f"{candidate.directory}/{candidate.name}", "unlink")
-            return False
-        return True
+            return _FAILED
+        return _REMOVED
 
 
 class DirHandles:

@@ -176,6 +176,7 @@ class Report:
             lines.append(
                 f"KV events: {e.get('published', 0):,} published, "
                 f"{e.get('dropped', 0):,} dropped, {e.get('errors', 0):,} failed"
+                + (f", {e['undelivered']:,} not delivered" if e.get("undelivered") else "")
             )
         if self.interrupted:
             lines.append("interrupted (SIGTERM): stopped between two actions")

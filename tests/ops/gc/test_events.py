@@ -14,6 +14,7 @@ import pytest
 
 from llmkv_fs.ops.events.announcer import Announcer
 from llmkv_fs.ops.events.config import parse_events_config
+from llmkv_fs.ops.events.options import EXIT_UNDELIVERED
 from llmkv_fs.ops.events.snapshot import snapshot
 from llmkv_fs.ops.verify import verify_volume
 from tests.kits import gc_kit
@@ -151,7 +152,7 @@ DEAD = {"endpoint": "tcp://127.0.0.1:9"}  # connect to a port nobody listens on
 def test_a_dead_endpoint_and_a_full_queue_cost_events_never_the_pass(disk_root, capsys):
     layout = gc_kit.make_digest(disk_root)[0]
     paths = [gc_kit.put_block(layout, gc_kit.key(i, "dead"), seconds_old=DAY) for i in range(50)]
-    config = json.dumps({**DEAD, "hwm": 1, "max_queue_size": 1})
+    config = json.dumps({**DEAD, "hwm": 1, "max_queue_size": 1, "wait_s": 0.2})
     status, report = gc_kit.gc(
         disk_root,
         "--max-bytes",
@@ -162,11 +163,12 @@ def test_a_dead_endpoint_and_a_full_queue_cost_events_never_the_pass(disk_root, 
         config,
         capsys=capsys,
     )
-    assert status == 0
+    # A one-pass gc waited wait_s for a subscriber, did its work, and says
+    # its events were not delivered.
+    assert status == EXIT_UNDELIVERED
     assert report["capacity"]["evicted_blocks"] == 50
     assert not any(os.path.exists(p) for p in paths)
-    events = report["events"]
-    assert events.get("published", 0) + events.get("dropped", 0) == 50
+    assert report["events"]["undelivered"] == 50
 
 
 def test_a_watching_gc_with_a_dead_endpoint_keeps_its_memory_flat(disk_root):
@@ -193,3 +195,47 @@ def test_a_watching_gc_with_a_dead_endpoint_keeps_its_memory_flat(disk_root):
     assert announce.counts["published"] + announce.counts["dropped"] == 1000
     assert traced_growth < 256 * 1024, traced_growth
     assert rss_growth < 8 * 1024 * 1024, rss_growth
+
+
+class _AnotherGcRemoves(Announcer):
+    """An Announcer during whose publication of a batch of removals another
+    gc (or a person) unlinks ``vanish`` of its blocks: gc's own unlinks of
+    those then meet ENOENT."""
+
+    def __init__(self, targets, layout, vanish: int):
+        super().__init__(targets)
+        self.layout, self.vanish, self.announced = layout, vanish, []
+
+    def removed(self, key: bytes) -> None:
+        super().removed(key)
+        self.announced.append(key)
+
+    def flush(self) -> int:
+        n = super().flush()
+        while self.announced and self.vanish:
+            os.unlink(self.layout.block_path(self.announced.pop(0)))
+            self.vanish -= 1
+        return n
+
+
+def test_a_block_gone_before_its_unlink_stays_announced_removed(disk_root):
+    layout = gc_kit.make_digest(disk_root)[0]
+    for i in range(6):
+        gc_kit.put_block(layout, gc_kit.key(i, "vanish"), seconds_old=DAY)
+    router = Router()
+    announce = _AnotherGcRemoves(
+        [parse_events_config(json.dumps({"endpoint": router.endpoint}))], layout, vanish=2
+    )
+    try:
+        connect_announcer(router, announce)
+        snapshot([disk_root], announce)
+        read_announcer(router, announce)
+        assert len(router.index) == 6
+        report = gc_announcing(disk_root, announce, max_bytes=0)
+        read_announcer(router, announce)
+    finally:
+        announce.close()
+        router.close()
+    assert announce.vanish == 0 and report.capacity["evicted_blocks"] == 4
+    assert volume_hashes(disk_root) == set()
+    assert router.index == set()  # never announced stored again
