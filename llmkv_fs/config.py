@@ -181,8 +181,9 @@ class TierSettings:
         metadata=declare(
             "The key id of seal_key_files new blocks are sealed with; may be left "
             "out when there is one key. Rotation: add the new key, make it the write "
-            "key on every replica, and remove the old one once its blocks have aged "
-            "out (gc sweeps them like any block; no key needed).",
+            "key on every replica, then remove the old one: its blocks are then "
+            "foreign_key misses that a store recomputing them writes over (gc sweeps "
+            "the rest like any block; no key needed).",
             key_id_or_null,
         ),
     )

@@ -273,6 +273,9 @@ class FsEngine:
             if result.is_load:
                 self._lookups.set_verdict(result.failed, False)
             else:
+                # A file remembered as unloadable that the store wrote over
+                # is a good block now.
+                self._lookups.forget_misses(result.replaced)
                 self._lookups.set_verdict(result.succeeded, True)
         return results
 

@@ -238,6 +238,13 @@ class AsyncExistence:
         while len(misses) > _MAX_REMEMBERED_MISSES:
             misses.popitem(last=False)
 
+    def forget_misses(self, keys: Iterable[bytes]) -> None:
+        """These keys' files were written over (Outcome.REPLACED): probe
+        them again."""
+        if self._misses:
+            for key in keys:
+                self._misses.pop(key, None)
+
     def _remembered_miss(self, key: bytes) -> bool:
         until = self._misses.get(key)
         if until is None:

@@ -61,7 +61,11 @@ class Outcome(_CounterKeyEnum):
     """A block that succeeded, and how. Anything else is a ``Failed``."""
 
     WRITTEN = "written"  # store: published a new file
-    PRESENT = "present"  # store: a valid-sized file was already there
+    PRESENT = "present"  # store: a block file this replica can load was already there
+    # store: published over a file this replica can prove it would not load
+    # (block/blockio.py: not a block file by its size, a bad trailer, sealed
+    # with a key it does not hold, no checksum where it wants one)
+    REPLACED = "replaced"
     VERIFIED = "verified"  # load: trailer, length, key and payload checksum checked
     # load: served without a checksum check -- a trailer-less file (vLLM's
     # built-in wrote it), a file written with checksum: false, or this reader
@@ -70,7 +74,8 @@ class Outcome(_CounterKeyEnum):
 
     @property
     def direction(self) -> Direction:
-        return Direction.STORE if self in (Outcome.WRITTEN, Outcome.PRESENT) else Direction.LOAD
+        stores = (Outcome.WRITTEN, Outcome.PRESENT, Outcome.REPLACED)
+        return Direction.STORE if self in stores else Direction.LOAD
 
 
 class Failure(_CounterKeyEnum):

@@ -23,12 +23,22 @@ import enum
 
 from llmkv_fs.layout.blockfile import (
     TRAILER_SIZE,
+    BlockFileError,
     Buffer,
+    Corruption,
+    check_trailer_names,
     file_sizes,
     length_fault,
+    unpack_trailer,
     verify_block,
 )
-from llmkv_fs.layout.sealed import ForeignKey, Keyring, check_unopened, open_payload
+from llmkv_fs.layout.sealed import (
+    ForeignKey,
+    Keyring,
+    check_unopened,
+    holds_key,
+    open_payload,
+)
 
 __all__ = ["BlockRules", "Judgement"]
 
@@ -128,6 +138,35 @@ class BlockRules:
         except ForeignKey:
             return Judgement.FOREIGN_KEY
         return Judgement.VERIFIED
+
+    def judge_trailer(self, key: bytes, trailer_page: Buffer, n: int) -> Judgement:
+        """What a load could at best make of a block file of ``n`` bytes, by
+        its trailer page alone (the payload unread; ``trailer_page`` unused
+        for a trailer-less file): raises BlockFileError where the load would
+        find it bad; ``NO_CHECKSUM`` or ``FOREIGN_KEY`` where it would refuse
+        it and leave it in place; else what a good payload would get. A store
+        that finds a file asks this (engine/block/blockio.py)."""
+        if not self.sealed:
+            if n == self.payload_len and self.accept_trailerless:
+                return Judgement.UNVERIFIED
+            if n != self.payload_len + TRAILER_SIZE:
+                raise length_fault(n, self.payload_len, self.accept_trailerless)
+            trailer = unpack_trailer(trailer_page)
+            check_trailer_names(trailer, key, self.payload_len)
+            if trailer.seal is not None:
+                raise BlockFileError(Corruption.BAD_VERSION, "a sealed block where plain ones live")
+            if not self.checksum:
+                return Judgement.UNVERIFIED
+            if trailer.has_checksum:
+                return Judgement.VERIFIED
+            return Judgement.UNVERIFIED if self.accept_trailerless else Judgement.NO_CHECKSUM
+        if self.keyring is None:
+            return self.judge_unopened(key, trailer_page, n)
+        if n != self.payload_len + TRAILER_SIZE:
+            raise length_fault(n, self.payload_len, trailerless=False)
+        if holds_key(self.keyring, trailer_page, key, self.payload_len):
+            return Judgement.VERIFIED
+        return Judgement.FOREIGN_KEY
 
     def judge_unopened(self, key: bytes, trailer_page: Buffer, n: int) -> Judgement:
         """What a sealed namespace's block file of ``n`` bytes is by its

@@ -214,6 +214,27 @@ def check_unopened(trailer_page: Buffer, key: bytes, payload_len: int) -> SealRe
     return trailer.seal
 
 
+def _sealing_key(keyring: Keyring, seal: SealRecord) -> SealKey:
+    """The key of ``keyring`` that sealed ``seal``; ForeignKey if none."""
+    held = keyring.by_id.get(seal.key_id)
+    if held is None:
+        raise ForeignKey(f"sealed with key id {seal.key_id}, which this reader does not hold")
+    if not hmac.compare_digest(held.check, seal.key_check):
+        raise ForeignKey(f"sealed with another key under key id {seal.key_id}")
+    return held
+
+
+def holds_key(keyring: Keyring, trailer_page: Buffer, key: bytes, payload_len: int) -> bool:
+    """Whether ``keyring`` holds the key that sealed the block of this
+    trailer page (checked as ``check_unopened``, BlockFileError; nothing
+    authenticated: the payload is not read)."""
+    try:
+        _sealing_key(keyring, check_unopened(trailer_page, key, payload_len))
+    except ForeignKey:
+        return False
+    return True
+
+
 def begin_open(
     keyring: Keyring, place: bytes, trailer_page: memoryview, key: bytes, payload_len: int
 ) -> tuple[AEADDecryptionContext, bytes]:
@@ -223,11 +244,7 @@ def begin_open(
     length or another block's key, and ForeignKey for a key we do not hold.
     """
     seal = check_unopened(trailer_page, key, payload_len)
-    held = keyring.by_id.get(seal.key_id)
-    if held is None:
-        raise ForeignKey(f"sealed with key id {seal.key_id}, which this reader does not hold")
-    if not hmac.compare_digest(held.check, seal.key_check):
-        raise ForeignKey(f"sealed with another key under key id {seal.key_id}")
+    held = _sealing_key(keyring, seal)
     decryptor = Cipher(algorithms.AES(held.secret), modes.GCM(seal.nonce)).decryptor()
     decryptor.authenticate_additional_data(_associated_data(place, trailer_page[: seal.tag_at]))
     return decryptor, seal.tag

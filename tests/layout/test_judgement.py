@@ -71,6 +71,18 @@ class Volume:
         assert len(verdicts) == 1, moved
         return verdicts.pop()
 
+    def store_outcome(self, i: int) -> str:
+        """What a store of block ``i`` over the planted file did."""
+        before = dict(self.engine.counters)
+        self.store(i)
+        after = self.engine.counters
+        (outcome,) = [
+            k.value
+            for k in (Outcome.PRESENT, Outcome.REPLACED, Outcome.WRITTEN)
+            if after[k] != before.get(k, 0)
+        ]
+        return outcome
+
     def verify_verdict(self, path: str) -> str:
         report = verify_volume(self.layout.root_dir, keyring=self.keyring)
         t = report["totals"]
@@ -182,6 +194,24 @@ def judge_table(volume: Volume, rows: list[Row]) -> None:
     assert got == expected  # (engine, verify) per row
 
 
+# What only the payload shows: a store judges a file it finds by its size
+# and trailer page, so these are kept (present), and quarantined by the load.
+_PAYLOAD_FAULTS = frozenset(("bad-seal", "bad-checksum"))
+
+
+def store_table(volume: Volume, rows: list[Row]) -> None:
+    """Plant each row alone and store its block over it: a store keeps a
+    file the load would serve (present) and writes over one the load would
+    refuse or call bad by its trailer (replaced)."""
+    expected, got = {}, {}
+    for i, (name, plant, verdict) in enumerate(rows):
+        path = plant(volume, i)
+        keep = verdict in ("verified", "unverified") or verdict in _PAYLOAD_FAULTS
+        expected[name], got[name] = ("present" if keep else "replaced"), volume.store_outcome(i)
+        os.remove(path)
+    assert got == expected
+
+
 def test_sealed_namespace_one_verdict(engines, tmp_path):
     secrets = tmp_path / "secrets"
     secrets.mkdir()
@@ -190,11 +220,13 @@ def test_sealed_namespace_one_verdict(engines, tmp_path):
     volume = Volume(engine, primary, keyring_from_args([path]))
     sealed_trailer(volume.path(ANCHOR))
     judge_table(volume, SEALED_ROWS)
+    store_table(volume, SEALED_ROWS)
 
 
 def test_plain_namespace_one_verdict(engines, tmp_path):
     engine, _, primary = engines(str(tmp_path / "v"), n_blocks=2, accept_trailerless=True)
     judge_table(Volume(engine, primary, None), PLAIN_ROWS)
+    store_table(Volume(engine, primary, None), PLAIN_ROWS)
 
 
 def test_rules_refuse_what_no_namespace_is():

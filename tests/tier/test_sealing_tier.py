@@ -14,7 +14,7 @@ import pytest
 from vllm.v1.kv_offload.base import LookupResult
 
 from llmkv_fs.checks import TierConfigError
-from llmkv_fs.engine import Direction, Failure
+from llmkv_fs.engine import Direction, Failure, Outcome
 from llmkv_fs.layout.blockfile import Corruption
 from tests.kits.seal_kit import forge_plain, key_file, sealed_trailer
 from tests.kits.tier_kit import builtin, make_keys, ours, payload_for, start
@@ -167,3 +167,34 @@ def test_sealing_refuses_trailerless_blocks(tmp_path, replicas, secrets):
     config = sealed_tier(str(tmp_path / "v"), key_file(secrets), accept_trailerless=True)
     with pytest.raises(TierConfigError, match="seal_key_files and accept_trailerless"):
         start(replicas, config)
+
+
+@pytest.mark.parametrize("case", ["a retired key id", "another key under our id"])
+def test_a_store_writes_over_blocks_this_replica_cannot_open(tmp_path, replicas, secrets, case):
+    """A key dropped from seal_key_files (rotation's last step), or a file
+    sealed with another key under one of our ids (planted): a foreign_key
+    miss, left in place for whoever holds that key -- and the store that
+    recomputes the block writes its own over it (``replaced``), so no
+    prefix stays uncached until gc evicts it."""
+    root = str(tmp_path / "v")
+    old = key_file(secrets, "old")
+    new = key_file(secrets, "new")
+    new_keys = {"2": new} if case == "a retired key id" else {"1": new}
+    keys = make_keys(3, seed=case)
+    start(replicas, ours(root, seal_key_files={"1": old})).store(keys)
+
+    rotated = start(replicas, ours(root, seal_key_files=new_keys))
+    assert rotated.find(keys)[0] == dict.fromkeys(keys, MISS)
+    rotated.settle()
+    counters = rotated.tier.engine.counters
+    assert counters[Direction.LOAD, Failure.FOREIGN_KEY] >= 1
+    rotated.store(keys)  # recomputed: in its CPU tier, and cascaded to ours
+    assert counters[Outcome.REPLACED] == len(keys)
+    assert counters[Outcome.PRESENT] == 0
+
+    reader = start(replicas, ours(root, seal_key_files=new_keys))
+    ctx = reader.new_request()
+    assert reader.find(keys, ctx)[0] == dict.fromkeys(keys, HIT)
+    for key in keys:
+        assert reader.read_primary(key, ctx) == payload_for(key, reader.row_bytes)
+    assert len(block_files(root)) == len(keys)

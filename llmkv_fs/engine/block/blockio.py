@@ -38,6 +38,7 @@ import errno
 import mmap
 import os
 import socket
+import stat
 import threading
 from collections.abc import Callable
 
@@ -49,6 +50,7 @@ from llmkv_fs.engine.block.stamps import AccessStamps
 from llmkv_fs.engine.block.tempfiles import DirectoryGone, TempFiles
 from llmkv_fs.engine.outcomes import Abandoned, BlockMissing, Outcome
 from llmkv_fs.layout.blockfile import TRAILER_SIZE, BlockFileError, Corruption
+from llmkv_fs.layout.judgement import Judgement
 from llmkv_fs.layout.names import block_place, temp_name
 from llmkv_fs.layout.paths import CacheLayout
 from llmkv_fs.layout.sealed import Keyring
@@ -60,6 +62,11 @@ from llmkv_fs.volume.quarantine import file_ident, quarantine_at
 __all__ = ["BlockIO"]
 
 _PAGE = mmap.PAGESIZE
+# A file a store finds is opened to read its trailer page: never through a
+# symlink, never blocking on a FIFO, never O_DIRECT (one page, any offset).
+_PROBE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+# What a load refuses without calling the file bad (left in place).
+_REFUSED = frozenset((Judgement.NO_CHECKSUM, Judgement.FOREIGN_KEY))
 
 
 class BlockIO:
@@ -145,6 +152,8 @@ class BlockIO:
         directory, resolved beneath the root and made as needed (a symlink
         on the way refuses the store: LinkInTree). Never leaves a partial
         file under the final name; removes its temp file on any failure.
+        PRESENT when a block file this replica would load is there already;
+        REPLACED when it wrote over a file it would not (``_found``).
 
         ``still_wanted`` is asked right before the rename: a job that passed
         its deadline meanwhile was already reported failed, and vLLM may have
@@ -182,10 +191,11 @@ class BlockIO:
         try:
             # access() answers "absent" without raising FileNotFoundError, the
             # common case here and measurably cheaper than lstat under the GIL.
-            if os.access(name, os.F_OK, dir_fd=dir_fd, follow_symlinks=False) and (
-                self._presence.published_at(dir_fd, name)
-            ):
-                return Outcome.PRESENT
+            there = os.access(name, os.F_OK, dir_fd=dir_fd, follow_symlinks=False)
+            if there:
+                usable, there = self._found(dir_fd, name, key)
+                if usable:
+                    return Outcome.PRESENT
             trailer = self._scratch()[:TRAILER_SIZE]
             tmp = temp_name(name, self._host, self._pid, self._local.nonce)
             fd = self._temps.create(dir_fd, tmp)
@@ -209,9 +219,53 @@ class BlockIO:
                 raise
             if opts.fsync_dir:
                 self._fsync_dir(dir_fd)
-            return Outcome.WRITTEN
+            return Outcome.REPLACED if there else Outcome.WRITTEN
         finally:
             os.close(dir_fd)
+
+    def _found(self, dir_fd: int, name: str, key: bytes) -> tuple[bool, bool]:
+        """What a store finds at the block's name: (a block file this
+        replica would load, anything there). Judged by the file's size and
+        trailer page alone (layout/judgement.py ``judge_trailer``): a file
+        a load would find bad, or refuse and leave in place -- sealed with a
+        key this replica does not hold, no checksum where it wants one -- is
+        written over, so no such file keeps its key uncached (a retired
+        seal key's blocks, or a planted file). A symlink, a non-regular file
+        or a file behind a mount point is never opened through (O_NOFOLLOW,
+        O_NONBLOCK, the root's device). A file gone meanwhile, or replaced
+        by another writer's rename (ESTALE on a network client), is nothing."""
+        try:
+            fd = os.open(name, _PROBE_FLAGS, dir_fd=dir_fd)
+        except OSError as exc:
+            if missing_or_stale(exc):
+                return False, False
+            if exc.errno == errno.ELOOP:  # a symlink at the name: renamed over
+                return False, True
+            raise
+        try:
+            st = os.fstat(fd)
+            n = st.st_size
+            if (
+                not stat.S_ISREG(st.st_mode)
+                or n not in self._contents.valid_sizes
+                or st.st_dev != self._below.root_dev()
+            ):
+                return False, True
+            page = self._scratch()[:TRAILER_SIZE]
+            if n > self.options.block_size:
+                got = os.preadv(fd, [page], self.options.block_size)
+                if got != TRAILER_SIZE:
+                    return False, True
+            judged = self._contents.rules.judge_trailer(key, page, n)
+        except BlockFileError:
+            return False, True
+        except OSError as exc:
+            if missing_or_stale(exc):
+                return False, False
+            raise
+        finally:
+            os.close(fd)
+        return judged not in _REFUSED, True
 
     @staticmethod
     def _fsync_dir(dir_fd: int) -> None:

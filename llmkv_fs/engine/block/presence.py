@@ -1,8 +1,7 @@
 """Whether a block's file is there: a regular file of a size our reader
 accepts, at the block's path resolved beneath the root. Lookups ask it for
 every key of a prompt (``BlockIO.exists``), mostly for blocks that are not
-there; a store asks it once, right before writing, for one already
-published.
+there. (A store that finds a file judges it itself: BlockIO.store.)
 
 A symlink anywhere on the way, or at the name, is not a block; neither is a
 file where a directory belongs. On NFS a miss is looked at again after
@@ -36,7 +35,6 @@ from collections.abc import Callable, Collection
 
 from llmkv_fs.layout.names import block_place
 from llmkv_fs.volume.beneath import Beneath
-from llmkv_fs.volume.files import missing_or_stale
 from llmkv_fs.volume.nofollow import LinkInTree
 from llmkv_fs.volume.openat2 import AVAILABLE as OPENAT2
 
@@ -171,18 +169,6 @@ class BlockPresence:
             and st.st_size in self._sizes
             and st.st_dev == self._below.root_dev()
         )
-
-    def published_at(self, dir_fd: int, name: str) -> bool:
-        """``block_at`` for a store about to write: a file another writer
-        just published may be gone, or replaced by a third writer's rename
-        (the old one then answers ESTALE through a network client), between
-        access() and the stat. Then it is written again, never failed."""
-        try:
-            return self.block_at(dir_fd, name)
-        except OSError as exc:
-            if missing_or_stale(exc):
-                return False
-            raise
 
     def _revalidate_dirs(self, rel_dir: str) -> None:
         """Really open the deepest existing directory between the block's

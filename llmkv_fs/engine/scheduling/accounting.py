@@ -62,6 +62,8 @@ class FinishedJob:
     latency: float = 0.0  # submit to reported, seconds
     quarantined: list[bytes] = dataclasses.field(default_factory=list)  # bad files moved aside
     missing: list[bytes] = dataclasses.field(default_factory=list)  # loads: no file (any more)
+    # stores: written over a file this replica would not load (Outcome.REPLACED)
+    replaced: list[bytes] = dataclasses.field(default_factory=list)
 
     @property
     def success(self) -> bool:
@@ -126,7 +128,9 @@ class JobAccountant:
             n = len(outcomes)
             self.counters[first] += n
             moved_blocks = 0 if first is Outcome.PRESENT else n
-            return self._finished(job, list(job.keys), [], moved_blocks, [])
+            keys = list(job.keys)
+            replaced = keys if first is Outcome.REPLACED else None
+            return self._finished(job, keys, [], moved_blocks, [], replaced=replaced)
         return self._account_each(job)
 
     def _account_each(self, job: IoJob) -> FinishedJob:
@@ -135,6 +139,7 @@ class JobAccountant:
         quarantined: list[bytes] = []
         missing: list[bytes] = []
         unreadable: list[bytes] = []  # failed loads whose file is still there
+        replaced: list[bytes] = []
         count = self.counters
         direction = Direction.LOAD if job.is_load else Direction.STORE
         moved_blocks = 0
@@ -144,6 +149,8 @@ class JobAccountant:
                 succeeded.append(key)
                 count[outcome] += 1
                 moved_blocks += outcome is not Outcome.PRESENT
+                if outcome is Outcome.REPLACED:
+                    replaced.append(key)
                 continue
             failed.append(key)
             assert outcome is not None, "a reported job has every block's result"
@@ -175,7 +182,7 @@ class JobAccountant:
                 self._error_log.report(direction.value, error)
         if unreadable and job.is_load:
             self._remember_misses(unreadable)
-        return self._finished(job, succeeded, failed, moved_blocks, quarantined, missing)
+        return self._finished(job, succeeded, failed, moved_blocks, quarantined, missing, replaced)
 
     def _finished(
         self,
@@ -185,6 +192,7 @@ class JobAccountant:
         moved_blocks: int,
         quarantined: list[bytes],
         missing: list[bytes] | None = None,
+        replaced: list[bytes] | None = None,
     ) -> FinishedJob:
         moved = moved_blocks * self.block_size
         self.counters[Tally.BYTES_READ if job.is_load else Tally.BYTES_WRITTEN] += moved
@@ -200,4 +208,5 @@ class JobAccountant:
             latency,
             quarantined,
             missing or [],
+            replaced or [],
         )
