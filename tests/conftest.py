@@ -7,6 +7,7 @@ from typing import NamedTuple
 
 import pytest
 
+from tests.kits import timing_kit
 from tests.kits.e2e_kit import e2e_base, e2e_env  # noqa: F401  (session fixtures: vllm serve)
 from tests.kits.engine_kit import (  # noqa: F401  (engine fixtures)
     engine_clock,
@@ -240,6 +241,9 @@ def pytest_runtest_makereport(item, call):
 
 
 def pytest_terminal_summary(terminalreporter):
+    # Last: where the integration lane's minutes went (tests/kits/timing_kit.py).
+    for line in timing_kit.summary():
+        terminalreporter.write_line("slow fixture: " + line)
     if not _MODE_SECONDS:
         return
     parts = []

@@ -14,7 +14,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.kits import timing_kit
 from tools.e2e import venv as e2e_venv
+from tools.e2e.server import Server
 
 
 @pytest.fixture(scope="session")
@@ -33,9 +35,11 @@ def e2e_env(e2e_base):
         pytest.skip("LLMKV_FS_E2E=0")
     required = os.environ.get("LLMKV_FS_REQUIRE_E2E") == "1"
     try:
-        venv = e2e_venv.ensure_venv()
-        model = e2e_venv.ensure_model(venv, "test")
-        site = e2e_venv.install_checkout(venv, e2e_base / "site")
+        with timing_kit.timed("e2e venv (built or cached)"):
+            venv = e2e_venv.ensure_venv()
+        with timing_kit.timed("e2e model and checkout install"):
+            model = e2e_venv.ensure_model(venv, "test")
+            site = e2e_venv.install_checkout(venv, e2e_base / "site")
     except (OSError, subprocess.CalledProcessError) as exc:
         detail = getattr(exc, "stderr", None) or ""
         reason = (
@@ -46,6 +50,12 @@ def e2e_env(e2e_base):
             pytest.fail(reason + "; LLMKV_FS_REQUIRE_E2E=1")
         pytest.skip(reason)
     return venv, model, site
+
+
+def start(server: Server, timeout_s: float) -> Server:
+    """``server.start(timeout_s)``, its time noted for the run's summary."""
+    with timing_kit.timed("vllm serve start"):
+        return server.start(timeout_s)
 
 
 def prompt(seed: int, tokens: int) -> list[int]:

@@ -80,6 +80,16 @@ def wait_until(predicate, what: str, deadline_s: float = DEADLINE_S) -> None:
         time.sleep(0.002)
 
 
+def housekeeping_rounds(keeper, n: int) -> None:
+    """Wait until a root's housekeeping thread has sampled the volume ``n``
+    more times: each round samples it first, so with ``n >= 2`` the round
+    before the last is whole (everything it does came after this call)."""
+    for _ in range(n):
+        seen = keeper.guard.usage
+        keeper._wake.set()
+        wait_until(lambda seen=seen: keeper.guard.usage is not seen, "a housekeeping round")
+
+
 def settle(engine: FsEngine, key: bytes, request: str) -> bool:
     """Repeat lookup with end_step in between until it has a verdict."""
     deadline = time.monotonic() + DEADLINE_S

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.kits import service_kit
+from tests.kits import service_kit, timing_kit
 from tools.gluster import glusterd, loopback
 
 REQUIRE_ENV = "LLMKV_FS_REQUIRE_GLUSTER"
@@ -40,7 +40,8 @@ def _unavailable(reason: str):
 def gluster():
     """One GlusterFS volume for the whole session, mounted twice (two clients)."""
     try:
-        vol = loopback.bring_up(PREFIX)
+        with timing_kit.timed("GlusterFS volume up"):
+            vol = loopback.bring_up(PREFIX)
     except (glusterd.Unavailable, OSError) as exc:
         _unavailable(str(exc))
     try:

@@ -23,7 +23,7 @@ import pytest
 
 from llmkv_fs.ops.events.announcer import Announcer
 from llmkv_fs.ops.events.config import parse_events_config
-from tests.kits import KITS
+from tests.kits import KITS, e2e_kit
 from tests.kits.e2e_kit import prompt
 from tests.kits.events_kit import (
     Router,
@@ -89,7 +89,7 @@ def test_gc_removes_exactly_the_hashes_the_server_stored(e2e_env, e2e_base, mode
     server = serving_with_events(e2e_env, e2e_base / f"events_{mode}", router, mode)
     root = server.config.root_dir
     try:
-        server.start(START_TIMEOUT_S)
+        e2e_kit.start(server, START_TIMEOUT_S)
         subscribed(server, router)
         assert volume_hashes(root) == set() and router.stored == set()
 

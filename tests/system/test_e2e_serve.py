@@ -243,7 +243,7 @@ def story(e2e_env, e2e_base, request):
         first = story.server(
             e2e_env, "server1", str(pause_dir), durability="full", n_write_threads=1
         )
-        first.start(START_TIMEOUT_S)
+        e2e_kit.start(first, START_TIMEOUT_S)
         story.cold_text["P1"], _ = first.complete(story.prompts["P1"])
         after_p1 = set(wait_stored(story.root, full_chunks(story.prompts["P1"])))
         story.cold_text["P2"], _ = first.complete(story.prompts["P2"])
@@ -256,7 +256,7 @@ def story(e2e_env, e2e_base, request):
         story.corrupted = story.p2_files[len(story.p2_files) // 2]
         flip_a_byte(story.corrupted)
 
-        story.second = story.server(e2e_env, "server2").start(START_TIMEOUT_S)
+        story.second = e2e_kit.start(story.server(e2e_env, "server2"), START_TIMEOUT_S)
         yield story
     finally:
         for server in story.servers:
@@ -334,7 +334,7 @@ def test_sigkill_mid_store_leaves_no_temp_file_after_gc_and_restarts_cleanly(sto
 
 def test_two_servers_on_one_root_share_blocks(story, e2e_env):
     a = story.second
-    b = story.server(e2e_env, "server3").start(START_TIMEOUT_S)
+    b = e2e_kit.start(story.server(e2e_env, "server3"), START_TIMEOUT_S)
     shared = prompt(4)
     before = len(block_files(story.root))
     text_a, _ = a.complete(shared)
@@ -361,7 +361,7 @@ def test_two_roots_store_on_both_and_a_restart_loads_from_both(story, e2e_env, t
     chunks = full_chunks(shared)
     first = Server(config, "roots1")
     story.servers.append(first)
-    text, _ = first.start(START_TIMEOUT_S).complete(shared)
+    text, _ = e2e_kit.start(first, START_TIMEOUT_S).complete(shared)
     wait_for(
         lambda: (
             sum(len(block_files(r)) for r in roots) >= chunks
@@ -374,7 +374,7 @@ def test_two_roots_store_on_both_and_a_restart_loads_from_both(story, e2e_env, t
     assert all(block_files(r) for r in roots), {r: len(block_files(r)) for r in roots}
     second = Server(config, "roots2")
     story.servers.append(second)
-    text_again, _ = second.start(START_TIMEOUT_S).complete(shared)
+    text_again, _ = e2e_kit.start(second, START_TIMEOUT_S).complete(shared)
     assert text_again == text
     wait_for(lambda: second.metric_sum(LOADED) >= chunks, METRIC_TIMEOUT_S, "the restart loading")
     for root in roots:  # each root served its share

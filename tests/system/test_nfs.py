@@ -27,7 +27,7 @@ import time
 
 import pytest
 
-from tests.kits import nfs_kit
+from tests.kits import nfs_kit, timing_kit
 
 # The integration lane (tests/conftest.py): plain pytest leaves it out. A
 # batch is bounded by its own limits below (the guest's silence, its total),
@@ -155,6 +155,8 @@ def _batch(version: str, argv: list[str], env: dict[str, str], quiet_limit_s: fl
             TOTAL_LIMIT_S * slowdown,
         )
     total = time.monotonic() - started
+    timing_kit.note(f"NFS v{version} guest boot", booted - started)
+    timing_kit.note(f"NFS v{version} batch and shutdown", total - (booted - started))
     summary = done.stdout.strip().splitlines()[-1:] or ["(no output)"]
     print(
         f"NFS v{version}: guest up in {booted - started:.0f}s, probe {probe_s:.1f}s "

@@ -27,7 +27,7 @@ from llmkv_fs.engine.upkeep.space import SpaceGuard
 from llmkv_fs.volume.leases import Lease, lease_dir, read_leases
 from tests.kits import REPO
 from tests.kits.clock_kit import JUST_BEFORE_S, ManualClock
-from tests.kits.engine_kit import IO_WORKERS_ENV
+from tests.kits.engine_kit import IO_WORKERS_ENV, housekeeping_rounds
 from tests.kits.tier_kit import (
     Replica,
     assert_io_mode,
@@ -84,8 +84,7 @@ def test_lease_lifecycle(disk_root):
         engine = replica.tier.engine
         # Before the first step the hash seed is not known yet: no lease, even
         # after the housekeeping thread has been round once.
-        seen = engine.roots[0].guard.usage
-        wait_until(lambda: engine.roots[0].guard.usage is not seen, "a housekeeping round")
+        housekeeping_rounds(engine.roots[0].housekeeping, 2)  # a whole round
         assert leases_of(replica) == []
 
         replica.step()
@@ -161,7 +160,7 @@ def test_short_lease_interval_is_refreshed_before_it_looks_dead(disk_root, monke
         lease = wait_for_lease(replica)
         mtime = os.stat(lease.path).st_mtime_ns
         clock.advance(interval - JUST_BEFORE_S)
-        rounds(keeper, 2)  # a whole round ran after the clock moved
+        housekeeping_rounds(keeper, 2)  # a whole round ran after the clock moved
         assert os.stat(lease.path).st_mtime_ns == mtime, "refreshed before its interval"
         clock.advance(JUST_BEFORE_S)
         wait_for_refresh(lease.path, mtime)
@@ -170,14 +169,6 @@ def test_short_lease_interval_is_refreshed_before_it_looks_dead(disk_root, monke
         assert ticks.timeouts and max(ticks.timeouts) <= interval / 2, ticks.timeouts
     finally:
         replica.close()
-
-
-def rounds(keeper, n: int) -> None:
-    """Wait until the housekeeping thread has sampled the volume ``n`` more
-    times: each round samples it first, so the round before the last is whole."""
-    for _ in range(n):
-        seen = keeper.guard.usage
-        wait_until(lambda seen=seen: keeper.guard.usage is not seen, "a housekeeping round")
 
 
 # -- replicas in separate processes ---------------------------------------------------------
