@@ -29,7 +29,7 @@ import mmap
 import os
 import stat
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 from llmkv_fs.layout.blockfile import (
     TRAILER_SIZE,
@@ -59,6 +59,7 @@ __all__ = [
     "ChunkSize",
     "Result",
     "check_block",
+    "chunk_size_of",
     "infer_chunk_size",
     "namespace_sealing",
     "open_for_check",
@@ -84,8 +85,8 @@ _STATUS = {
 _PAGE = mmap.PAGESIZE
 O_NOATIME = getattr(os, "O_NOATIME", 0)
 _BASE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
-_PROBE_SIZES = 8  # distinct file sizes tried when looking for a trailer
-_PROBE_PER_SIZE = 3  # files of one size tried
+PROBE_SIZES = 8  # distinct file sizes tried when looking for a trailer
+PROBE_PER_SIZE = 3  # files of one size tried
 
 
 def open_for_check(path: str, dir_fd: int | None = None) -> tuple[int, bool]:
@@ -224,15 +225,25 @@ def _trailer_payload(path: str, size: int) -> int | None:
 def infer_chunk_size(files: Iterable[tuple[str, int]]) -> ChunkSize:
     """Chunk size of one digest from its regular block files' (path, size):
     reads at most a few trailer pages, most common sizes first."""
-    by_size: dict[int, list[str]] = collections.defaultdict(list)
+    counts: collections.Counter[int] = collections.Counter()
+    probes: dict[int, list[str]] = collections.defaultdict(list)
     for path, size in files:
-        if size > 0:
-            by_size[size].append(path)
-    if not by_size:
+        counts[size] += 1
+        if len(probes[size]) < PROBE_PER_SIZE:
+            probes[size].append(path)
+    return chunk_size_of(counts, probes)
+
+
+def chunk_size_of(counts: Mapping[int, int], probes: Mapping[int, list[str]]) -> ChunkSize:
+    """``infer_chunk_size`` from how many files there are of each size and
+    a few paths of each (``PROBE_PER_SIZE``): the first of the most common
+    sizes (``PROBE_SIZES`` tried) whose files end in a trailer that agrees,
+    else the most common size, trailer-less. Empty files never count."""
+    ranked = sorted((s for s in counts if s > 0), key=lambda s: (-counts[s], s))
+    if not ranked:
         return ChunkSize(None, "no block files")
-    ranked = sorted(by_size, key=lambda s: (-len(by_size[s]), s))
-    for size in ranked[:_PROBE_SIZES]:
-        for path in by_size[size][:_PROBE_PER_SIZE]:
+    for size in ranked[:PROBE_SIZES]:
+        for path in probes.get(size, [])[:PROBE_PER_SIZE]:
             payload = _trailer_payload(path, size)
             if payload is not None:
                 return ChunkSize(payload, "trailer")

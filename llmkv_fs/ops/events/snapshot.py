@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 from llmkv_fs.layout.blockfile import file_sizes
 from llmkv_fs.layout.names import parse_block_path
 from llmkv_fs.ops import kinds, walker
-from llmkv_fs.ops.blockcheck import infer_chunk_size
+from llmkv_fs.ops.blockcheck import PROBE_PER_SIZE, chunk_size_of
 from llmkv_fs.ops.events.options import (
     add_event_arguments,
     announcer_from_args,
@@ -159,7 +159,7 @@ def _blocks_of(root: str, skipped: collections.Counter[str]):
                         continue
                     size = entry.st.st_size
                     by_size[size].append(key)
-                    if len(probes[size]) < _PROBES_PER_SIZE:
+                    if len(probes[size]) < PROBE_PER_SIZE:
                         probes[size].append(entry.path)
         served = _served_sizes(by_size, probes)
         for size, keys in by_size.items():
@@ -169,20 +169,12 @@ def _blocks_of(root: str, skipped: collections.Counter[str]):
                 skipped["wrong size"] += len(keys)
 
 
-_PROBES_PER_SIZE, _PROBE_SIZES = 3, 8  # as verify's infer_chunk_size reads
-
-
 def _served_sizes(by_size: dict[int, list[bytes]], probes: dict[int, list[str]]) -> frozenset[int]:
-    """The file sizes a replica serves in one digest: its block size with
-    trailer, or without (vLLM's built-in tier). The block size as
-    ``verify`` infers it: the first of the most common sizes whose files'
-    trailer agrees, else the most common size (0 never)."""
-    ranked = sorted((size for size in by_size if size > 0), key=lambda s: (-len(by_size[s]), s))
-    for size in ranked[:_PROBE_SIZES]:
-        chunk = infer_chunk_size((path, size) for path in probes[size])
-        if chunk.source == "trailer" and chunk.payload is not None:
-            return file_sizes(chunk.payload, trailerless=True)
-    return file_sizes(ranked[0], trailerless=True) if ranked else frozenset()
+    """The file sizes a replica serves in one digest: its block size (as
+    ``verify`` infers it, blockcheck.chunk_size_of) with trailer, or without
+    (vLLM's built-in tier)."""
+    chunk = chunk_size_of({size: len(keys) for size, keys in by_size.items()}, probes)
+    return frozenset() if chunk.payload is None else file_sizes(chunk.payload, trailerless=True)
 
 
 def run(args: argparse.Namespace) -> int:
