@@ -41,7 +41,14 @@ from llmkv_fs.engine.launch import (
 )
 from llmkv_fs.engine.lookup import AsyncExistence
 from llmkv_fs.engine.lookup_checks import Found
-from llmkv_fs.engine.outcomes import CounterKey, Direction, Failure, LookupAnswer, Tally
+from llmkv_fs.engine.outcomes import (
+    CounterKey,
+    Direction,
+    Failure,
+    LookupAnswer,
+    MissReason,
+    Tally,
+)
 from llmkv_fs.engine.root_presence import at_once, each_key, on_their_roots
 from llmkv_fs.engine.roots import EngineRoot, close_roots, open_roots
 from llmkv_fs.engine.scheduling.accounting import FinishedJob, JobAccountant, ThrottledErrorLog
@@ -121,6 +128,8 @@ class FsEngine:
         # Lookups by verdict, folded into the counters when read: a Counter
         # increment keyed by an enum cost ~0.5 us a lookup (issue 33).
         self._lookup_tally: dict[bool | None, int] = dict.fromkeys((True, False, None), 0)
+        # Lookups answered miss by why, folded likewise; they sum to the misses.
+        self._miss_tally: dict[MissReason, int] = dict.fromkeys(MissReason, 0)
         # Blocks by (root index, direction, succeeded), as placed (owner only).
         self.root_counters: collections.Counter[tuple[int, Direction, bool]] = collections.Counter()
         self._error_log = ThrottledErrorLog()
@@ -293,13 +302,24 @@ class FsEngine:
     def lookup(self, key: bytes, request_id: str) -> bool | None:
         # The step's cached verdict: a per-key clock read would cost more
         # than the lookup itself, and a stall is detected per step anyway.
-        # vLLM asks every key of a prompt every step: nothing more here.
+        # vLLM asks every key of a prompt every step: nothing more here. A
+        # miss (asked again only up to the first one of a prompt) also
+        # counts why, once per lookup answered False.
         if self._stalled or self._lost_roots:
-            refused = self._stalled or self.placement.home(key) in self._lost_roots
-            verdict = False if refused else self._lookups.lookup(key, request_id)
-        else:
-            verdict = self._lookups.lookup(key, request_id)
+            if self._stalled:
+                refused: MissReason | None = MissReason.STALLED
+            elif self.placement.home(key) in self._lost_roots:
+                refused = MissReason.LOST_ROOT
+            else:
+                refused = None
+            if refused is not None:
+                self._lookup_tally[False] += 1
+                self._miss_tally[refused] += 1
+                return False
+        verdict = self._lookups.lookup(key, request_id)
         self._lookup_tally[verdict] += 1
+        if verdict is False:
+            self._miss_tally[self._lookups.miss_reason(key)] += 1
         return verdict
 
     def miss_was_checked(self, key: bytes) -> bool:
@@ -320,6 +340,10 @@ class FsEngine:
             for verdict, count in tally.items():
                 self._counters[_LOOKUP_ANSWER[verdict]] += count
                 tally[verdict] = 0
+            for reason, count in self._miss_tally.items():
+                if count:
+                    self._counters[reason] += count
+                    self._miss_tally[reason] = 0
         return self._counters
 
     def end_step(self) -> None:
