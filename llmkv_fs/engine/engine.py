@@ -56,6 +56,7 @@ from llmkv_fs.engine.scheduling.executor import Executor
 from llmkv_fs.engine.scheduling.jobs import IoJob, QueueFull
 from llmkv_fs.engine.scheduling.scheduler import BlockScheduler
 from llmkv_fs.engine.startup.io_setup import rows_view
+from llmkv_fs.engine.startup.neighbours import log_other_deployments
 from llmkv_fs.engine.startup.numa import PinningPlan, plan_pinning, read_topology
 from llmkv_fs.engine.upkeep.prepare import EngineError
 from llmkv_fs.layout.blockfile import Buffer
@@ -154,6 +155,8 @@ class FsEngine:
         )
         self.job_latencies = self._accountant.job_latencies
         log_start(settings, self._started, self.pinning, self._presence(), keyring, self.roots)
+        for root in self.roots:  # config.json files and leases only: no block walk
+            log_other_deployments(root.layout)
 
     def _start_io(self) -> Started:
         """The executor, then each root's headroom: every block the executor
