@@ -47,7 +47,7 @@ def leased(replica, root: str) -> None:
             names = os.listdir(directory)
         except FileNotFoundError:
             return False
-        return sum(mine in n and n.endswith(".json") for n in names) >= 1
+        return any(mine in n and n.endswith(".json") and not n.startswith(".") for n in names)
 
     wait_until(written, "the replica's lease")
 
