@@ -35,19 +35,22 @@ def doctor(capsys, *args: str) -> tuple[int, dict]:
 
 def leased(replica, root: str) -> None:
     """Step ``replica`` until its lease is on ``root`` (the tier publishes it
-    after its first step, from its housekeeping thread)."""
-    replica.step()
+    after its first step, from its housekeeping thread): a lease name that
+    was not there before."""
     (engine_root,) = [r for r in replica.tier.engine.roots if r.root_dir == root]
     directory = lease_dir(engine_root.layout.base_path)
-    mine = f"~{os.getpid()}~"
+
+    def names() -> set[str]:
+        try:
+            return {n for n in os.listdir(directory) if n.endswith(".json") and n[0] != "."}
+        except FileNotFoundError:
+            return set()
+
+    before = names()
 
     def written() -> bool:
         replica.step()
-        try:
-            names = os.listdir(directory)
-        except FileNotFoundError:
-            return False
-        return any(mine in n and n.endswith(".json") and not n.startswith(".") for n in names)
+        return bool(names() - before)
 
     wait_until(written, "the replica's lease")
 

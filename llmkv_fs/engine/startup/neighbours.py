@@ -83,7 +83,7 @@ def other_deployments(layout: CacheLayout) -> list[OtherDeployment]:
     ours = layout.run_config
     model = safe_model_component(str(ours.get("model_name", "")))
     root = layout.root_dir
-    names = []
+    names: list[str] = []
     with os.scandir(root) as entries:
         for count, entry in enumerate(entries):
             if count >= _MAX_ENTRIES or len(names) >= _MAX_OTHERS:
