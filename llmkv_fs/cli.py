@@ -13,7 +13,7 @@ import os
 from llmkv_fs import __version__
 from llmkv_fs.config import SETTINGS
 from llmkv_fs.harness import bench, demo
-from llmkv_fs.ops import gc, stats, verify
+from llmkv_fs.ops import doctor, gc, stats, verify
 from llmkv_fs.ops.events import snapshot as events
 
 
@@ -52,6 +52,7 @@ _VOLUME_TOOLS = (
     ("gc", gc, "keep a cache volume healthy: orphaned digests, stale temp files, capacity"),
     ("stats", stats, "what is on a cache volume, per digest"),
     ("verify", verify, "check every block's trailer and checksum"),
+    ("doctor", doctor, "why replicas do not share: deployments compared, every cause named"),
     ("events", events, "KV events for a router: snapshot (a BlockStored for every block)"),
 )
 
@@ -72,7 +73,7 @@ def build_parser(prog: str = "llmkv-fs") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=prog,
         description="llmkv_fs, a shared-filesystem KV-cache tier for vLLM: look "
-        "after a cache volume (gc, stats, verify), see the tier at work (demo, bench).",
+        "after a cache volume (gc, stats, verify, doctor), see the tier at work (demo, bench).",
     )
     parser.add_argument("--version", action="version", version=f"llmkv-fs {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)

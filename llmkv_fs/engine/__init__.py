@@ -33,6 +33,7 @@ _WHERE: dict[str, tuple[str, ...]] = {
         "Failed",
         "Failure",
         "LookupAnswer",
+        "MissReason",
         "Outcome",
         "StoreRefused",
         "Tally",
@@ -64,6 +65,7 @@ if TYPE_CHECKING:
     from llmkv_fs.engine.outcomes import Failed as Failed
     from llmkv_fs.engine.outcomes import Failure as Failure
     from llmkv_fs.engine.outcomes import LookupAnswer as LookupAnswer
+    from llmkv_fs.engine.outcomes import MissReason as MissReason
     from llmkv_fs.engine.outcomes import Outcome as Outcome
     from llmkv_fs.engine.outcomes import StoreRefused as StoreRefused
     from llmkv_fs.engine.outcomes import Tally as Tally

@@ -41,7 +41,14 @@ from llmkv_fs.engine.launch import (
 )
 from llmkv_fs.engine.lookup import AsyncExistence
 from llmkv_fs.engine.lookup_checks import Found
-from llmkv_fs.engine.outcomes import CounterKey, Direction, Failure, LookupAnswer, Tally
+from llmkv_fs.engine.outcomes import (
+    CounterKey,
+    Direction,
+    Failure,
+    LookupAnswer,
+    MissReason,
+    Tally,
+)
 from llmkv_fs.engine.root_presence import at_once, each_key, on_their_roots
 from llmkv_fs.engine.roots import EngineRoot, close_roots, open_roots
 from llmkv_fs.engine.scheduling.accounting import FinishedJob, JobAccountant, ThrottledErrorLog
@@ -49,6 +56,7 @@ from llmkv_fs.engine.scheduling.executor import Executor
 from llmkv_fs.engine.scheduling.jobs import IoJob, QueueFull
 from llmkv_fs.engine.scheduling.scheduler import BlockScheduler
 from llmkv_fs.engine.startup.io_setup import rows_view
+from llmkv_fs.engine.startup.neighbours import log_other_deployments
 from llmkv_fs.engine.startup.numa import PinningPlan, plan_pinning, read_topology
 from llmkv_fs.engine.upkeep.prepare import EngineError
 from llmkv_fs.layout.blockfile import Buffer
@@ -121,6 +129,8 @@ class FsEngine:
         # Lookups by verdict, folded into the counters when read: a Counter
         # increment keyed by an enum cost ~0.5 us a lookup (issue 33).
         self._lookup_tally: dict[bool | None, int] = dict.fromkeys((True, False, None), 0)
+        # Lookups answered miss by why, folded likewise; they sum to the misses.
+        self._miss_tally: dict[MissReason, int] = dict.fromkeys(MissReason, 0)
         # Blocks by (root index, direction, succeeded), as placed (owner only).
         self.root_counters: collections.Counter[tuple[int, Direction, bool]] = collections.Counter()
         self._error_log = ThrottledErrorLog()
@@ -145,6 +155,8 @@ class FsEngine:
         )
         self.job_latencies = self._accountant.job_latencies
         log_start(settings, self._started, self.pinning, self._presence(), keyring, self.roots)
+        for root in self.roots:  # config.json files and leases only: no block walk
+            log_other_deployments(root.layout)
 
     def _start_io(self) -> Started:
         """The executor, then each root's headroom: every block the executor
@@ -296,13 +308,24 @@ class FsEngine:
     def lookup(self, key: bytes, request_id: str) -> bool | None:
         # The step's cached verdict: a per-key clock read would cost more
         # than the lookup itself, and a stall is detected per step anyway.
-        # vLLM asks every key of a prompt every step: nothing more here.
+        # vLLM asks every key of a prompt every step: nothing more here. A
+        # miss (asked again only up to the first one of a prompt) also
+        # counts why, once per lookup answered False.
         if self._stalled or self._lost_roots:
-            refused = self._stalled or self.placement.home(key) in self._lost_roots
-            verdict = False if refused else self._lookups.lookup(key, request_id)
-        else:
-            verdict = self._lookups.lookup(key, request_id)
+            if self._stalled:
+                refused: MissReason | None = MissReason.STALLED
+            elif self.placement.home(key) in self._lost_roots:
+                refused = MissReason.LOST_ROOT
+            else:
+                refused = None
+            if refused is not None:
+                self._lookup_tally[False] += 1
+                self._miss_tally[refused] += 1
+                return False
+        verdict = self._lookups.lookup(key, request_id)
         self._lookup_tally[verdict] += 1
+        if verdict is False:
+            self._miss_tally[self._lookups.miss_reason(key)] += 1
         return verdict
 
     def miss_was_checked(self, key: bytes) -> bool:
@@ -323,6 +346,10 @@ class FsEngine:
             for verdict, count in tally.items():
                 self._counters[_LOOKUP_ANSWER[verdict]] += count
                 tally[verdict] = 0
+            for reason, count in self._miss_tally.items():
+                if count:
+                    self._counters[reason] += count
+                    self._miss_tally[reason] = 0
         return self._counters
 
     def end_step(self) -> None:

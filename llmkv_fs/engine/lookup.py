@@ -55,6 +55,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from llmkv_fs.engine.lookup_checks import BatchChecks, CheckMany, Found
+from llmkv_fs.engine.outcomes import MissReason
 
 __all__ = ["AsyncExistence"]
 
@@ -65,7 +66,16 @@ _MAX_REMEMBERED_MISSES = 1 << 16
 
 
 class _State:
-    __slots__ = ("generation", "guessed", "in_flight", "override", "requests", "verdict")
+    __slots__ = (
+        "generation",
+        "guessed",
+        "in_flight",
+        "override",
+        "override_why",
+        "requests",
+        "verdict",
+        "why",
+    )
 
     def __init__(self, generation: int):
         self.generation = generation
@@ -74,19 +84,28 @@ class _State:
         # deadline answered, the check failed, the root is lost, or a load
         # of the key failed (guessed_miss).
         self.guessed = False
+        # Why the verdict is MISS (meaningless while it is not).
+        self.why = MissReason.NOT_ON_VOLUME
         self.in_flight = False
         self.override: bool | None = None  # set while in flight; wins over the probe
+        self.override_why = MissReason.LOAD_FAILED
         self.requests: set[str] = set()
 
 
-def _settle(state: _State, found: Found) -> None:
-    """An in-flight key's verdict from its check's answer (None: unknown),
-    unless the owner overrode it meanwhile (``set_verdict``)."""
+def _settle(state: _State, found: Found, unknown: MissReason) -> None:
+    """An in-flight key's verdict from its check's answer (None: unknown,
+    for the reason ``unknown``), unless the owner overrode it meanwhile
+    (``set_verdict``)."""
     if state.override is not None:
-        found = state.override or None  # a failed load's MISS: the file may be there
+        if not state.override:
+            found, unknown = None, state.override_why  # a failed load: the file may be there
         state.override = None
     state.verdict = found is True
     state.guessed = found is None
+    if found is None:
+        state.why = unknown
+    elif found is False:
+        state.why = MissReason.NOT_ON_VOLUME
 
 
 class AsyncExistence:
@@ -102,9 +121,11 @@ class AsyncExistence:
         self._exists = exists
         self._timeout = timeout
         self._miss_for_s = miss_for_s
-        # key -> monotonic time its remembered miss ends; insertion order is
-        # expiry order (one duration for all), so the oldest is first.
-        self._misses: collections.OrderedDict[bytes, float] = collections.OrderedDict()
+        # key -> (monotonic time its remembered miss ends, why); insertion
+        # order is expiry order (one duration for all), so the oldest is first.
+        self._misses: collections.OrderedDict[bytes, tuple[float, MissReason]] = (
+            collections.OrderedDict()
+        )
         self._batch_ids = itertools.count()
         # Posted, unanswered batches in posting order: [id, posted, batch, expired].
         self._unanswered: collections.deque[list[Any]] = collections.deque()
@@ -166,6 +187,7 @@ class AsyncExistence:
         if self._misses and self._remembered_miss(key):
             state.verdict = False  # no probe: the file would fail again
             state.guessed = True  # and it is there
+            state.why = self._misses[key][1]
         else:
             self._batch.append((key, state.generation))
 
@@ -203,7 +225,7 @@ class AsyncExistence:
                 if state is None or state.generation != generation or not state.in_flight:
                     continue
                 state.in_flight = False
-                _settle(state, None)
+                _settle(state, None, MissReason.DEADLINE)
                 decided += 1
         return decided
 
@@ -225,16 +247,28 @@ class AsyncExistence:
         state = self._states.get(key)
         return state is not None and state.guessed
 
-    def remember_misses(self, keys: Iterable[bytes], now: float | None = None) -> None:
+    def miss_reason(self, key: bytes) -> MissReason:
+        """Why ``key``'s verdict is MISS (asked right after a lookup
+        answered False; NOT_ON_VOLUME for a key this owner is not tracking)."""
+        state = self._states.get(key)
+        return MissReason.NOT_ON_VOLUME if state is None else state.why
+
+    def remember_misses(
+        self,
+        keys: Iterable[bytes],
+        now: float | None = None,
+        why: MissReason = MissReason.REMEMBERED_BAD,
+    ) -> None:
         """These keys' loads failed and would fail again: MISS, without a
-        probe, for ``miss_for_s`` seconds (see the module doc)."""
+        probe, for ``miss_for_s`` seconds (see the module doc), counted as
+        ``why``."""
         keys = list(keys)
-        self.set_verdict(keys, False)
         until = (time.monotonic() if now is None else now) + self._miss_for_s
         misses = self._misses
         for key in keys:
             misses.pop(key, None)
-            misses[key] = until
+            misses[key] = (until, why)
+        self.set_verdict(keys, False)
         while len(misses) > _MAX_REMEMBERED_MISSES:
             misses.popitem(last=False)
 
@@ -246,16 +280,16 @@ class AsyncExistence:
                 self._misses.pop(key, None)
 
     def _remembered_miss(self, key: bytes) -> bool:
-        until = self._misses.get(key)
-        if until is None:
+        remembered = self._misses.get(key)
+        if remembered is None:
             return False
         now = time.monotonic()
-        if until > now:
+        if remembered[0] > now:
             return True
         # Expired: drop it and every older entry (they expired first).
         misses = self._misses
         while misses:
-            oldest, oldest_until = next(iter(misses.items()))
+            oldest, (oldest_until, _) = next(iter(misses.items()))
             if oldest_until > now:
                 break
             del misses[oldest]
@@ -265,22 +299,29 @@ class AsyncExistence:
         return len(self._misses)
 
     def set_verdict(self, keys: Iterable[bytes], verdict: bool) -> None:
-        """Force what the next lookups of these keys say (a load failed: False;
-        a store landed: True, except for a remembered miss: a store finds the
-        unreadable file present). Keys nobody is looking up are ignored."""
+        """Force what the next lookups of these keys say (a load failed: False,
+        counted LOAD_FAILED unless the key is a remembered miss, which keeps
+        its own reason; a store landed: True, except for a remembered miss: a
+        store finds the unreadable file present). Keys nobody is looking up
+        are ignored."""
         if not self._states:
             return
+        misses = self._misses
         for key in keys:
             state = self._states.get(key)
             if state is None:
                 continue
-            if verdict and self._misses and self._remembered_miss(key):
+            remembered = misses.get(key) if misses else None
+            if verdict and remembered is not None and self._remembered_miss(key):
                 continue
+            why = MissReason.LOAD_FAILED if remembered is None else remembered[1]
             if state.in_flight:
                 state.override = verdict
+                state.override_why = why
             else:
                 state.verdict = verdict
                 state.guessed = not verdict  # a failed load: the file may be there
+                state.why = why
 
     def forget_request(self, request_id: str) -> None:
         for key in self._request_keys.pop(request_id, ()):
@@ -343,7 +384,7 @@ class AsyncExistence:
                 if not state.requests:
                     del self._states[key]
                     continue
-                _settle(state, found)
+                _settle(state, found, MissReason.CHECK_FAILED)
 
     # -- lookup thread ---------------------------------------------------------------
 

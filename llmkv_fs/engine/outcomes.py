@@ -34,6 +34,7 @@ __all__ = [
     "Failed",
     "Failure",
     "LookupAnswer",
+    "MissReason",
     "NoChecksum",
     "Outcome",
     "StoreRefused",
@@ -194,6 +195,21 @@ class LookupAnswer(_CounterKeyEnum):
     DEADLINE_MISS = "deadline_miss"  # a pending check answered miss after its deadline
 
 
+class MissReason(_CounterKeyEnum):
+    """Why a lookup answered miss, counted per lookup answered ``MISS`` (so
+    the reasons sum to ``LookupAnswer.MISS``). The value is the
+    ``lookup_misses`` metric's ``reason`` label."""
+
+    NOT_ON_VOLUME = "not_on_volume"  # a check looked: no block file there
+    LOST_ROOT = "lost_root"  # refused: the key's home root is lost (volume_failed)
+    STALLED = "stalled"  # refused: the volume is not answering
+    DEADLINE = "deadline"  # the lookup deadline answered before the check did
+    CHECK_FAILED = "check_failed"  # the check failed (EIO, ...) or its root was lost meanwhile
+    REMEMBERED_BAD = "remembered_bad"  # a file whose load failed and would fail again
+    FOREIGN_KEY = "foreign_key"  # sealed with a key this replica does not hold
+    LOAD_FAILED = "load_failed"  # its load failed (corrupt and moved aside, gone, ...)
+
+
 class Tally(_CounterKeyEnum):
     """Counters with no label."""
 
@@ -205,8 +221,11 @@ class Tally(_CounterKeyEnum):
 
 
 # What FsEngine.counters is keyed by: successes by Outcome, failures by
-# (direction, reason), bad files by what was wrong with them, lookups by answer.
-CounterKey: TypeAlias = Outcome | tuple[Direction, Failure] | Corruption | LookupAnswer | Tally
+# (direction, reason), bad files by what was wrong with them, lookups by answer,
+# missed lookups by why.
+CounterKey: TypeAlias = (
+    Outcome | tuple[Direction, Failure] | Corruption | LookupAnswer | MissReason | Tally
+)
 
 
 def all_counter_keys() -> Iterator[CounterKey]:
@@ -215,4 +234,5 @@ def all_counter_keys() -> Iterator[CounterKey]:
     yield from itertools.product(Direction, Failure)
     yield from Corruption
     yield from LookupAnswer
+    yield from MissReason
     yield from Tally

@@ -52,6 +52,7 @@ __all__ = [
     "add_arguments",
     "add_digest_argument",
     "run",
+    "seed_warnings",
     "select_digests",
     "volume_stats",
 ]
@@ -176,20 +177,28 @@ def _warnings(
             f"WARNING: {not_sealed} block files of sealed {d.name} are not sealed blocks "
             "(a replica refuses them as bad): run llmkv-fs verify --repair"
         )
-    if len(fingerprints) > 1:
-        warnings.append(
-            f"WARNING: {len(live)} live replicas of {d.name} hash blocks with "
-            f"{len(fingerprints)} different seeds ({', '.join(fingerprints)}): {_SEED_WARNING} "
-            "(set the same PYTHONHASHSEED and prefix-cache hash algorithm everywhere)"
-        )
-    elif any(fp.startswith("random-") for fp in fingerprints):
-        warnings.append(
-            f"WARNING: a live replica of {d.name} hashes with a random per-process seed: "
-            f"{_SEED_WARNING} (set PYTHONHASHSEED)"
-        )
+    warnings.extend(seed_warnings(d.name, len(live), fingerprints))
     if _config_digest_ok(d, config) is False:
         warnings.append(f"WARNING: {d.name}/config.json does not hash to digest {d.digest}")
     return warnings
+
+
+def seed_warnings(name: str, live: int, fingerprints: list[str]) -> list[str]:
+    """The warning when the ``live`` replicas of digest ``name`` hash blocks
+    with ``fingerprints`` (sorted, distinct) that cannot match: several
+    seeds, or a random per-process one. [] when they share."""
+    if len(fingerprints) > 1:
+        return [
+            f"WARNING: {live} live replicas of {name} hash blocks with "
+            f"{len(fingerprints)} different seeds ({', '.join(fingerprints)}): {_SEED_WARNING} "
+            "(set the same PYTHONHASHSEED and prefix-cache hash algorithm everywhere)"
+        ]
+    if any(fp.startswith("random-") for fp in fingerprints):
+        return [
+            f"WARNING: a live replica of {name} hashes with a random per-process seed: "
+            f"{_SEED_WARNING} (set PYTHONHASHSEED)"
+        ]
+    return []
 
 
 def _age(now: float, then: float | None) -> float | None:

@@ -59,6 +59,7 @@ class DigestFiles:
     buckets: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
     oldest: float | None = None
     newest: float | None = None
+    newest_mtime: float | None = None  # the newest block's store (its file's mtime)
     sizes: collections.Counter[int] = dataclasses.field(default_factory=collections.Counter)
     probe: list[tuple[str, int]] = dataclasses.field(default_factory=list)
     # Every block file as (rank directory, path, size): kept only when asked
@@ -115,6 +116,8 @@ def walk_digest(
                 used = last_used(e.st)
                 found.oldest = used if found.oldest is None else min(found.oldest, used)
                 found.newest = used if found.newest is None else max(found.newest, used)
+                if found.newest_mtime is None or e.st.st_mtime > found.newest_mtime:
+                    found.newest_mtime = e.st.st_mtime
                 age = now - used
                 bucket = next(b for b, limit in AGE_BUCKETS if limit is None or age < limit)
                 found.buckets[bucket] += 1

@@ -30,6 +30,7 @@ from llmkv_fs import __version__
 from llmkv_fs.config import TierSettings
 from llmkv_fs.engine import FinishedJob, FsEngine, xxh3_path
 from llmkv_fs.layout.paths import CacheLayout, RunIdentity
+from llmkv_fs.layout.sealed import Keyring
 from llmkv_fs.tier.hashing import hashing_identity
 from llmkv_fs.tier.metrics import TierMetrics, metric_definitions
 from llmkv_fs.tier.removals import RemovalWatch
@@ -153,13 +154,18 @@ class FsTier(SecondaryTierManager):
             # after building the scheduler, and the lease must carry it.
             self._lease_pending = False
             algo, fingerprint = hashing_identity()
+            settings = self.settings
             self.engine.set_lease(
                 lease_for(
                     algo,
                     fingerprint,
-                    self.settings.lease_interval_s,
+                    settings.lease_interval_s,
                     _vllm_version(),
                     __version__,
+                    roots=tuple(settings.root_dirs),
+                    seal_keys=_seal_keys(self.engine.step_spec.keyring),
+                    max_usage_percent=settings.max_usage_percent,
+                    min_free_bytes=settings.min_free_bytes,
                 )
             )
         self.engine.end_step()
@@ -296,6 +302,15 @@ def _tier_label(spec: OffloadingSpec, tier_type: str, settings: TierSettings) ->
         if config.get("type") == tier_type and config.get("root_dir") == settings.root_dir:
             return f"{index + 1}:{tier_type}"
     return f"?:{tier_type}"
+
+
+def _seal_keys(keyring: Keyring | None) -> tuple[str, ...]:
+    """The lease's ``seal_keys``: "<id>:<key check hex>", the write key
+    first. The check identifies a key without revealing it."""
+    if keyring is None:
+        return ()
+    keys = [keyring.write, *(k for k in keyring.by_id.values() if k is not keyring.write)]
+    return tuple(f"{k.key_id}:{k.check.hex()}" for k in keys)
 
 
 def _vllm_version() -> str:

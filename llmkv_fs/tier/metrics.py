@@ -39,6 +39,7 @@ from llmkv_fs.engine import (
     Direction,
     FsEngine,
     LookupAnswer,
+    MissReason,
     Outcome,
     Tally,
 )
@@ -126,6 +127,18 @@ METRICS = {
             "Per-chunk lookups answered, by result: hit, miss, retry (check pending), "
             "deadline_miss (a pending check answered miss after the deadline).",
             "result",
+        ),
+        _m(
+            "lookup_misses",
+            "counter",
+            'Lookups answered miss, by why (they sum to lookups{result="miss"}): '
+            "not_on_volume (a check found no file), lost_root (the key's root is "
+            "lost), stalled (the volume is not answering), deadline (the lookup "
+            "deadline answered first), check_failed (the check failed: EIO, a root "
+            "lost meanwhile), remembered_bad (a file whose load failed and would fail "
+            "again), foreign_key (sealed with a key this replica does not hold), "
+            "load_failed (its load failed: corrupt, gone, ...).",
+            "reason",
         ),
         _m("store_job_seconds", "histogram", "Store job latency, submit to result, seconds."),
         _m("load_job_seconds", "histogram", "Load job latency, submit to result, seconds."),
@@ -237,6 +250,8 @@ def counter_series(key: CounterKey) -> tuple[str, tuple[str, ...]]:
         return PREFIX + "corrupt_blocks", (key.value,)
     if isinstance(key, LookupAnswer):
         return PREFIX + "lookups", (key.value,)
+    if isinstance(key, MissReason):
+        return PREFIX + "lookup_misses", (key.value,)
     if isinstance(key, Tally):
         return PREFIX + _TALLIES[key], ()
     direction, reason = key

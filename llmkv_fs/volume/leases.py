@@ -86,6 +86,16 @@ class Lease:
     interval_s: float
     vllm_version: str = ""
     llmkv_fs_version: str = ""
+    # What else decides whether this replica shares blocks with another
+    # (``llmkv-fs doctor`` compares them): the root list it places blocks
+    # over, as configured; its sealing keys as "<id>:<key check hex>" (the
+    # check identifies a key without revealing it, and every sealed block's
+    # trailer carries it already), the write key's first; and its space
+    # guard's limits. Empty or zero: not announced (an older replica).
+    roots: tuple[str, ...] = ()
+    seal_keys: tuple[str, ...] = ()
+    max_usage_percent: float = 0.0
+    min_free_bytes: int = 0
     # Filled when read from disk: the heartbeat (mtime) and where it lives.
     refreshed: float = 0.0
     path: str = ""
@@ -107,6 +117,8 @@ class Lease:
     def as_json(self) -> bytes:
         fields = dataclasses.asdict(self)
         del fields["refreshed"], fields["path"]
+        for name in ("roots", "seal_keys"):
+            fields[name] = list(fields[name])
         return json.dumps(fields, indent=1, sort_keys=True).encode()
 
 
@@ -141,8 +153,12 @@ def lease_for(
     interval_s: float,
     vllm_version: str,
     llmkv_fs_version: str,
+    roots: tuple[str, ...] = (),
+    seal_keys: tuple[str, ...] = (),
+    max_usage_percent: float = 0.0,
+    min_free_bytes: int = 0,
 ) -> Lease:
-    """The lease of this process, starting now."""
+    """The lease of this process, starting now (see Lease for the fields)."""
     return Lease(
         host=socket.gethostname(),
         pid=os.getpid(),
@@ -152,6 +168,10 @@ def lease_for(
         interval_s=interval_s,
         vllm_version=vllm_version,
         llmkv_fs_version=llmkv_fs_version,
+        roots=tuple(roots),
+        seal_keys=tuple(seal_keys),
+        max_usage_percent=max_usage_percent,
+        min_free_bytes=min_free_bytes,
     )
 
 
@@ -265,7 +285,12 @@ _FIELD_TYPES: dict[str, tuple[type, ...]] = {
     "interval_s": (int, float),
     "vllm_version": (str,),
     "llmkv_fs_version": (str,),
+    "max_usage_percent": (int, float),
+    "min_free_bytes": (int,),
 }
+# Optional list fields: each a JSON list of at most this many strings.
+_LIST_FIELDS = ("roots", "seal_keys")
+_LIST_LIMIT = 64
 _REQUIRED = ("host", "pid", "started_ns", "hash_algo", "seed_fingerprint", "interval_s")
 
 
@@ -293,11 +318,20 @@ def parse_lease(name: str, data: bytes, refreshed: float, path: str) -> Lease | 
         if isinstance(value, bool) or not isinstance(value, types):
             return f"{key} is a JSON {type(value).__name__}"
         values[key] = value
+    for key in _LIST_FIELDS:
+        value = fields.get(key, [])
+        if not isinstance(value, list) or len(value) > _LIST_LIMIT:
+            return f"{key} is not a list of at most {_LIST_LIMIT} strings"
+        if not all(isinstance(item, str) for item in value):
+            return f"{key} holds something other than strings"
+        values[key] = tuple(value)
     interval = values["interval_s"]
     if not (math.isfinite(interval) and interval > 0):
         return f"interval_s {interval!r} is not a positive finite number"
-    if values["pid"] <= 0 or values["started_ns"] < 0:
-        return "pid or started_ns out of range"
+    if not math.isfinite(values.get("max_usage_percent", 0.0)):
+        return "max_usage_percent is not a finite number"
+    if values["pid"] <= 0 or values["started_ns"] < 0 or values.get("min_free_bytes", 0) < 0:
+        return "pid, started_ns or min_free_bytes out of range"
     if (values["host"], values["pid"], values["started_ns"]) != (
         named.host,
         named.pid,

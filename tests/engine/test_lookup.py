@@ -27,7 +27,7 @@ from collections.abc import Callable
 import pytest
 
 from llmkv_fs.config import SETTINGS
-from llmkv_fs.engine import Direction, Failure, lookup_checks
+from llmkv_fs.engine import Direction, Failure, MissReason, lookup_checks
 from llmkv_fs.engine import lookup as lookup_module
 from llmkv_fs.engine.block.pause import PAUSE_DIR_ENV
 from llmkv_fs.engine.block.presence import PRESENCE_ENV, compiled_check
@@ -480,3 +480,46 @@ def test_lookups_agree_with_the_files_on_disk(tmp_path, engines, monkeypatch, ca
 
     verdicts = engine_steps_until_known(engine, keys)
     assert verdicts == [i in (2, 5) for i in range(40)]
+
+
+def test_each_miss_says_why():
+    """A MISS carries its reason from where its verdict is decided: a check
+    that found no file, one that failed, the deadline, a failed load, a
+    remembered bad file, a block sealed with a key this reader lacks."""
+    release = threading.Event()
+
+    def exists(key: bytes) -> bool:
+        if key == b"eio":
+            raise OSError(errno.EIO, "I/O error")
+        if key == b"hung":
+            release.wait(DEADLINE_S)
+        return key == b"there"
+
+    lookups = AsyncExistence(exists, 1, timeout=5.0)
+    why = lookups.miss_reason
+    try:
+        for key in (b"gone", b"eio", b"there"):
+            assert lookups.lookup(key, "r") is None
+        lookups.end_step()
+        assert lookups.lookup(b"hung", "r") is None
+        lookups.end_step()
+        deadline = time.monotonic() + DEADLINE_S
+        while lookups.lookup(b"there", "r") is None or lookups.lookup(b"eio", "r") is None:
+            assert time.monotonic() < deadline
+            time.sleep(0.002)
+        assert lookups.lookup(b"gone", "r") is False and why(b"gone") is MissReason.NOT_ON_VOLUME
+        assert lookups.lookup(b"eio", "r") is False and why(b"eio") is MissReason.CHECK_FAILED
+        assert lookups.expire_overdue(time.monotonic() + 6.0) == 1
+        assert lookups.lookup(b"hung", "r") is False and why(b"hung") is MissReason.DEADLINE
+        lookups.set_verdict([b"there"], False)  # its load failed
+        assert lookups.lookup(b"there", "r") is False and why(b"there") is MissReason.LOAD_FAILED
+        lookups.remember_misses([b"there"])
+        assert why(b"there") is MissReason.REMEMBERED_BAD
+        lookups.remember_misses([b"gone"], why=MissReason.FOREIGN_KEY)
+        lookups.set_verdict([b"gone"], False)  # the failed load's own verdict keeps the reason
+        assert why(b"gone") is MissReason.FOREIGN_KEY
+        assert lookups.lookup(b"gone", "new") is False  # a new request: remembered, no probe
+        assert why(b"gone") is MissReason.FOREIGN_KEY
+    finally:
+        release.set()
+        lookups.shutdown()

@@ -21,7 +21,8 @@ import pytest
 
 from llmkv_fs.engine.workers import crew
 from tests.kits.metrics_kit import Scraper, documented_alerts, firing
-from tests.kits.tier_kit import make_keys, ours, start, wait_until
+from tests.kits.seal_kit import key_file
+from tests.kits.tier_kit import make_keys, ours, resolve, start, wait_until
 from tests.kits.volume_kit import flip_a_bit
 
 pytestmark = pytest.mark.usefixtures("io_mode")
@@ -251,6 +252,29 @@ def test_workers_that_die_and_cannot_restart_fire_deaths_and_missing(
         "LlmkvFsWorkerDeaths",
         "LlmkvFsWorkersMissing",
     }
+
+
+@proves("LlmkvFsLookupsMissForAReason")
+def test_lookups_missing_sealed_blocks_of_another_key_fire_miss_for_a_reason(tmp_path, replicas):
+    root = str(tmp_path / "v")
+    secrets = tmp_path / "secrets"
+    secrets.mkdir()
+    keys = make_keys(4, seed="foreign")
+    writer = start(
+        replicas,
+        ours(root, io_workers=0, seal_key_files={"1": key_file(secrets, "theirs")}),
+        block_bytes=CHUNK,
+        cpu_bytes=32 << 20,
+    )
+    writer.store(keys)
+    # Same key id, another key: each block is found, its load refused
+    # (foreign_key) and remembered; every later request misses it.
+    replica, scraper, _ = tier(replicas, root, seal_key_files={"1": key_file(secrets, "ours")})
+    before = idle_fires_nothing(replica, scraper)
+    for _ in range(3):
+        resolve(replica, keys)
+    replica.settle()
+    assert firing(ALERTS, before, scraper.scrape()) == {"LlmkvFsLookupsMissForAReason"}
 
 
 def test_every_documented_rule_is_proven_here():

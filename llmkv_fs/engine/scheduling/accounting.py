@@ -21,6 +21,7 @@ from llmkv_fs.engine.outcomes import (
     CounterKey,
     Direction,
     Failure,
+    MissReason,
     Outcome,
     Tally,
 )
@@ -104,7 +105,7 @@ class JobAccountant:
         counters: collections.Counter[CounterKey],
         block_size: int,
         error_log: ThrottledErrorLog,
-        remember_misses: Callable[[list[bytes]], None],
+        remember_misses: Callable[..., None],
         miss_for_s: float,
     ):
         self.counters = counters
@@ -140,6 +141,7 @@ class JobAccountant:
         missing: list[bytes] = []
         unreadable: list[bytes] = []  # failed loads whose file is still there
         replaced: list[bytes] = []
+        foreign: list[bytes] = []  # ... sealed with a key this reader does not hold
         count = self.counters
         direction = Direction.LOAD if job.is_load else Direction.STORE
         moved_blocks = 0
@@ -176,12 +178,17 @@ class JobAccountant:
                 continue
             if outcome.reason is Failure.MISSING:
                 missing.append(key)
-            if outcome.reason in _KEEP_MISSING:
+            if outcome.reason is Failure.FOREIGN_KEY:
+                foreign.append(key)
+            elif outcome.reason in _KEEP_MISSING:
                 unreadable.append(key)
             if outcome.reason is Failure.ERROR:
                 self._error_log.report(direction.value, error)
-        if unreadable and job.is_load:
-            self._remember_misses(unreadable)
+        if job.is_load:
+            if unreadable:
+                self._remember_misses(unreadable)
+            if foreign:
+                self._remember_misses(foreign, why=MissReason.FOREIGN_KEY)
         return self._finished(job, succeeded, failed, moved_blocks, quarantined, missing, replaced)
 
     def _finished(

@@ -19,7 +19,7 @@ import time
 
 import pytest
 
-from llmkv_fs.engine import Direction, Failure, LookupAnswer, Outcome, Tally
+from llmkv_fs.engine import Direction, Failure, LookupAnswer, MissReason, Outcome, Tally
 from llmkv_fs.engine.block.blockio import BlockIO
 from tests.kits.clock_kit import JUST_BEFORE_S, ManualClock
 from tests.kits.engine_kit import (
@@ -309,6 +309,8 @@ def test_overdue_lookups_miss_and_a_late_answer_keeps_the_failed_load_verdict(
         assert engine.lookup(plain, "r1") is False
         assert engine.lookup(doomed, "r1") is False
         assert engine.lookup(newcomer, "r2") is False  # answered at once while stalled
+        # Each miss says why: refused while the volume is stalled.
+        assert engine.counters[MissReason.STALLED] == 3 == engine.counters[LookupAnswer.MISS]
         assert probed == [plain]  # the batch is still held by its first check; no new one
         assert engine.counters[LookupAnswer.RETRY] == 3  # the first two, and plain's again
     finally:
