@@ -1,11 +1,14 @@
 """Why lookups miss, counted through vLLM's real offloading stack and
 scraped as Prometheus would (tests/kits/metrics_kit.py), in both I/O
-modes: each reason a tier can be driven into here -- a block never
-stored, a root lost, a block sealed with another key (then remembered),
-a corrupt block (its load failed) -- is counted under its own reason, and
-the reasons sum to ``lookups{result="miss"}``. The deadline, a failed
-check and a stalled volume are driven in tests/engine/test_lookup.py and
-tests/engine/scheduling/test_deadlines.py."""
+modes: each reason is driven here -- a block never stored, a root lost, a
+block sealed with another key (then remembered), a corrupt block (its load
+failed), a block without a checksum (remembered as bad), a check held past
+the lookup deadline (then the volume stalled) -- and counted under its own
+reason, and the reasons sum to ``lookups{result="miss"}``. A check that
+fails (``check_failed``) is driven in tests/engine/test_lookup.py: checks
+run on the engine's own lookup thread in both I/O modes, and a volume shut
+down under the tier (ext4's EXT4_IOC_SHUTDOWN) still answers a missing name
+from its cache, not with EIO."""
 
 from __future__ import annotations
 
@@ -103,3 +106,50 @@ def test_a_corrupt_block_misses_load_failed(tmp_path, replicas):
     # Found, promoted, its load fails verification (moved aside): MISS.
     assert resolve(replica, key) == {key[0]: LookupResult.MISS}
     assert misses(scraper, before) == {"load_failed": 1}
+
+
+def test_a_block_written_without_a_checksum_misses_remembered_bad(tmp_path, replicas):
+    """A block written with checksum: false, read by a replica that wants
+    one: its load is refused and the file left in place, remembered, so the
+    next request's lookup answers MISS without a probe."""
+    root = str(tmp_path / "v")
+    keys = make_keys(2, seed="no-checksum")
+    start(replicas, ours(root, checksum=False), block_bytes=CHUNK, cpu_bytes=32 << 20).store(keys)
+    replica, scraper, _ = replica_on(replicas, root)
+    resolve(replica, keys)  # found, the load refused (no_checksum)
+    replica.settle()
+    before = scraper.scrape()
+    assert resolve(replica, keys[:1]) == {keys[0]: LookupResult.MISS}
+    assert misses(scraper, before) == {"remembered_bad": 1}
+
+
+def test_a_check_held_past_the_deadline_misses_stalled_then_deadline(
+    tmp_path, replicas, gate_on, engine_clock
+):
+    """A check held inside the volume (the exists pause point) past the
+    lookup deadline: the volume is stalled, and every lookup meanwhile is
+    refused, ``stalled``; once it answers again, the request whose key the
+    deadline decided still misses it, ``deadline`` (the late answer is not
+    taken)."""
+    replica, scraper, before = replica_on(replicas, str(tmp_path / "v"), job_timeout_s=1.0)
+    engine = replica.tier.engine
+    gate = gate_on(engine, ("lookup",), point="exists")
+    (held, later) = make_keys(2, seed="deadline")
+    ctx = replica.new_request()
+
+    def checking() -> bool:
+        with replica.manager.lock:
+            replica.manager.lookup(held, ctx)
+        replica.step()
+        return bool(gate.entries)
+
+    wait_until(checking, "the check to reach the volume")
+    engine_clock.advance(1.0)  # the lookup deadline: min(job_timeout_s, 5 s)
+    assert replica.find([held], ctx)[0] == {held: LookupResult.MISS}
+    assert engine.recheck_stalled()
+    assert resolve(replica, [later]) == {later: LookupResult.MISS}
+    gate.open()
+    wait_until(lambda: replica.step() or not engine.recheck_stalled(), "the volume to answer")
+    assert replica.find([held], ctx)[0] == {held: LookupResult.MISS}
+    replica.finish_request(ctx)
+    assert misses(scraper, before) == {"stalled": 2, "deadline": 1}
