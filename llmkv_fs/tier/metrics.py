@@ -82,8 +82,9 @@ METRICS = {
         _m(
             "stored_blocks",
             "counter",
-            "Blocks stored, by outcome: written (a new file) or present (a valid "
-            "file was already there).",
+            "Blocks stored, by outcome: written (a new file), present (a block "
+            "file this replica would load was already there), replaced (a file it "
+            "would never load was written over).",
             "outcome",
         ),
         _m(

@@ -24,7 +24,6 @@ import os
 import pytest
 
 from llmkv_fs.engine.block import blockio as blockio_module
-from llmkv_fs.engine.block import presence as presence_module
 from llmkv_fs.engine.block.blockio import BlockIO
 from llmkv_fs.engine.block.options import IoOptions
 from llmkv_fs.engine.outcomes import Outcome
@@ -149,17 +148,18 @@ def test_a_directory_that_stays_stale_fails_the_store_after_bounded_attempts(blo
 class ReplacedBlockClient:
     """``os`` as blockio.py uses it, where the block file another writer had
     just published was replaced through another client meanwhile: access()
-    still finds the name, the stat of the old file answers ESTALE (once)."""
+    still finds the name, the open of the old file (to read its trailer)
+    answers ESTALE (once)."""
 
     def __init__(self, name: str):
         self.name = name
         self.estales = 0
 
-    def stat(self, path, *, dir_fd=None, follow_symlinks=True):
-        if path == self.name and not self.estales:
+    def open(self, path, flags, mode=0o777, *, dir_fd=None):
+        if path == self.name and dir_fd is not None and not self.estales:
             self.estales += 1
             raise OSError(errno.ESTALE, "Stale file handle")
-        return os.stat(path, dir_fd=dir_fd, follow_symlinks=follow_symlinks)
+        return os.open(path, flags, mode, dir_fd=dir_fd)
 
     def __getattr__(self, name):
         return getattr(os, name)
@@ -172,7 +172,6 @@ def test_a_block_replaced_by_another_client_meanwhile_is_written_again(blockio, 
     assert blockio.store(key, memoryview(row)) is Outcome.WRITTEN  # the other writer's
     client = ReplacedBlockClient(os.path.basename(blockio.layout.block_path(key)))
     monkeypatch.setattr(blockio_module, "os", client)
-    monkeypatch.setattr(presence_module, "os", client)  # the stat of what is published
 
     assert blockio.store(key, memoryview(row)) is Outcome.WRITTEN
     assert client.estales == 1
