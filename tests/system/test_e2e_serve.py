@@ -349,6 +349,34 @@ def test_two_servers_on_one_root_share_blocks(story, e2e_env):
     )
 
 
+def test_another_block_size_shares_nothing_and_says_why(story, e2e_env):
+    """A server on the story's root with another --block-size (its GPU block
+    half the chunk): its lookups find nothing, each miss counted as not on
+    the volume; its start-up line names the other digest of the model and
+    the block size; ``llmkv-fs doctor`` says the two deployments cannot
+    share and why (exit 1)."""
+    config = dataclasses.replace(story.config(e2e_env), block_tokens=CHUNK_TOKENS // 2)
+    other = Server(config, "blocksize")
+    story.servers.append(other)
+    e2e_kit.start(other, START_TIMEOUT_S)
+    other.complete(story.prompts["P1"])  # stored in full by servers 1 and 2's deployment
+    misses = OUR_PREFIX + "lookup_misses_total"
+    wait_for(lambda: other.metric_sum(misses) > 0, METRIC_TIMEOUT_S, f"{misses} > 0")
+    assert other.metric_sum(misses, reason="not_on_volume") == other.metric_sum(misses)
+    assert other.metric_sum(OUR_PREFIX + "lookups_total", result="hit") == 0
+    log = other.log_text()
+    assert "under another digest" in log and "block_size" in log, other.log_path
+    other.stop()
+    doctor = subprocess.run(
+        [sys.executable, "-m", "llmkv_fs", "doctor", story.root, "--json"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert doctor.returncode == 1, doctor.stderr
+    assert '"block_size"' in doctor.stdout, doctor.stdout
+
+
 def test_two_roots_store_on_both_and_a_restart_loads_from_both(story, e2e_env, tmp_path):
     """path_sharding over two roots through a real vllm serve: the blocks
     of one prompt land on both roots, and a restarted server (empty CPU
