@@ -1,7 +1,8 @@
 """Engine room: the block scheduler and its executors (I/O threads, worker
 processes), moving one block, lookups, each root's upkeep and what is decided
-at start-up (docs/architecture.md, "The engine"). Imports without vLLM
-(stdlib, numpy-free, xxhash), so it can be driven and benchmarked on its own.
+at start-up (docs/architecture.md, "The engine"). Imports without vLLM or
+torch (the standard library, xxhash, cryptography for sealed blocks, psutil
+for leases; no numpy), so it can be driven and benchmarked on its own.
 
 Its public names are here: construct ``FsEngine`` (it prepares the volume
 itself), read its ``counters`` (keyed by the types of ``outcomes``). They are

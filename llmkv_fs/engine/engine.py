@@ -97,6 +97,11 @@ class FsEngine:
     ``byte_path`` moves a block's bytes once its file is open (the seam for
     another implementation, block/bytepath.py); it reaches I/O threads and
     worker processes alike through the step spec (``step_spec``).
+
+    ``pause``: pause points for a test to hold blocks and lookup checks at
+    known places (block/pause.py); they reach I/O threads, lookup threads
+    and worker processes (through their launch). None (the default) runs
+    none.
     """
 
     def __init__(
@@ -106,6 +111,7 @@ class FsEngine:
         primary: Buffer,
         block_size: int,
         byte_path: BytePathKind = VectoredBytes,
+        pause: PausePoints | None = None,
     ):
         self.settings = settings
         self.block_size = block_size
@@ -122,12 +128,12 @@ class FsEngine:
         self.step_spec = StepSpec(
             tuple(r.spec for r in self.roots), self.placement, byte_path, keyring
         )
-        self.pause = PausePoints.from_environment()  # tests only (block/pause.py)
+        self.pause = pause
         self.pinning: PinningPlan = plan_pinning(read_topology(), settings.numa_node, self._flat)
         # Cumulative, updated by the owner only; tier/metrics.py publishes them.
         self._counters: collections.Counter[CounterKey] = collections.Counter()
-        # Lookups by verdict, folded into the counters when read: a Counter
-        # increment keyed by an enum cost ~0.5 us a lookup (issue 33).
+        # Lookups by verdict, folded into the counters when read: one dict
+        # increment per lookup, the enum-keyed Counter only when read.
         self._lookup_tally: dict[bool | None, int] = dict.fromkeys((True, False, None), 0)
         # Lookups answered miss by why, folded likewise; they sum to the misses.
         self._miss_tally: dict[MissReason, int] = dict.fromkeys(MissReason, 0)
@@ -189,14 +195,18 @@ class FsEngine:
         """A lookup thread's check: the key's home root, then (several
         roots) its second choice (see ``RootPlacement``); a lost root is
         not touched (root_presence.py: a key it may hold answers None)."""
-        if self.pause is not None:  # tests only: a check held as in a stalled mount
+        if self.pause is not None:  # a check held as in a stalled mount
             self.pause.reached("exists", "lookup", key)
         return on_their_roots(self.roots, self.placement, [key], each_key)[0]
 
     def _exist_on_their_roots(self, keys: list[bytes], budget_s: float) -> list[Found]:
         """A lookup thread's check of a chunk of keys at once (the compiled
         presence check; same roots and rules as ``_exists_on_its_roots``),
-        of the first keys only if ``budget_s`` is spent first."""
+        of the first keys only if ``budget_s`` is spent first. Pause points
+        stop at each key before the chunk's one call."""
+        if self.pause is not None:  # a check held as in a stalled mount
+            for key in keys:
+                self.pause.reached("exists", "lookup", key)
         return on_their_roots(
             self.roots, self.placement, keys, functools.partial(at_once, budget_s=budget_s)
         )
@@ -205,14 +215,12 @@ class FsEngine:
         """Which presence check the lookups run, for the start-up line."""
         presence = presence_path()
         if presence == COMPILED_PRESENCE and not self._checks_in_batches():
-            because = "test pause points" if self.pause is not None else "a root without openat2"
-            presence = f"python ({because})"
+            presence = "python (a root without openat2)"
         return presence
 
     def _checks_in_batches(self) -> bool:
-        """Lookups check chunks in one compiled call: every root can, and no
-        test pause point needs each key's check (``exists``)."""
-        return self.pause is None and all(r.blockio.checks_in_batches for r in self.roots)
+        """Lookups check chunks in one compiled call: every root can."""
+        return all(r.blockio.checks_in_batches for r in self.roots)
 
     # -- owner side --------------------------------------------------------------------
 

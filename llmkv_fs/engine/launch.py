@@ -96,6 +96,7 @@ def start_executor(
                 signals,
                 pinning.cpus,
                 settings.io_workers_nice,
+                pause,
             )
             scheduler.start(ProcessExecutor(worker_spec, wanted, flat))
             nice = settings.io_workers_nice

@@ -7,11 +7,10 @@ timed one by one, and a chunk most of whose checks waited on the volume (a
 network round trip: 0.1 ms and up) recruits the helpers, which then take
 chunks from the same cursor. A check answered in CPU time (tmpfs, cached
 dentries) gains nothing from more threads, which only queue for the GIL
-(2,048 keys on tmpfs, 2 cores: 20 us a key on one thread, 34-71 on 4-16;
-docs/benchmarks.md, issue 26), so a batch on such a volume stays on the
-lookup thread. Deciding from a batch's first checks alone once left a
-3,000-key batch on one thread after 8 cached names, on a volume answering
-each later check in 3 ms, until its deadline (issue 33).
+(docs/benchmarks.md), so a batch on such a volume stays on the lookup
+thread. The decision is taken again at every chunk, never from a batch's
+first checks alone: a batch whose first names are cached and whose later
+ones wait on the volume recruits the helpers when they start waiting.
 
 A chunk is checked in one call where the engine has a batch check
 (``check_many``: the compiled presence check, engine/block/presence.py,
@@ -62,14 +61,12 @@ logger = logging.getLogger("vllm.llmkv_fs.lookup")
 # with this many, and while no chunk waited on the volume each chunk takes as
 # many keys as were taken before it. A compiled chunk gives the interpreter
 # lock back only when it ends, and a thread that wants it back while the
-# scheduler re-scans a long prompt waits for the switch interval (5 ms):
-# 512 chunks of 16 for an 8,192-key prompt took 17-39 scheduler steps of 1
-# ms, 36 chunks of up to 256 took 18, 10 doubling chunks 7-8 (the built-in:
-# 11; 16 cores, docs/benchmarks.md, issue 33). What bounds a chunk is its
-# time, CHUNK_BUDGET_S: a volume that turns slow in the middle of a long
-# chunk is noticed within it (the 256-key cap this replaced let 256 checks
-# of a 3 ms volume take 0.8 s). Once helpers are recruited, chunks are
-# CHUNK_KEYS again, to share.
+# scheduler re-scans a long prompt waits for the switch interval (5 ms), so
+# few, doubling chunks cost a long prompt the fewest scheduler steps
+# (docs/benchmarks.md has the step counts). What bounds a chunk is its
+# time, CHUNK_BUDGET_S, not a key count: a volume that turns slow in the
+# middle of a long chunk is noticed within it. Once helpers are recruited,
+# chunks are CHUNK_KEYS again, to share.
 CHUNK_KEYS = 16
 CHUNK_BUDGET_S = 0.02
 WAITS_ON_THE_VOLUME_S = 100e-6

@@ -17,7 +17,7 @@ while a store backlog is queued (the latency a promotion sees behind stores).
 
     llmkv-fs bench --dir /dev/shm/bench --dir /var/tmp/bench --threads 1 --threads 4
 
-Several roots (issue 19): a ``--dir`` given as a comma list is one medium
+Several roots: a ``--dir`` given as a comma list is one medium
 of several roots: ours stores over all of them (``path_sharding:
 by_block_hash``), the built-in and the reference use the first root alone.
 Where a medium of its first root alone runs too (``--dir /a --dir /a,/b``),

@@ -10,14 +10,15 @@ every kind and feeds the parsers look-alikes).
     <root>/<model>_<digest>_r<rank>/                 rank_dir_name      parse_rank_dir_name
     <rank dir>/<hhh>/<hh>_g<group>/<hash>.bin        block_rel_path     parse_block_rel_path
     <rank dir>/.quarantine/<hash>.bin.<reason>.<ns>  quarantine_path    parse_quarantine_name
-    <dir>/.<final name>.<host>~<pid>~<nonce>.tmp     temp_path          parse_temp_name
-    <rank dir>/.llmkv_fs_o_direct_probe.<host>~<pid> probe_path         parse_probe_name
+    <dir>/.<final name>.<host>~<pid>~<nonce>.tmp     temp_name          parse_temp_name
+    <rank dir>/.llmkv_fs_o_direct_probe.<host>~<pid> probe_name         parse_probe_name
     <root>/.llmkv-gc-trash~<digest>[_r<rank>]~<pid>~<ns>
                                                      trash_path         is_trash_name
     <root>/.llmkv-gc.lock                            gc_lock_path       (== GC_LOCK_NAME)
     <any dir>/.nfs<hex>              (NFS clients')  is_silly_rename_name
 
-(``temp_name``, ``probe_name``, ``block_rel_parts``: the last components alone.)
+(``temp_name``, ``probe_name``: the last component alone, created relative
+to the directory's descriptor; ``block_rel_parts``: a block's components.)
 vLLM's built-in tier writes ``<hash>.bin_<random>.tmp`` next to a block and
 probes O_DIRECT with ``.o_direct_probe_<random>.tmp``; we never build those,
 only recognise them (``is_vllm_temp_name``).
@@ -26,7 +27,6 @@ only recognise them (``is_vllm_temp_name``).
 from __future__ import annotations
 
 import dataclasses
-import os
 import re
 from typing import NamedTuple
 
@@ -70,14 +70,11 @@ __all__ = [
     "parse_rank_dir_name",
     "parse_temp_name",
     "probe_name",
-    "probe_path",
     "quarantine_dir",
     "quarantine_path",
     "rank_dir_name",
     "safe_model_component",
-    "split_key",
     "temp_name",
-    "temp_path",
     "temp_writer",
     "trash_path",
 ]
@@ -166,11 +163,6 @@ def config_path(digest_dir: str) -> str:
 
 
 # -- block files -------------------------------------------------------------------
-
-
-def split_key(key: bytes) -> tuple[bytes, int]:
-    """Split an OffloadKey into (block hash, KV group index)."""
-    return key[:-_GROUP_BYTES], int.from_bytes(key[-_GROUP_BYTES:], "big")
 
 
 def block_rel_path(key: bytes) -> str:
@@ -292,11 +284,6 @@ def temp_name(final_name: str, host: str, pid: int, nonce: str) -> str:
     return f".{final_name}.{host}~{pid}~{nonce}.tmp"
 
 
-def temp_path(final_path: str, host: str, pid: int, nonce: str) -> str:
-    directory, name = os.path.split(final_path)
-    return f"{directory}/{temp_name(name, host, pid, nonce)}"
-
-
 def parse_temp_name(name: str) -> TempName | None:
     match = _TEMP_RE.fullmatch(name)
     if match is None:
@@ -309,11 +296,6 @@ _PROBE_RE = re.compile(rf"{re.escape(_PROBE_PREFIX)}(?P<host>[^~/]+)~(?P<pid>[0-
 
 def probe_name(host: str, pid: int) -> str:
     return f"{_PROBE_PREFIX}{host}~{pid}"
-
-
-def probe_path(directory: str, host: str, pid: int) -> str:
-    """Where the engine tries one aligned O_DIRECT write at start."""
-    return f"{directory}/{probe_name(host, pid)}"
 
 
 def parse_probe_name(name: str) -> WriterTag | None:

@@ -45,8 +45,8 @@ class RootPlacement:
         """The root a store of ``key`` goes to."""
         if len(self._seeds) == 1:
             return 0
-        # A plain loop: half the cost of a list of scores and max() (0.29 vs
-        # 0.59 us at 2 roots, 2-core VM); the owner pays it per finished block.
+        # A plain loop, not a list of scores and max(): the owner pays this
+        # per finished block (docs/benchmarks.md, "Figures behind the code").
         best, best_score = 0, -1
         for index, seed in enumerate(self._seeds):
             score = _score(key, seed)

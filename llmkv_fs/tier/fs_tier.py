@@ -118,7 +118,7 @@ class FsTier(SecondaryTierManager):
                 'to shard over several roots set path_sharding: "by_block_hash"',
                 self.settings.root_dir,
             )
-        self.engine = FsEngine(self.settings, layouts, primary_kv_view, self.block_size_bytes)
+        self.engine = self._start_engine(layouts, primary_kv_view)
         if self._events is not None:
             self._removals = RemovalWatch(miss_was_checked=self.engine.miss_was_checked)
         self._metrics = TierMetrics(
@@ -133,6 +133,12 @@ class FsTier(SecondaryTierManager):
                 root.layout.rank_dir,
                 root.run_config_state,
             )
+
+    def _start_engine(self, layouts: list[CacheLayout], primary_kv_view: memoryview) -> FsEngine:
+        """The tier's engine on ``layouts``. A subclass may start it with
+        more of FsEngine's arguments (tests/kits/paused_tier.py: pause
+        points)."""
+        return FsEngine(self.settings, layouts, primary_kv_view, self.block_size_bytes)
 
     # -- lookups -----------------------------------------------------------------
 

@@ -356,8 +356,8 @@ class Beneath:
                 if i and prefix not in known:
                     child = make_dir_at(fd, name, dir_mode)
                 # A level this walk made is on its parent's device; one it
-                # found may be a mount point: one fstat (on every level, a
-                # young cache's 64 KiB store cost 26 us more, issue 33).
+                # found may be a mount point: one fstat, on a found level
+                # only (docs/benchmarks.md has what one on every level costs).
                 made = child != ALREADY_THERE
                 if child < 0:
                     try:

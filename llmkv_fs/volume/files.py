@@ -9,7 +9,7 @@ Everything on the volume is untrusted: anyone who can write it may plant a
 symlink at a name we are about to create (our names carry host and pid,
 which every lease publishes) or a FIFO where we expect a small file. So every
 file we create is created new (``O_CREAT|O_EXCL|O_NOFOLLOW``, never
-``O_TRUNC``: ``create_exclusive``, ``create_in_dir``), and every small file
+``O_TRUNC``: ``create_exclusive``), and every small file
 we read by name is opened without following a link and without blocking,
 then checked to be a regular file of a sane size (``read_small_regular_file``).
 O_NOFOLLOW guards only a path's last component: a running tier resolves every
@@ -38,7 +38,6 @@ __all__ = [
     "SMALL_FILE_LIMIT",
     "UnsafeFileError",
     "create_exclusive",
-    "create_in_dir",
     "make_dirs",
     "missing_or_stale",
     "needs_chmod",
@@ -219,35 +218,6 @@ def create_exclusive(
             raise
     os.unlink(path, dir_fd=dir_fd)
     return os.open(path, flags, file_mode, dir_fd=dir_fd)
-
-
-def create_in_dir(
-    path: str,
-    flags: int,
-    file_mode: int,
-    dir_mode: int,
-    replace_leftover: bool = False,
-) -> int:
-    """``create_exclusive(path, flags, file_mode)`` (always a new file,
-    never through a link), creating the parent directories (``make_dirs``)
-    first if needed. Retries when the parent is missing or stale right after
-    it was made (see SHARED_FS_ATTEMPTS). With ``replace_leftover`` the name
-    is this writer's own, so an entry already there is a dead predecessor's
-    (or a planted link) and is unlinked first. By path: for tools and
-    tests; a running tier creates beneath its root (``volume.beneath``)."""
-    directory = os.path.dirname(path)
-    flags = _safe_create_flags(flags)
-
-    def recover(exc: OSError) -> None:
-        if isinstance(exc, FileExistsError):
-            os.unlink(path)
-        else:
-            make_dirs(directory, dir_mode)
-
-    def transient(exc: OSError) -> bool:
-        return missing_or_stale(exc) or (replace_leftover and isinstance(exc, FileExistsError))
-
-    return retry_transient(lambda: os.open(path, flags, file_mode), recover, transient)
 
 
 def _kind(mode: int) -> str:

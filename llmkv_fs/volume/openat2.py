@@ -62,8 +62,8 @@ def _load() -> Callable[..., int] | None:
 _syscall = _load()
 _HOW_SIZE = ctypes.sizeof(_OpenHow)
 # One open_how per set of flags, made once and kept (read-only to the
-# kernel): building and passing a new one by reference per call cost a
-# third of the call (~2 us of ~6, 2-core VM).
+# kernel): none is built per call (docs/benchmarks.md, "Figures behind the
+# code", has what one per call costs).
 _HOWS: dict[tuple[int, int], tuple[_OpenHow, int]] = {}
 
 

@@ -22,7 +22,6 @@ from llmkv_fs.engine import (
     Tally,
     prepare_volume,
 )
-from llmkv_fs.engine.block.blockio import BlockIO
 from llmkv_fs.layout.blockfile import TRAILER_SIZE, Corruption, unpack_trailer
 from llmkv_fs.layout.paths import CacheLayout
 from tests.kits.engine_kit import (
@@ -31,6 +30,7 @@ from tests.kits.engine_kit import (
     fill,
     make_key,
     pattern,
+    replace_checks,
     row,
     settle,
     store_blocks,
@@ -415,7 +415,7 @@ def test_a_crashing_existence_check_answers_miss_not_retry_forever(disk_root, en
     def broken(self, key):
         raise RuntimeError("bug in a check")
 
-    monkeypatch.setattr(BlockIO, "exists", broken)  # a non-OSError escapes the check
+    replace_checks(monkeypatch, broken)  # a non-OSError escapes the check
     engine, _, primary = engines(disk_root, n_blocks=2)
     store_blocks(engine, primary, 1, [0], [0])
     assert settle(engine, make_key(0), "req") is False

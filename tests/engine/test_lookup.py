@@ -29,7 +29,6 @@ import pytest
 from llmkv_fs.config import SETTINGS
 from llmkv_fs.engine import Direction, Failure, MissReason, lookup_checks
 from llmkv_fs.engine import lookup as lookup_module
-from llmkv_fs.engine.block.pause import PAUSE_DIR_ENV
 from llmkv_fs.engine.block.presence import PRESENCE_ENV, compiled_check
 from llmkv_fs.engine.lookup import _MAX_REMEMBERED_MISSES, AsyncExistence
 from llmkv_fs.layout.blockfile import Corruption
@@ -462,7 +461,6 @@ def test_lookups_agree_with_the_files_on_disk(tmp_path, engines, monkeypatch, ca
         pytest.skip("the compiled presence check is not built here (or no openat2)")
     if presence == "python":
         monkeypatch.setenv(PRESENCE_ENV, "python")
-    monkeypatch.delenv(PAUSE_DIR_ENV)  # with pause points each key's check runs alone
     with caplog.at_level(logging.INFO, logger="vllm.llmkv_fs.engine"):
         engine, layout, primary = engines(str(tmp_path / "kv"), n_blocks=8, lookup_threads=1)
     started = [r.getMessage() for r in caplog.records if "presence check" in r.getMessage()]

@@ -20,7 +20,7 @@ from llmkv_fs.engine import FinishedJob, FsEngine, lookup, lookup_checks, prepar
 from llmkv_fs.engine.block.blockio import BlockIO
 from llmkv_fs.engine.block.bytepath import VectoredBytes
 from llmkv_fs.engine.block.options import IoOptions
-from llmkv_fs.engine.block.pause import PAUSE_DIR_ENV
+from llmkv_fs.engine.block.pause import PausePoints
 from llmkv_fs.engine.scheduling import accounting, jobs, scheduler
 from llmkv_fs.layout.paths import CacheLayout, RunIdentity
 from tests.kits.clock_kit import ManualClock
@@ -101,6 +101,20 @@ def settle(engine: FsEngine, key: bytes, request: str) -> bool:
             pytest.fail(f"no lookup verdict for {key.hex()[:12]} after {DEADLINE_S}s")
         engine.end_step()
         time.sleep(0.002)
+
+
+def replace_checks(monkeypatch, check) -> None:
+    """Every existence check of the test's engines runs ``check(blockio,
+    key)`` instead of looking at the volume: one key at a time
+    (``BlockIO.exists``) and a chunk at once (``exists_many``, the compiled
+    check's seam: ``check`` per key, in order, whatever the budget). Patched
+    on the class, so engines started before and after alike."""
+    monkeypatch.setattr(BlockIO, "exists", check)
+
+    def many(self, keys: list[bytes], budget_s: float = 0.0) -> list[bool]:
+        return [check(self, key) for key in keys]
+
+    monkeypatch.setattr(BlockIO, "exists_many", many)
 
 
 class PauseMark(NamedTuple):
@@ -200,8 +214,10 @@ def memfd_primary(size: int) -> mmap.mmap:
 
 
 # Read by tests/kits/tier_kit.py (tiers started through vLLM's stack): the io_mode
-# fixture's choice; unset means threads.
+# fixture's choice (unset means threads) and its pause directory (unset: no
+# pause points). Test side only: the product reads neither.
 IO_WORKERS_ENV = "LLMKV_FS_TEST_IO_WORKERS"
+PAUSE_DIR_ENV = "LLMKV_FS_TEST_PAUSE_DIR"
 
 
 # I/O worker processes per engine in the "workers" mode: one per I/O thread
@@ -250,7 +266,8 @@ def engines(io_mode):
         tier_settings = TierSettings(root_dir=root, **settings)
         layouts = [CacheLayout.for_identity(r, IDENTITY) for r in tier_settings.root_dirs]
         layout = layouts[0]
-        engine = FsEngine(tier_settings, layouts, primary, block_size, byte_path)
+        pause = PausePoints(io_mode.pause_dir)
+        engine = FsEngine(tier_settings, layouts, primary, block_size, byte_path, pause)
         made.append(engine)
         if io_mode.workers and settings.get("io_workers", 0):
             assert engine.io_workers == settings["io_workers"], "worker mode fell back to threads"

@@ -19,11 +19,11 @@ from collections.abc import Iterator
 
 from llmkv_fs.cli import main as cli_main
 from llmkv_fs.layout.blockfile import TRAILER_SIZE, pack_trailer, payload_checksum
-from llmkv_fs.layout.names import temp_path
 from llmkv_fs.layout.paths import CacheLayout, RunIdentity
 from llmkv_fs.volume.leases import Lease, write_lease
 from llmkv_fs.volume.run_config import ensure_run_config
 from tests.kits import REPO
+from tests.kits.names_kit import temp_path
 from tests.kits.nfs_kit import in_guest
 
 HOST = socket.gethostname()

@@ -4,7 +4,6 @@ small thread counts a 2-core machine wants."""
 import os
 from typing import Any
 
-from llmkv_fs.engine.block.pause import PAUSE_DIR_ENV
 from llmkv_fs.harness import driver
 from llmkv_fs.harness.driver import (  # noqa: F401  (re-exported for tests)
     DEADLINE_S,
@@ -15,16 +14,20 @@ from llmkv_fs.harness.driver import (  # noqa: F401  (re-exported for tests)
     payload_for,
     wait_until,
 )
-from tests.kits.engine_kit import IO_WORKERS_ENV, Gate
+from tests.kits.engine_kit import IO_WORKERS_ENV, PAUSE_DIR_ENV, Gate
+from tests.kits.paused_tier import paused
 
 
 def ours(root: str, **extra: Any) -> dict[str, Any]:
     """Our tier's config, in the test's io_mode (engine_kit.io_mode): as many
-    worker processes as the I/O threads it would have otherwise."""
+    worker processes as the I/O threads it would have otherwise, and the
+    mode's pause points (tests/kits/paused_tier.py)."""
     config = {"n_read_threads": 2, "n_write_threads": 2, **extra}
     if "io_workers" not in config and os.environ.get(IO_WORKERS_ENV, "0") != "0":
         config["io_workers"] = config["n_read_threads"] + config["n_write_threads"]
-    return driver.ours(root, **config)
+    pause_dir = os.environ.get(PAUSE_DIR_ENV)
+    tier = driver.ours(root, **config)
+    return paused(tier, pause_dir) if pause_dir else tier
 
 
 def builtin(root: str, **extra: Any) -> dict[str, Any]:

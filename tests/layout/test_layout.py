@@ -18,7 +18,7 @@ import pytest
 from vllm.v1.kv_offload.config import OffloadingCacheConfig
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
-from llmkv_fs.layout.names import parse_temp_name, safe_model_component, temp_path
+from llmkv_fs.layout.names import parse_temp_name, safe_model_component
 from llmkv_fs.layout.paths import CacheLayout, LayoutError, RunIdentity
 from tests.kits.layout_kit import (
     KEYS,
@@ -30,6 +30,7 @@ from tests.kits.layout_kit import (
     spec_for,
     vllm_mapper,
 )
+from tests.kits.names_kit import temp_path
 from tests.kits.tier_kit import offloading_config
 
 

@@ -23,6 +23,7 @@ from llmkv_fs.layout.names import (
 from llmkv_fs.layout.paths import CacheLayout, RunIdentity
 from llmkv_fs.volume.leases import Lease
 from tests.kits.engine_kit import make_key
+from tests.kits.names_kit import probe_path, temp_path
 
 ROOT = "/mnt/kv cache"
 DIGEST = "0123456789ab"
@@ -48,9 +49,9 @@ def every_name(root: str = ROOT) -> dict[str, str]:
         "quarantined": os.path.basename(
             names.quarantine_path(layout.rank_dir, os.path.basename(block), "x", 7)
         ),
-        "temp": os.path.basename(names.temp_path(block, "node-1", 12, "ab")),
-        "config-temp": os.path.basename(names.temp_path(layout.config_path, "node-1", 12, "ab")),
-        "probe": os.path.basename(names.probe_path(layout.rank_dir, "node-1", 12)),
+        "temp": os.path.basename(temp_path(block, "node-1", 12, "ab")),
+        "config-temp": os.path.basename(temp_path(layout.config_path, "node-1", 12, "ab")),
+        "probe": os.path.basename(probe_path(layout.rank_dir, "node-1", 12)),
         "lease": names.lease_file_name("node-1", 12, 34),
         "trash": os.path.basename(names.trash_path(root, DIGEST, None, 12, 34)),
         "rank-trash": os.path.basename(names.trash_path(root, DIGEST, 3, 12, 34)),
@@ -150,7 +151,6 @@ def test_block_paths_round_trip():
         assert names.parse_block_path(layout.rank_dir, path) == k
         assert names.parse_block_path(layout.rank_dir + "/", path) == k
         assert names.parse_block_rel_path(names.block_rel_path(k)) == k
-        assert names.split_key(k) == (k[:-4], int.from_bytes(k[-4:], "big"))
 
 
 def test_block_path_parser_rejects_look_alikes():
@@ -214,7 +214,7 @@ def test_quarantine_parser_rejects_look_alikes(name):
     ],
 )
 def test_temp_names_round_trip(host, final):
-    path = names.temp_path(final, host, 4194304, "1f3a")
+    path = temp_path(final, host, 4194304, "1f3a")
     assert os.path.dirname(path) == os.path.dirname(final)
     parsed = names.parse_temp_name(os.path.basename(path))
     assert parsed == TempName(host, 4194304, "1f3a", os.path.basename(final))
@@ -224,7 +224,7 @@ def test_temp_names_round_trip(host, final):
 
 @pytest.mark.parametrize("host", HOSTS)
 def test_probe_names_round_trip(host):
-    path = names.probe_path("/mnt/kv/m_abc_r0", host, 77)
+    path = probe_path("/mnt/kv/m_abc_r0", host, 77)
     assert os.path.dirname(path) == "/mnt/kv/m_abc_r0"
     assert names.parse_probe_name(os.path.basename(path)) == WriterTag(host, 77)
     assert names.temp_writer(os.path.basename(path)) == WriterTag(host, 77)

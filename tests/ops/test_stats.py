@@ -14,10 +14,10 @@ import pytest
 
 from llmkv_fs import cli
 from llmkv_fs.layout.blockfile import TRAILER_SIZE, BlockFileError
-from llmkv_fs.layout.names import temp_path
 from llmkv_fs.layout.paths import CacheLayout
 from llmkv_fs.volume.leases import Lease, seed_fingerprint, write_lease
 from tests.kits.engine_kit import BS, make_key, write_blocks
+from tests.kits.names_kit import temp_path
 
 FILE = BS + TRAILER_SIZE
 DAY = 86400.0

@@ -46,13 +46,19 @@ def test_a_block_stored_after_a_miss_is_seen_by_the_next_lookup(
     the first check after the store finds it (not a later one, once the
     attribute cache let go)."""
     checks = collections.Counter()
-    real_exists = BlockIO.exists
+    real_exists, real_many = BlockIO.exists, BlockIO.exists_many
 
     def counted(self, key):
         checks[key] += 1
         return real_exists(self, key)
 
-    monkeypatch.setattr(BlockIO, "exists", counted)  # before the engines bind it
+    def counted_many(self, keys, budget_s=0.0):  # the compiled check, where it runs
+        found = real_many(self, keys, budget_s)
+        checks.update(keys[: len(found)])
+        return found
+
+    monkeypatch.setattr(BlockIO, "exists", counted)
+    monkeypatch.setattr(BlockIO, "exists_many", counted_many)
     engine_b, _, _ = engines(shared_volume.b)
     engine_a, _, primary_a = engines(shared_volume.a)
     # Key 0's shard directory exists on both sides before the miss; key 1's

@@ -6,9 +6,10 @@ Server start-ups dominate (~1 min each on 2 cores), so the module tells one
 story with three servers on one root, and each test checks one part of it:
 
 1. server 1 (``durability: full``, one writer) serves prompts P1 and P2 cold
-   and stores them; then P3's first store is held at the engine's test pause
-   point right before its rename (llmkv_fs/engine/block/pause.py, through
-   ``LLMKV_FS_TEST_PAUSE_DIR``), its temp file written and closed: the
+   and stores them; then P3's first store is held at the engine's pause
+   point right before its rename (llmkv_fs/engine/block/pause.py; server 1's
+   tier is tests/kits/paused_tier.py, our tier with pause points, loaded by
+   ``module_path``), its temp file written and closed: the
    server is frozen (SIGSTOP) to pin that state and killed with SIGKILL --
    in the middle of a store by construction, not by catching a window;
 2. ``llmkv-fs gc`` runs; one of P2's block files gets a flipped byte;
@@ -104,20 +105,26 @@ class Story:
     mode: dict = dataclasses.field(default_factory=dict)  # the I/O mode's tier options
 
     def config(self, e2e_env, pause_dir: str | None = None, **tier_options) -> ServeConfig:
+        """A server of the story; with ``pause_dir``, its tier is ours with
+        pause points there (tests/kits/paused_tier.py, on the server's
+        PYTHONPATH as ``paused_tier``)."""
         venv, model, site = e2e_env
+        tier: dict = {"type": "fs", **self.mode, **tier_options}
+        if pause_dir is not None:
+            tier.update(type="FsTier", module_path="paused_tier", pause_dir=pause_dir)
         return ServeConfig(
             venv=venv,
             model=model,
             root_dir=self.root,
             pythonpath=[str(site), str(KITS)],
-            tier_options={**self.mode, **tier_options},
+            tier_type=tier.pop("type"),
+            tier_options=tier,
             chunk_tokens=CHUNK_TOKENS,
             # float32: a prefix hit of another length computes the rest in
             # another order; in bf16 that can flip a greedy token of a random
             # model (seen in the bf16 benchmark for both tiers alike).
             dtype="float32",
             log_dir=self.log_dir,
-            pause_dir=pause_dir,
         )
 
     def server(self, e2e_env, name: str, pause_dir: str | None = None, **tier_options) -> Server:
@@ -265,9 +272,10 @@ def story(e2e_env, e2e_base, request):
 
 def test_type_fs_is_our_tier_through_the_installed_plugin(story):
     for server in story.servers[:2]:
-        log = server.log_text()
-        assert REGISTERED_LINE in log, server.log_path
-        assert READY_LINE in log and "llmkv_fs" in log, server.log_path
+        assert REGISTERED_LINE in server.log_text(), server.log_path
+    # Server 1's tier is named by module_path (paused_tier); server 2's is "fs".
+    log = story.second.log_text()
+    assert READY_LINE in log and "llmkv_fs" in log, story.second.log_path
     leases = list(Path(story.root).glob("*/leases/*.json"))
     assert leases, "no lease file of ours on the volume"
     # Declared through the class the factory resolved "fs" to (samples come

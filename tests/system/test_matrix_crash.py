@@ -20,6 +20,7 @@ import pytest
 
 from llmkv_fs.config import TierSettings
 from llmkv_fs.engine import FsEngine, Outcome
+from llmkv_fs.engine.block.pause import PausePoints
 from llmkv_fs.volume.leases import pid_alive
 from tests.kits.engine_kit import IO_WORKERS_ENV, Gate, memfd_primary
 from tests.kits.matrix_kit import (
@@ -50,10 +51,11 @@ KEYS_PER_TRIAL = 8
 pytestmark = pytest.mark.usefixtures("io_mode")
 
 
-def _write(layout, keys_hex: list[str], ready_fd: int, io_workers: int) -> dict:
-    """Child: store every key through a real engine, as fast as it can. It
-    says when it is ready (b"!"), with its worker pids (the writers of its
-    temp files), then when every block is written (b".")."""
+def _write(layout, keys_hex: list[str], ready_fd: int, io_workers: int, pause_dir: str) -> dict:
+    """Child: store every key through a real engine (with the test's pause
+    points), as fast as it can. It says when it is ready (b"!"), with its
+    worker pids (the writers of its temp files), then when every block is
+    written (b".")."""
     keys = [bytes.fromhex(k) for k in keys_hex]
     primary = memfd_primary(len(keys) * BLOCK)  # worker processes can map it
     for i, key in enumerate(keys):
@@ -65,7 +67,7 @@ def _write(layout, keys_hex: list[str], ready_fd: int, io_workers: int) -> dict:
         lookup_threads=1,
         io_workers=io_workers,
     )
-    engine = FsEngine(settings, layout, primary, BLOCK)
+    engine = FsEngine(settings, layout, primary, BLOCK, pause=PausePoints(pause_dir))
     assert engine.io_workers == io_workers
     pids = ",".join(str(pid) for pid in engine.executor.worker_pids())
     os.write(ready_fd, f"!{pids}\n".encode())
@@ -94,11 +96,11 @@ class Writer:
         return {self.child.pid, *self.workers}
 
 
-def _start_writer(layout, keys) -> Writer:
+def _start_writer(layout, keys, pause_dir: str) -> Writer:
     """Fork a writer in the test's io mode (as many workers as its threads)."""
     io_workers = 3 if os.environ.get(IO_WORKERS_ENV, "0") != "0" else 0
     ready_r, ready_w = os.pipe()
-    child = Forked(_write, layout, [k.hex() for k in keys], ready_w, io_workers)
+    child = Forked(_write, layout, [k.hex() for k in keys], ready_w, io_workers, pause_dir)
     os.close(ready_w)
     hello = b""
     while not hello.endswith(b"\n"):
@@ -142,7 +144,7 @@ def test_sigkill_mid_write_never_publishes_a_torn_file(shared_volume, replicas, 
     spans = []
     for run in range(2):
         keys = make_keys(KEYS_PER_TRIAL, seed=f"kill-{shared_volume.fs}-calibrate-{run}")
-        writer = _start_writer(writer_layout, keys)
+        writer = _start_writer(writer_layout, keys, io_mode.pause_dir)
         assert os.read(writer.pipe, 1) == b"."
         spans.append(time.monotonic() - writer.started)
         counters = writer.child.result()
@@ -170,7 +172,7 @@ def test_sigkill_mid_write_never_publishes_a_torn_file(shared_volume, replicas, 
         keys = make_keys(KEYS_PER_TRIAL, seed=f"kill-{shared_volume.fs}-{trial}")
         paths = {reader.tier.engine.roots[0].layout.block_path(k): k for k in keys}
         gate.hold(keys[-1])
-        writer = _start_writer(writer_layout, keys)
+        writer = _start_writer(writer_layout, keys, io_mode.pause_dir)
         # A random instant, not a synchronization: the held block keeps the
         # writer storing until the kill, whenever it lands.
         time.sleep(max(0.0, writer.started + rng.uniform(0, span) - time.monotonic()))

@@ -36,15 +36,14 @@ from llmkv_fs.layout.names import (
     gc_lock_path,
     lease_dir,
     lease_file_name,
-    probe_path,
     quarantine_dir,
 )
 from llmkv_fs.layout.paths import CacheLayout
-from llmkv_fs.volume.files import create_in_dir
 from llmkv_fs.volume.leases import lease_for, refresh_lease, write_lease
 from llmkv_fs.volume.run_config import ensure_run_config
 from tests.kits.engine_kit import BS, IDENTITY, make_key, write_blocks
 from tests.kits.gc_kit import DAY, age, gc_env, gc_run, key, make_digest, put_block
+from tests.kits.names_kit import probe_path
 from tests.kits.user_kit import tool_as
 
 HOST = socket.gethostname()
@@ -204,17 +203,6 @@ def test_engine_start_with_a_link_at_its_probe_name(engines, root, tmp_path):
     prepare_volume(layout)
     os.symlink(victim.path, probe_path(layout.rank_dir, HOST, os.getpid()))
     engines(root, io_mode="auto")
-    victim.assert_untouched()
-
-
-def test_create_helper_never_truncates_or_follows(root, tmp_path):
-    victim = Victim(str(tmp_path / "outside"))
-    link = f"{root}/sub/name.bin"
-    os.makedirs(os.path.dirname(link))
-    os.symlink(victim.path, link)
-    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC  # a caller asking for the unsafe thing
-    with pytest.raises(FileExistsError):
-        os.close(create_in_dir(link, flags, 0o640, 0o750))
     victim.assert_untouched()
 
 

@@ -31,8 +31,6 @@ from pathlib import Path
 
 import psutil
 
-from llmkv_fs.engine.block.pause import PAUSE_DIR_ENV
-
 SPEC_NAME = "CpuTieringOffloadingSpec"
 SPEC_MODULE = "e2e_cpu_spec"  # tests/kits/e2e_cpu_spec.py, through PYTHONPATH
 OUR_PREFIX = "vllm:kv_offload_llmkv_fs_"
@@ -76,9 +74,6 @@ class ServeConfig:
     kv_cache_gib: int = 1
     hash_seed: str = "0"
     log_dir: str = "/tmp"
-    # Tests only: the engine's pause points (llmkv_fs/engine/block/pause.py)
-    # read this directory, so a test can hold a store at a known place.
-    pause_dir: str | None = None
     # vLLM's --kv-events-config (enable_kv_cache_events, publisher, endpoint,
     # topic), None for none.
     kv_events: dict | None = None
@@ -128,10 +123,8 @@ class Server:
     def env(self) -> dict[str, str]:
         c = self.config
         env = dict(os.environ)
-        for key in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME", PAUSE_DIR_ENV):
+        for key in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME"):
             env.pop(key, None)
-        if c.pause_dir is not None:
-            env[PAUSE_DIR_ENV] = c.pause_dir
         env.update(
             PYTHONPATH=os.pathsep.join(c.pythonpath),
             PATH=f"{c.venv / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}",

@@ -1,8 +1,8 @@
 /* Whether block files are there, for a batch of keys at once, without the
  * GIL: the one-call branch of BlockPresence.at (engine/block/presence.py) in
- * a C loop, so that lookups of a long prompt no longer share the scheduler's
- * interpreter lock for every key (issue 33; vLLM's built-in answers the same
- * way, one C loop of access()).
+ * a C loop, so that lookups of a long prompt do not share the scheduler's
+ * interpreter lock for every key (vLLM's built-in answers the same way, one
+ * C loop of access()).
  *
  * Per key, exactly what the Python branch does: openat2(O_PATH|O_CLOEXEC,
  * RESOLVE_BENEATH|RESOLVE_NO_SYMLINKS|RESOLVE_NO_XDEV) below the root's
@@ -17,10 +17,9 @@
  *
  * The keys' paths are built in the loop too, without the GIL:
  * <prefix>/<hhh>/<hh>_g<group>/<hash>.bin, byte for byte layout/names.py's
- * block_rel_path (a test holds the two together).
- * Building the paths in Python held the lookup thread on the interpreter
- * lock ~1.1 us a key (8,192 keys: 9 ms of 47, 2-core VM), the lock the
- * scheduler's re-scan of the same prompt needs every step.
+ * block_rel_path (a test holds the two together), so the lookup thread
+ * does not hold the interpreter lock per key, the lock the scheduler's
+ * re-scan of the same prompt needs every step.
  *
  * A call may be given a time budget: it then stops once the budget is spent
  * (after at least one key) and answers only the keys it checked, so that a

@@ -7,9 +7,11 @@ threads only -- they block on the filesystem.
 
 Every name is resolved beneath the root (``volume.beneath``): a block is
 first opened from the root's descriptor in one ``openat2`` call
-(``RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS``) where the kernel has it; any
-failure of that call, and every store's directory, takes the walk: the
-block's directory ``<rank>/<hhh>/<hh>_g<g>`` opened one component at a
+(``RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS``) where the kernel has it, and so
+is a store's directory once this process has made or found it
+(``Beneath.open_dir``); any failure of that call, a store's directory not
+yet known, and a store retried after its directory vanished take the walk:
+the block's directory ``<rank>/<hhh>/<hh>_g<g>`` opened one component at a
 time without following a link, the block and its temp file then opened,
 renamed, stat'ed and unlinked relative to that directory's descriptor.
 A symlink or a mount point where a directory of the tree belongs makes a

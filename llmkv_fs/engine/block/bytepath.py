@@ -7,9 +7,11 @@ every check, because none of them is its job. Before it runs, the step has
 checked the deadline, the chunk index, whether the root is lost and the
 space guard; ``BlockIO`` has resolved the block's directory beneath the
 root without following a link and created the temp file (or opened the
-block, never through a link). After it, ``BlockContents``
-(block/contents.py) packs or verifies the trailer (length, key, checksum),
-and ``BlockIO`` renames, quarantines a bad file and notes the access stamp.
+block, never through a link). ``BlockContents`` (block/contents.py) packs
+the trailer (length, key, checksum) through the ``seal`` it hands a write,
+which the byte path calls before the trailer's bytes go out, and verifies
+it after a read; ``BlockIO`` then renames, quarantines a bad file and notes
+the access stamp.
 
 What an implementation may choose is how the bytes move -- one vectored
 call, pieces, another engine -- and whether it hashes the payload on the
@@ -93,9 +95,8 @@ class VectoredBytes:
             return
         # The kernel's copy into the file has just pulled each piece from
         # memory into this CPU's cache, so hashing it next reads it from
-        # cache (hashing first made the hash do the memory read, which the
-        # kernel's copy does with far more reads in flight: 2 MiB blocks on
-        # the 16-core machine, docs/benchmarks.md, issue 20).
+        # cache; the memory read is left to the kernel's copy, which has far
+        # more reads in flight than the hash (docs/benchmarks.md).
         hasher = xxhash.xxh3_64()
         size = row.nbytes
         for done in range(0, size, piece):

@@ -1,12 +1,14 @@
-"""Test-only pause points in the per-block path, honoured in I/O threads and
-worker processes alike, so a test can hold a block at a known place instead
-of catching a window by polling (a SIGKILL "in the middle of a store" that
-depended on seeing a temp file in time failed on a loaded 2-core machine).
+"""Pause points in the per-block path, honoured in I/O threads and worker
+processes alike, so a test can hold a block at a known place instead of
+catching a window by polling.
 
-Inactive unless the environment variable ``LLMKV_FS_TEST_PAUSE_DIR`` names a
-directory when the engine (or a worker) starts; then each block asks, at
-each point, whether the point is armed -- two ``stat`` calls per point, in
-tests only. Production never sets it, and the hot path then pays one ``is None``.
+Inactive unless the engine is given a ``PausePoints``
+(``FsEngine(..., pause=PausePoints(directory))``; a worker process gets it
+as a field of its launch, workers/crew.WorkerLaunch); then each block asks,
+at each point, whether the point is armed -- two ``stat`` calls per point.
+Nothing in the product makes one: the test kits pass it in
+(tests/kits/engine_kit.py, and tests/kits/paused_tier.py for a tier vLLM's
+factory starts), and without one the hot path pays one ``is None``.
 
 The protocol is files in that directory, so it crosses process boundaries:
 
@@ -15,7 +17,8 @@ The protocol is files in that directory, so it crosses process boundaries:
   block; ``read``: a load past its checks, right before it opens the file;
   ``publish``: a store whose temp file is written and closed, right before
   its rename; ``exists``, op ``lookup``: an existence check of the engine's
-  lookup threads, before it touches the volume);
+  lookup threads, before it touches the volume -- each key of a chunk the
+  compiled check takes at once, in order, then the chunk's one call);
 * on stopping, a block creates ``at.<point>.<op>.<key hex>.<pid>.<thread>.<ns>``
   (what the test waits for; ``<ns>`` is CLOCK_MONOTONIC, one clock for every
   process, so markers sort in arrival order -- file times are kernel ticks,
@@ -33,9 +36,8 @@ import os
 import threading
 import time
 
-__all__ = ["MAX_PAUSE_S", "PAUSE_DIR_ENV", "PausePoints"]
+__all__ = ["MAX_PAUSE_S", "PausePoints"]
 
-PAUSE_DIR_ENV = "LLMKV_FS_TEST_PAUSE_DIR"
 MAX_PAUSE_S = 120.0
 _POLL_S = 0.001
 
@@ -45,11 +47,6 @@ class PausePoints:
 
     def __init__(self, directory: str):
         self.directory = directory
-
-    @classmethod
-    def from_environment(cls) -> PausePoints | None:
-        directory = os.environ.get(PAUSE_DIR_ENV)
-        return cls(directory) if directory else None
 
     def reached(self, point: str, op: str, key: bytes) -> None:
         """Stop here while the test says so (see the module doc)."""

@@ -12,8 +12,8 @@ another client created it.
 A batch of blocks (``many``, a lookup's chunk of keys) is checked by the
 compiled module ``_presence`` (``_presence.c``) where it is built and
 ``openat2`` works: each key's path built, then the same one call, ``fstat``
-and ``close``, in one C loop without the GIL, so a long prompt's checks no
-longer take the scheduler's interpreter lock for every key (issue 33).
+and ``close``, in one C loop without the GIL, so a long prompt's checks do
+not take the scheduler's interpreter lock for every key.
 Whatever that loop cannot settle is decided here, key by key, as without
 it. The module is optional (built by the package's install where a C
 compiler is; see ``presence_path``), and ``LLMKV_FS_PRESENCE=python`` in

@@ -18,12 +18,10 @@ the end. A block that fails is zeroed in the row: not a byte of it,
 ciphertext or unauthenticated plaintext, stays in the CPU tier.
 
 In place: ``update_into(row, row)`` (OpenSSL underneath) decrypts in the
-buffer it reads from. Measured for a 2 MiB block on the 2-core machine:
-1.1 ms in place, 1.8 ms into another buffer, 2.0 ms for the one-shot
-``AESGCM.encrypt`` (which also allocates the result). ``update_into``
-releases the GIL from cryptography 50 on (49 and before hold it: 14 threads
-sealed at one core's speed on the 16-core host), hence the floor in
-pyproject.toml.
+buffer it reads from, the cheapest of the cipher's calls: no second buffer,
+no allocated result (docs/benchmarks.md, "Figures behind the code").
+``update_into`` must release the GIL, which it does from cryptography 50
+on, hence the floor in pyproject.toml.
 
 Threading: one per root and process, shared by that process's I/O threads;
 the store buffer is per thread. Methods block on the filesystem.

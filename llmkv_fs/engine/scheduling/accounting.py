@@ -96,7 +96,7 @@ class ThrottledErrorLog:
 
 
 class JobAccountant:
-    """Turns a pool's finished IoJob into a FinishedJob, counting each
+    """Turns a finished IoJob (the scheduler's) into a FinishedJob, counting each
     block's outcome into ``counters`` (the engine's, shared) and each job's
     submit-to-report time into ``job_latencies``."""
 
@@ -123,8 +123,7 @@ class JobAccountant:
         first = outcomes[0] if outcomes else None
         # The common job: every block the same success. list.count compares
         # by identity in C, so this costs O(1) Python steps per job instead
-        # of several per block (the owner's time per block is a target of
-        # issue 12; docs/benchmarks.md).
+        # of several per block (the owner's time per block: docs/benchmarks.md).
         if isinstance(first, Outcome) and outcomes.count(first) == len(outcomes):
             n = len(outcomes)
             self.counters[first] += n

@@ -38,8 +38,9 @@ Threading rules
 * Owner (vLLM's scheduler side, one thread at a time): ``submit``,
   ``take_finished``, ``has_news``, ``expire_overdue``, the gauges. ``submit``
   takes no lock -- it appends to ``_incoming`` and bumps counters only it
-  writes -- because a lock shared with the executor's threads made the owner
-  wait for GIL hand-offs (measured on 2 cores: ~180 us per submitted block).
+  writes -- because a lock shared with the executor's threads makes the
+  owner wait for GIL hand-offs (docs/benchmarks.md, "Figures behind the
+  code").
 * Executor threads: ``take`` and ``slice_done``, each one short hold of the
   scheduler lock.
 * One lock, never held across I/O, a syscall or a call into the executor.

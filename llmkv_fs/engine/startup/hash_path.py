@@ -3,9 +3,8 @@ and the ``llmkv_fs_checksum_xxh3`` label of vLLM's config-info gauge.
 
 python-xxhash 4.1 links xxHash's x86 dispatcher, which picks the widest of
 SSE2, AVX2 and AVX-512 that the CPU and the kernel support when the module
-loads; 4.0 and older run SSE2 on x86-64 whatever the CPU (docs/benchmarks.md,
-"Issue 20, second round": 10.6 against 28.9 GB/s hot on the 16-core
-machine). The dispatcher does not report its choice, so it is inferred here
+loads; 4.0 and older run SSE2 on x86-64 whatever the CPU (docs/benchmarks.md
+has what that costs). The dispatcher does not report its choice, so it is inferred here
 from the CPU flags the kernel publishes (which already leave out what the
 kernel does not enable). Two blind spots, both outside what pip installs: a
 python-xxhash built against a system libxxhash (``XXHASH_LINK_SO``) runs

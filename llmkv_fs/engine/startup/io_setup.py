@@ -32,17 +32,14 @@ __all__ = [
 # share vLLM's GIL, and each piece is one more release and re-acquire (so a
 # large one); worker processes share no GIL, but many of them busy evict a
 # large piece before it is hashed (so a smaller one). The measurements that
-# chose both: docs/bench/history.md, issues 12 and 20.
+# chose both: docs/bench/history.md.
 _MEMORY_FS = frozenset(("tmpfs", "ramfs"))
 _HASH_CHUNK = 1 << 20
 _HASH_CHUNK_WORKERS = 256 << 10
 # Sealed blocks, on any volume: I/O threads encrypt a whole block (up to
-# this) in one cipher call, since each call takes vLLM's GIL back once; 14
-# threads sealing 2 MiB blocks on the 16-core host wrote 7.5 GB/s so, 5.8
-# in 256 KiB pieces (and loads 10.7 GB/s whole, 6.1 in those pieces).
-# Worker processes keep a piece in L2 between the copy and the cipher
-# (sealed 0.82-1.03x of unsealed there, 128 KiB to 1 MiB within ~10 %;
-# docs/benchmarks.md, "Sealed against unsealed").
+# this) in one cipher call, since each call takes vLLM's GIL back once;
+# worker processes share no GIL and keep a piece in L2 between the copy and
+# the cipher (docs/benchmarks.md, "Sealed against unsealed", has the figures).
 _SEAL_PIECE_THREADS = 4 << 20
 _SEAL_PIECE_WORKERS = 256 << 10
 

@@ -8,9 +8,9 @@ queued a thread touches nothing but the scheduler: it takes the next block
 right after giving one back. Only when ``take`` finds nothing does it take
 the executor's condition, ask once more and sleep; ``work_arrived`` notifies
 under the same condition after the blocks were queued, so a wake-up is never
-lost. (A semaphore taken once per block -- Python code under the GIL --
-cost 57 to 63 % of the thread mode's throughput at 7+7 threads on 16 cores,
-measured with tools/bench/engine.py.)
+lost. (No semaphore taken once per block: Python code under the GIL per
+block costs the thread mode much of its throughput; docs/benchmarks.md,
+"Figures behind the code".)
 
 Threading: ``start``, ``work_arrived``, ``job_expired`` and ``stop`` are the
 scheduler's calls (owner thread); the I/O threads run ``_serve`` and touch

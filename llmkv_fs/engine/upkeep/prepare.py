@@ -86,9 +86,9 @@ def _nearest_existing(path: str) -> str:
 
 def check_root(root: str, require_mounted_root: bool = False) -> None:
     """Everything that can be known about ``root`` before anything is
-    created, so that a list of roots is refused whole or prepared whole
-    (issue 25: a bad later entry once left the earlier ones with a new
-    digest directory): reached through a symlink; not on a mounted volume
+    created, so that a list of roots is refused whole or prepared whole (a
+    bad later entry leaves no earlier one with a new digest directory):
+    reached through a symlink; not on a mounted volume
     when that is required; not a directory (a file, or a path below one);
     missing where it cannot be created (the nearest existing directory is
     not writable); on a filesystem that holds no files (``/proc``,

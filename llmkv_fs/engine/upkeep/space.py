@@ -3,8 +3,8 @@
 Threading and processes: ``sample`` runs on the housekeeping thread (statvfs
 can block on a network filesystem); ``allows_store`` is read by the owner
 when a store is submitted and by every block before it is stored;
-``saw_enospc`` is called by whichever I/O thread or worker process hit
-ENOSPC. The verdict lives in the shared ``VolumeSignals`` page, so a worker
+``trip_on_enospc`` is called by whichever I/O thread or worker process hit
+ENOSPC (block/step.py). The verdict lives in the shared ``VolumeSignals`` page, so a worker
 process reads and trips the same guard (signals.py says how its one race
 settles). A decision one sample old is fine.
 """
@@ -66,11 +66,6 @@ class SpaceGuard:
     @property
     def reason(self) -> str:
         return self.signals.refusal
-
-    def saw_enospc(self) -> None:
-        """A write failed with ENOSPC/EDQUOT: trip, with what is free now as
-        the baseline."""
-        trip_on_enospc(self.signals, self.path)
 
     def sample(self) -> VolumeUsage:
         usage = volume_usage(self.path)

@@ -8,11 +8,12 @@ interpreter (never a fork of vLLM)::
 
 (``LAUNCH``: its ``crew.WorkerLaunch``, pickled, base64.)
 
-It imports only the engine room and the layout. Its life:
+It imports the engine room and what it stands on (volume, layout), never
+vLLM or torch. Its life:
 
-* ``PR_SET_PDEATHSIG`` (SIGKILL) ends it with the owner thread that spawned
-  it (the pool's conductor, which lives as long as the pool), and EOF on its
-  job pipe ends it too -- no worker outlives its engine;
+* ``PR_SET_PDEATHSIG`` (SIGKILL) ends it with the thread that spawned it
+  (the worker executor's conductor, which lives as long as the executor),
+  and EOF on its job pipe ends it too -- no worker outlives its engine;
 * it maps the primary region from the fds it inherited (region.map_region)
   and pins itself to the CPUs the owner chose (NUMA);
 * sealed blocks: its keys come through an inherited pipe it reads once
@@ -24,7 +25,8 @@ It imports only the engine room and the layout. Its life:
 * then it serves job records (records.JOB: a slice of one job's blocks)
   one at a time, runs each slice through a BlockStep built from the same
   spec as the engine's I/O threads' (block/spec.py: every per-block check,
-  the byte path, the shared volume signals, the test pause points)
+  the byte path, the shared volume signals, the pause points its launch
+  carries)
   and answers with a result record (records.RESULT) on its result pipe. The
   block's cancel byte in the shared cancel board is its ``still_wanted``: the
   owner sets it when the job's deadline passed, so an abandoned store is
@@ -51,7 +53,6 @@ import time
 from collections.abc import Callable
 
 from llmkv_fs.engine.block.blockio import BlockIO
-from llmkv_fs.engine.block.pause import PausePoints
 from llmkv_fs.engine.block.spec import build_step
 from llmkv_fs.engine.block.step import BlockStep
 from llmkv_fs.engine.upkeep.signals import VolumeSignals
@@ -102,7 +103,7 @@ def _block_step(launch: WorkerLaunch) -> tuple[BlockStep, RowPrefault]:
     spec = launch.step.with_keys(_take_keys(launch.keys_fd))
     blockios = [spec.blockio(index) for index in range(len(spec.roots))]
     signals = [VolumeSignals.attach(fd) for fd in launch.signals_fds]
-    step = build_step(spec, rows, blockios, signals, PausePoints.from_environment())
+    step = build_step(spec, rows, blockios, signals, launch.pause)
     return step, RowPrefault(rows, step.block_size)
 
 

@@ -32,6 +32,7 @@ import sys
 import time
 from collections.abc import Callable
 
+from llmkv_fs.engine.block.pause import PausePoints
 from llmkv_fs.engine.block.spec import StepSpec
 from llmkv_fs.engine.outcomes import BlockResult
 from llmkv_fs.engine.scheduling.jobs import BlockSlice
@@ -72,13 +73,15 @@ class WorkerSpec:
     """What the workers of one executor are given, built once by the engine:
     how their block step is built (``step``, with the workers' I/O options:
     startup/io_setup.py), the primary region to map, each root's shared
-    signals page, the CPUs they run on and their nice increment."""
+    signals page, the CPUs they run on, their nice increment and the
+    engine's pause points (block/pause.py; None: none)."""
 
     step: StepSpec
     handover: RegionHandover
     signals: tuple[VolumeSignals, ...]
     cpus: frozenset[int] | None = None
     nice: int = 0
+    pause: PausePoints | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,6 +106,7 @@ class WorkerLaunch:
     # launch is on the worker's command line, which anyone on the host may
     # read, so ``step`` travels without its keyring (``keys_pipe``).
     keys_fd: int = -1
+    pause: PausePoints | None = None  # the engine's pause points (block/pause.py)
 
     def encoded(self) -> str:
         return base64.b64encode(pickle.dumps(self, pickle.HIGHEST_PROTOCOL)).decode("ascii")
@@ -253,6 +257,7 @@ class Crew:
                 cpus=tuple(sorted(spec.cpus)) if spec.cpus else None,
                 nice=spec.nice,
                 keys_fd=keys_fd,
+                pause=spec.pause,
             )
             worker.proc = _start_child(launch, (*inherited, keys_fd))
         except BaseException:
@@ -371,9 +376,9 @@ class Crew:
             worker.ready = False
 
 
-# io_workers=auto: on 2 cores worker processes were at parity with threads
-# or below (issue 12's prototype); two CPUs stay for vLLM's scheduler and
-# the conductor thread.
+# io_workers=auto: worker processes only from this many CPUs (below it they
+# do not beat I/O threads: docs/benchmarks.md); two CPUs stay for vLLM's
+# scheduler and the conductor thread.
 AUTO_MIN_CPUS = 6
 AUTO_MAX_WORKERS = 16
 

@@ -2,19 +2,17 @@
 the I/O needs them.
 
 A worker maps the region afresh (region.map_region), so the first time it
-touches a row every 4 KiB page faults: a load writing 2 MiB into a row took
-396-474 faults and ~250 us of a ~1700 us block on the 16-core machine, 15 %
-of its CPU (docs/bench/device/issue20_profile.md: with the region populated
-up front, loads went 17.1 -> 20.1 GB/s). A warm-up pass does not remove
-them: each of 14 workers touches only the rows it was given, so after one
-pass a worker still faults on ~13/14 of the rows it is handed next.
+touches a row every 4 KiB page faults, a large share of a load's CPU
+(docs/bench/device/issue20_profile.md has the profile). A warm-up pass does
+not remove them: each of N workers touches only the rows it was given, so
+after one pass a worker still faults on about (N-1)/N of the rows it is
+handed next.
 
 ``MADV_POPULATE_WRITE`` (Linux 5.14+) fills the entries of a range in one
 call, without a trap per page, and changes no byte of the region. Two uses:
 
 * ``before_block``: a row this worker has not touched yet is populated just
-  before its I/O (cheaper than trapping on each page: measured ~40 % less
-  on the 2-core machine);
+  before its I/O (cheaper than trapping on each page);
 * ``while_idle``: between jobs, the worker populates the rest of the region
   a few rows at a time, so a long-running worker serves every row without a
   fault. This gives the worker the page tables it would build anyway over

@@ -1,6 +1,6 @@
 """The worker-process executor: blocks run in I/O worker processes
 (workers/child.py) that map the primary region themselves, so the per-block
-Python no longer shares vLLM's GIL. What a block passes through in a worker
+Python does not share vLLM's GIL. What a block passes through in a worker
 is the same BlockStep an I/O thread runs (block/step.py).
 
 Roles
@@ -63,8 +63,8 @@ logger = logging.getLogger("vllm.llmkv_fs.workers")
 
 # The owner wakes the conductor with a write that keeps the GIL (a PyDLL call
 # does not release it; os.eventfd_write does): releasing it would hand the
-# GIL to the conductor it just woke and make the owner wait for it back --
-# measured on 2 cores, up to ~190 us per submitted block.
+# GIL to the conductor it just woke and make the owner wait for it back, per
+# submitted block (docs/benchmarks.md, "Figures behind the code").
 _write_holding_gil = ctypes.PyDLL(None).write
 _write_holding_gil.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t]
 _write_holding_gil.restype = ctypes.c_ssize_t

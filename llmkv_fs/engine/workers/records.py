@@ -11,9 +11,9 @@ worker answers every block of it with the slot it got.
 A result is a block's ``BlockResult`` whole: an ``Outcome`` by its index, or
 a ``Failed`` by its ``Failure`` index plus the type of its error (one of
 ``ERROR_TYPES``) and that error's fields. So every reason a block can end
-with in a worker reaches the owner as the same reason it has in a thread
-(a hand-written chain once turned ``no_checksum`` and ``volume_failed`` into
-``error``; tests/engine/workers/test_records.py round-trips every member).
+with in a worker reaches the owner as the same reason it has in a thread,
+never ``error`` in its place (tests/engine/workers/test_records.py
+round-trips every member).
 
 Pure functions of their arguments: safe from any thread or process.
 """
@@ -57,8 +57,8 @@ __all__ = [
 
 # op u8, slot u16, blocks u16; then per block: chunk i64, key length u16 (then
 # the key). The chunk is range-checked by the worker's BlockStep like a
-# thread's, so any index the owner passed must fit: a u32 field once turned
-# chunk -1 into a struct.error on the conductor.
+# thread's, so any index the owner passed must fit (-1 included: a bad chunk
+# is the block's failure in the worker, never a struct.error on the conductor).
 JOB = struct.Struct("<BHH")
 BLOCK = struct.Struct("<qH")
 _CHUNK_RANGE = range(-(1 << 63), 1 << 63)

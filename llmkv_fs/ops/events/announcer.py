@@ -49,7 +49,7 @@ from llmkv_fs.ops.events.config import EventsTarget
 if TYPE_CHECKING:
     from llmkv_fs.ops.events.oneshot import OneShotPublisher
 
-__all__ = ["Announcer", "EventsUnavailable", "event_identity"]
+__all__ = ["Announcer", "EventsUnavailable"]
 
 logger = logging.getLogger("llmkv_fs.ops.events")
 
@@ -83,12 +83,6 @@ def _vllm() -> Any:
         msgpack_encoder = staticmethod(msgspec.msgpack.Encoder)
 
     return Vllm
-
-
-def event_identity(key: bytes) -> tuple[Any, int]:
-    """(the hash a KV event names for this OffloadKey's file, its group)."""
-    v = _vllm()
-    return v.convert(v.block_hash(key)), v.group_idx(key)
 
 
 class Announcer:
@@ -230,11 +224,6 @@ class Announcer:
     def pending(self) -> int:
         """Blocks queued and not yet published."""
         return self._pending
-
-    @property
-    def publishing(self) -> bool:
-        """Whether any target's publisher started."""
-        return bool(self._publishers or self._one_shot)
 
     def troubles(self) -> list[str]:
         """One-shot: why events did not reach every wanted subscriber, one

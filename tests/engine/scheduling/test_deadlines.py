@@ -20,7 +20,6 @@ import time
 import pytest
 
 from llmkv_fs.engine import Direction, Failure, LookupAnswer, MissReason, Outcome, Tally
-from llmkv_fs.engine.block.blockio import BlockIO
 from tests.kits.clock_kit import JUST_BEFORE_S, ManualClock
 from tests.kits.engine_kit import (
     BS,
@@ -31,6 +30,7 @@ from tests.kits.engine_kit import (
     held_by_executor,
     make_key,
     pattern,
+    replace_checks,
     row,
     settle,
     store_blocks,
@@ -283,7 +283,7 @@ def test_overdue_lookups_miss_and_a_late_answer_keeps_the_failed_load_verdict(
         release.wait(GATE_TIMEOUT_S)
         return True  # the late answer: "it is there"
 
-    monkeypatch.setattr(BlockIO, "exists", hung_exists)  # before the engine binds it
+    replace_checks(monkeypatch, hung_exists)
     engine, _, _ = engines(disk_root, n_blocks=4, job_timeout_s=TIMEOUT_S)
     plain, doomed, newcomer = make_key("plain"), make_key("doomed"), make_key("new")
     try:
@@ -338,7 +338,7 @@ def test_lookup_deadline_is_job_timeout_capped_at_5s(
     disk_root, engines, monkeypatch, job_timeout_s, lookup_timeout_s
 ):
     release = threading.Event()
-    monkeypatch.setattr(BlockIO, "exists", lambda self, key: release.wait(GATE_TIMEOUT_S))
+    replace_checks(monkeypatch, lambda self, key: release.wait(GATE_TIMEOUT_S))
     engine, _, _ = engines(disk_root, n_blocks=4, job_timeout_s=job_timeout_s)
     lookups = engine.lookups  # driven with an explicit clock instead of waiting 5 s
     try:

@@ -18,7 +18,7 @@ import pytest
 from llmkv_fs.config import TierSettings
 from llmkv_fs.engine import Direction, Failure, Outcome
 from llmkv_fs.engine.upkeep import space
-from llmkv_fs.engine.upkeep.space import SpaceGuard
+from llmkv_fs.engine.upkeep.space import SpaceGuard, trip_on_enospc
 from llmkv_fs.layout.blockfile import TRAILER_SIZE
 from llmkv_fs.volume.fsinfo import VolumeUsage, volume_usage
 from tests.kits.engine_kit import (
@@ -120,7 +120,7 @@ def test_enospc_holds_until_free_space_grows_by_the_headroom(small_tmpfs):
     write_filler(f"{small_tmpfs}/b", MiB // 2)
     write_filler(f"{small_tmpfs}/c", MiB // 2)
 
-    guard.saw_enospc()  # the baseline: what is free at the failure
+    trip_on_enospc(guard.signals, guard.path)  # the baseline: what is free at the failure
     assert not guard.allows_store() and guard.reason == "ENOSPC"
     guard.sample()
     assert not guard.allows_store()
@@ -134,7 +134,7 @@ def test_enospc_holds_until_free_space_grows_by_the_headroom(small_tmpfs):
     assert guard.allows_store() and guard.reason == "ok"
 
     # A new ENOSPC measures from the new baseline.
-    guard.saw_enospc()
+    trip_on_enospc(guard.signals, guard.path)
     guard.sample()
     os.unlink(f"{small_tmpfs}/c")
     guard.sample()
@@ -152,7 +152,7 @@ def test_room_made_right_after_enospc_lifts_the_guard(small_tmpfs):
     write_filler(f"{small_tmpfs}/fill", free)  # the volume is full now
     with pytest.raises(OSError):  # a real ENOSPC
         write_filler(f"{small_tmpfs}/more", MiB)
-    guard.saw_enospc()  # as the I/O thread that got it does
+    trip_on_enospc(guard.signals, guard.path)  # as the I/O thread that got it does
     os.unlink(f"{small_tmpfs}/fill")  # room made before the next sample
     guard.sample()
     assert guard.allows_store() and guard.reason == "ok"
@@ -166,7 +166,7 @@ def test_enospc_baseline_falls_back_to_the_next_sample(small_tmpfs, monkeypatch)
 
     real = space.volume_usage
     monkeypatch.setattr(space, "volume_usage", unreadable)
-    guard.saw_enospc()  # could not measure: the next sample is the baseline
+    trip_on_enospc(guard.signals, guard.path)  # could not measure: the next sample is the baseline
     monkeypatch.setattr(space, "volume_usage", real)
     guard.sample()
     assert not guard.allows_store()

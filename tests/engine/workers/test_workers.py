@@ -22,7 +22,7 @@ import pytest
 
 from llmkv_fs.config import TierConfigError, TierSettings
 from llmkv_fs.engine import Direction, Failure, FsEngine, Tally
-from llmkv_fs.engine.block.pause import PAUSE_DIR_ENV
+from llmkv_fs.engine.block.pause import PausePoints
 from llmkv_fs.engine.workers import crew as crew_module
 from llmkv_fs.engine.workers.crew import DEPTH, resolve_io_workers
 from llmkv_fs.engine.workers.process_executor import ProcessExecutor
@@ -64,10 +64,12 @@ def root(tmp_path):
     return str(tmp_path / "vol")
 
 
-def start(root, primary, workers=2, **extra) -> FsEngine:
+def start(root, primary, workers=2, pause_dir: str | None = None, **extra) -> FsEngine:
     os.makedirs(root, exist_ok=True)
     settings = TierSettings.from_mapping({"root_dir": root, "io_workers": workers, **extra})
-    engine = FsEngine(settings, CacheLayout.for_identity(root, IDENTITY), primary, BS)
+    pause = PausePoints(pause_dir) if pause_dir else None
+    layout = CacheLayout.for_identity(root, IDENTITY)
+    engine = FsEngine(settings, layout, primary, BS, pause=pause)
     assert engine.io_workers == workers
     return engine
 
@@ -222,11 +224,11 @@ def test_sigkill_fails_exactly_the_killed_workers_blocks_and_is_replaced(root):
 
 
 @pytest.fixture
-def pause_dir(tmp_path, monkeypatch):
-    """Pause points for the engines (and workers) the test starts."""
+def pause_dir(tmp_path):
+    """A directory for the pause points of the engine (and workers) the test
+    starts (``start(..., pause_dir=...)``)."""
     path = tmp_path / "pause"
     path.mkdir()
-    monkeypatch.setenv(PAUSE_DIR_ENV, str(path))
     return str(path)
 
 
@@ -239,7 +241,7 @@ def _fresh_gate(engine, pause_dir: str, point: str) -> Gate:
 
 def test_sigkill_under_load_never_publishes_a_bad_file_or_hangs(root, pause_dir):
     primary = memfd_primary()
-    engine = start(root, primary, workers=3)
+    engine = start(root, primary, workers=3, pause_dir=pause_dir)
     try:
         for i in range(CHUNKS):
             fill(primary, i, pattern(i))
@@ -297,7 +299,7 @@ def test_a_dead_workers_load_leaves_zeros_in_every_row_it_held(root, pause_dir, 
         secrets.mkdir()
         extra = {"seal_key_files": {"1": key_file(secrets)}}
     primary = memfd_primary()
-    engine = start(root, primary, **extra)
+    engine = start(root, primary, pause_dir=pause_dir, **extra)
     try:
         n = 16  # 2 workers x DEPTH places: the first slices take 2 blocks each
         keys = [make_key(i) for i in range(n)]
