@@ -15,6 +15,7 @@ from vllm.v1.kv_offload.base import LookupResult, Medium
 from llmkv_fs.tier.removals import RemovalWatch
 from tests.kits.clock_kit import ManualClock
 from tests.kits.tier_kit import MiB, make_keys, ours, resolve, start, wait_until
+from tests.kits.volume_kit import BindVolume
 
 HIT, MISS = LookupResult.HIT, LookupResult.MISS
 
@@ -166,23 +167,61 @@ def stored_keys(replica) -> list[bytes]:
     return [k for e in events if not e.removed and e.medium is Medium.STORAGE for k in e.keys]
 
 
+class _RenamedAway:
+    """The root's parent renamed away and an empty directory put in its place."""
+
+    def __init__(self, tmp_path):
+        self.tmp_path = tmp_path
+        self.root = str(tmp_path / "vol" / "kv")
+        os.makedirs(self.root)
+
+    def lose(self) -> None:
+        os.rename(self.tmp_path / "vol", self.tmp_path / "away")
+        (self.tmp_path / "vol" / "kv").mkdir(parents=True)
+
+    def bring_back(self) -> None:
+        os.rename(self.tmp_path / "vol", self.tmp_path / "empty")
+        os.rename(self.tmp_path / "away", self.tmp_path / "vol")
+
+    def close(self) -> None:
+        pass
+
+
+class _Unmounted(BindVolume):
+    """The volume (a tmpfs bound at the mount point) unmounted and mounted
+    again: the very same directory back."""
+
+    def __init__(self, tmp_path):
+        super().__init__(tmp_path)
+        self.root = self.mountpoint
+        self.lose, self.bring_back = self.unmount, self.mount
+
+
+@pytest.mark.parametrize("how", [_RenamedAway, _Unmounted], ids=["renamed", "unmounted"])
 @pytest.mark.usefixtures("io_mode")
-def test_a_root_lost_for_a_while_announces_nothing_removed(tmp_path, replicas):
-    """The root renamed away and an empty directory put in its place: its
-    keys miss while it is lost (nobody looked at their files), and hit again
-    once it is back -- with no removal announced at any point."""
-    root = tmp_path / "vol" / "kv"
-    root.mkdir(parents=True)
-    a, key = stored_then_pushed_out(replicas, str(root), "removal-lost-root")
+def test_a_root_lost_for_a_while_announces_nothing_removed(tmp_path, replicas, how):
+    """The root lost for a while: its keys miss while it is lost (nobody
+    looked at their files), and hit again once it is back -- with no removal
+    announced at any point."""
+    volume = how(tmp_path)
+    try:
+        _lost_and_back(replicas, volume)
+    finally:
+        for replica in reversed(replicas):
+            replica.close()
+        replicas.clear()
+        volume.close()
+
+
+def _lost_and_back(replicas, volume) -> None:
+    a, key = stored_then_pushed_out(replicas, volume.root, "removal-lost-root")
     engine = a.tier.engine
-    os.rename(tmp_path / "vol", tmp_path / "away")
-    (tmp_path / "vol" / "kv").mkdir(parents=True)
+    volume.lose()
     wait_until(lambda: a.step() or engine.roots[0].lost, "the root to be lost")
     assert resolve(a, [key]) == {key: MISS}
     assert removed_keys(a) == []
 
-    os.rename(tmp_path / "vol", tmp_path / "empty")
-    os.rename(tmp_path / "away", tmp_path / "vol")
+    volume.bring_back()
     wait_until(lambda: a.step() or not engine.roots[0].lost, "the root to be back")
     assert resolve(a, [key]) == {key: HIT}
     assert removed_keys(a) == []
