@@ -190,7 +190,7 @@ ALLOWED: dict[str, str] = {
         "resolve() steps until each lookup has a verdict; the stall holds (the gate keeps "
         "the block inside the volume)"
     ),
-    "tests/tier/test_removal_events.py::test_a_root_lost_for_a_while_announces_nothing_removed": (
+    "tests/tier/test_removal_events.py::_lost_and_back": (
         "resolve() steps until each lookup has a verdict; the root's state waited on is "
         "changed only by this test"
     ),
