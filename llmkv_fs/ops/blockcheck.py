@@ -65,6 +65,7 @@ __all__ = [
     "open_for_check",
     "reader_rules",
     "sealed_trailer",
+    "sealed_with",
     "undo_atime",
 ]
 
@@ -167,32 +168,40 @@ def sealed_trailer(rank_dir: str, path: str, size: int, chunk: int) -> str:
     and sealed trailer are right: ``BlockRules.judge_unopened``), the
     Corruption token that makes it bad there (a plain trailer:
     ``bad-version``), VANISHED or ERROR. Reads one trailer page, atime kept."""
+    return sealed_with(rank_dir, path, size, chunk)[0]
+
+
+def sealed_with(rank_dir: str, path: str, size: int, chunk: int) -> tuple[str, str | None]:
+    """``sealed_trailer`` and, for a SEALED block, the key it was sealed
+    with as a lease announces keys: ``"<key id>:<key check hex>"``."""
     key = parse_block_path(rank_dir, path)
     if key is None:
-        return "bad-name"
+        return "bad-name", None
     rules = BlockRules(chunk, sealed=True)
     page = b""
     if size == chunk + TRAILER_SIZE:
         try:
             fd, _ = _open_block(rank_dir, path)
         except FileNotFoundError:
-            return VANISHED
+            return VANISHED, None
         except OSError:
-            return ERROR
+            return ERROR, None
         try:
             before = os.fstat(fd)
             size = before.st_size
             page = os.pread(fd, TRAILER_SIZE, size - TRAILER_SIZE) if size > TRAILER_SIZE else b""
             undo_atime(fd, before)
         except OSError:
-            return ERROR
+            return ERROR, None
         finally:
             os.close(fd)
     try:
         rules.judge_unopened(key, page, size)
     except BlockFileError as exc:
-        return str(exc.reason)
-    return SEALED
+        return str(exc.reason), None
+    seal = unpack_trailer(page).seal
+    assert seal is not None  # judge_unopened refuses a plain trailer
+    return SEALED, f"{seal.key_id}:{seal.key_check.hex()}"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -7,13 +7,16 @@ blocks, in plain words with the fix:
 
 * two deployments of one model: the exact run-config fields that differ
   (``block_size 16 vs 32: a prompt is cut into other blocks ...``);
-* ``--against CONFIG``: a replica's own run config (its config.json, as
-  the tier writes it) against every deployment of its model;
+* ``--against FILE`` / ``--against-args ARGS``: a replica's own settings
+  -- its run config (config.json), its ``vllm serve --config`` file, or
+  its serve arguments (``ops/doctor_against.py``: what arguments can tell)
+  -- against every deployment of its model;
 * inside one deployment: live replicas hashing with different (or random)
   seeds, a replica sealing with a key another does not hold, replicas
   placing blocks over different root lists, a space guard refusing stores
   (the volume is past a live replica's limit), a digest holding blocks
-  with no replica for ``--idle-days``.
+  with no replica for ``--idle-days``, and (``--walk``) sealed blocks under
+  a key no live replica announces (each block's trailer page names it).
 
 Fast on a large volume: it reads the root's listing, each digest's
 config.json and leases, and one directory entry of each rank directory; it
@@ -26,6 +29,7 @@ replicas from sharing, 1 when something does, 2 for bad input.
 from __future__ import annotations
 
 import argparse
+import collections
 import io
 import json
 import os
@@ -33,18 +37,20 @@ import socket
 import sys
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TextIO
 
 from llmkv_fs.layout.run_diff import Difference, differences
 from llmkv_fs.layout.sealed import NAMESPACE_FIELD
 from llmkv_fs.ops import scan
+from llmkv_fs.ops.blockcheck import infer_chunk_size, sealed_with
+from llmkv_fs.ops.doctor_against import Against, against_args, against_file, compare
 from llmkv_fs.ops.per_root import RootOutcome, add_root_argument, run_listed_roots, worst
 from llmkv_fs.ops.problems import Problems, problem_lines
 from llmkv_fs.ops.stats import seed_warnings
-from llmkv_fs.ops.stats_walk import walk_digest
+from llmkv_fs.ops.stats_walk import DigestFiles, walk_digest
 from llmkv_fs.volume.fsinfo import volume_usage
 from llmkv_fs.volume.leases import Lease, LeaseDir
-from llmkv_fs.volume.run_config import CONFIG_FILE_LIMIT, read_run_config
 
 __all__ = ["add_arguments", "diagnose", "run"]
 
@@ -69,12 +75,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="parallel directory listers of --walk (default 8)",
     )
-    parser.add_argument(
+    mine = parser.add_mutually_exclusive_group()
+    mine.add_argument(
         "--against",
-        metavar="CONFIG",
-        help="a replica's own run config (its config.json: the object the tier writes "
-        "at <root>/<model>_<digest>/config.json): which fields keep it from each "
-        "deployment of its model",
+        metavar="FILE",
+        help="a replica's own settings: its run config (config.json, as the tier writes "
+        "it) or its vllm serve --config file (YAML or JSON): which fields keep it from "
+        "each deployment of its model",
+    )
+    mine.add_argument(
+        "--against-args",
+        metavar="ARGS",
+        help="a replica's own vllm serve arguments as one string "
+        '("--model M --dtype float16 --block-size 32 ..."): which fields they '
+        "determine keep it from each deployment of its model, and which they cannot tell",
     )
     parser.add_argument(
         "--idle-days",
@@ -179,7 +193,7 @@ def _deployment(
         "walk": None,
     }
     if walk:
-        files = walk_digest(d, now, threads, problems)
+        files = walk_digest(d, now, threads, problems, keep_blocks=entry["sealed"])
         blocks = sum(r["blocks"] for r in files.ranks.values())
         entry["holds_blocks"] = blocks > 0
         entry["walk"] = {
@@ -189,12 +203,67 @@ def _deployment(
             if files.newest_mtime is None
             else round(now - files.newest_mtime, 3),
             "newest_use_age_s": None if files.newest is None else round(now - files.newest, 3),
+            "sealed_with": _sealed_with(files, threads) if entry["sealed"] else None,
         }
         if files.newest is not None:
             used = round(now - files.newest, 3)
             sign = entry["last_sign_age_s"]
             entry["last_sign_age_s"] = used if sign is None else min(sign, used)
     return entry
+
+
+def _sealed_with(files: DigestFiles, threads: int) -> dict[str, int]:
+    """A sealed digest's blocks by the key they were sealed with, as leases
+    announce keys ("<key id>:<key check hex>"), from each block's trailer
+    page (read on ``threads`` threads); blocks that are not sealed ones are
+    not counted (``llmkv-fs stats`` and ``verify`` name them)."""
+    chunk = infer_chunk_size(files.probe).payload
+    if not chunk or not files.blocks:
+        return {}
+    with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="llmkv-doctor") as pool:
+        keys = collections.Counter(
+            key
+            for _, key in pool.map(lambda b: sealed_with(b[0], b[1], b[2], chunk), files.blocks)
+            if key is not None
+        )
+    return dict(sorted(keys.items()))
+
+
+def _unheld_keys(dep: dict[str, Any]) -> list[dict[str, Any]]:
+    """Blocks of a sealed deployment (counted by ``--walk``) sealed with a
+    key no live replica announces: every live replica misses them. Said
+    only when some live replica announces its keys (older versions do not)."""
+    counts = (dep["walk"] or {}).get("sealed_with") or {}
+    held = {k for x in dep["live"] for k in x["seal_keys"]}
+    if not counts or not held:
+        return []
+    held_ids = {k.split(":", 1)[0] for k in held}
+    by_id: collections.Counter[str] = collections.Counter()
+    for key, n in counts.items():
+        if key not in held:
+            by_id[key.split(":", 1)[0]] += n
+    found = []
+    for key_id, n in sorted(by_id.items(), key=lambda item: (len(item[0]), item[0])):
+        how = (
+            "another key under that id than the live replicas hold"
+            if key_id in held_ids
+            else "which no live replica holds"
+        )
+        found.append(
+            _finding(
+                "unheld_key",
+                False,
+                [dep["name"]],
+                f"{n} blocks of {_clean(dep['name'])} sealed with key id {key_id}, {how}: "
+                "they are foreign_key misses (lookup_misses and load_failures "
+                "reason foreign_key); a replica that recomputes one writes over it "
+                '(stored_blocks{outcome="replaced"}) (add the key to seal_key_files, '
+                "or let them age out)",
+                key_id=int(key_id),
+                blocks=n,
+            )
+        )
+    return found
 
 
 def _inside(dep: dict[str, Any], usage: Any, idle_days: float) -> list[dict[str, Any]]:
@@ -206,6 +275,7 @@ def _inside(dep: dict[str, Any], usage: Any, idle_days: float) -> list[dict[str,
         found.append(_finding("hash_seed", True, [name], line.removeprefix("WARNING: ")))
     if dep["sealed"]:
         found.extend(_sealing(dep))
+        found.extend(_unheld_keys(dep))
     roots = {tuple(x["roots"]) for x in live if x["roots"]}
     if len(roots) > 1:
         lists = " vs ".join(
@@ -283,7 +353,7 @@ def _sealing(dep: dict[str, Any]) -> list[dict[str, Any]]:
     return found
 
 
-def _between(a: dict[str, Any], b: dict[str, Any], kind: str = "run_config") -> dict[str, Any]:
+def _between(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
     found: list[Difference] = differences(a["config"], b["config"])
     if not found:  # equal objects under two digest names: one of them lies
         sentence = (
@@ -292,7 +362,7 @@ def _between(a: dict[str, Any], b: dict[str, Any], kind: str = "run_config") -> 
     else:
         sentence = "; ".join(d.sentence() for d in found)
     return _finding(
-        kind,
+        "run_config",
         True,
         [a["name"], b["name"]],
         f"{_clean(a['name'])} and {_clean(b['name'])} never share: {sentence}",
@@ -301,9 +371,25 @@ def _between(a: dict[str, Any], b: dict[str, Any], kind: str = "run_config") -> 
     )
 
 
-def _pairs(
-    deployments: list[dict[str, Any]], against: dict[str, Any] | None
-) -> list[dict[str, Any]]:
+def _against(against: Against, dep: dict[str, Any]) -> dict[str, Any] | None:
+    """What keeps the replica ``against`` describes from ``dep`` (None:
+    nothing it tells)."""
+    found, unjudged = compare(against, dep["config"], [x["hash_algo"] for x in dep["live"]])
+    if not found:
+        return None
+    sentence = "; ".join(d.sentence() for d in found)
+    return _finding(
+        "against",
+        True,
+        [dep["name"]],
+        f"{against.option.split(' ', 1)[0]} and {_clean(dep['name'])} never share: {sentence}",
+        fields=[d.field for d in found],
+        differences=[d.as_json() for d in found],
+        unjudged=[{"field": f, "why": why} for f, why in unjudged],
+    )
+
+
+def _pairs(deployments: list[dict[str, Any]], against: Against | None) -> list[dict[str, Any]]:
     """Deployments of one model against each other (and ``against``)."""
     found = []
     readable = [d for d in deployments if d["config"] is not None]
@@ -312,10 +398,11 @@ def _pairs(
             if a["model"] == b["model"]:
                 found.append(_between(a, b))
     if against is not None:
-        mine = {"name": "--against", "config": against}
         for dep in readable:
-            if dep["model"] == against.get("model_name") and dep["config"] != against:
-                found.append(_between(mine, dep, "against"))
+            if dep["model"] == against.model:
+                finding = _against(against, dep)
+                if finding is not None:
+                    found.append(finding)
     return found
 
 
@@ -323,7 +410,7 @@ def diagnose(
     root: str,
     walk: bool = False,
     threads: int = 8,
-    against: dict[str, Any] | None = None,
+    against: Against | None = None,
     idle_days: float = 3.0,
     now: float | None = None,
 ) -> dict[str, Any]:
@@ -351,10 +438,18 @@ def diagnose(
         "sharing": not any(f["stops_sharing"] for f in findings),
         "deployments": deployments,
         "findings": findings,
-        "against": against,
+        "against": None if against is None else against.as_json(),
         "unexpected": unexpected,
         "problems": problems.as_dict(),
     }
+
+
+def _cannot_tell(against: dict[str, Any] | None) -> str:
+    """The line naming what ``--against``'s serve arguments cannot tell."""
+    if against is None or not against.get("unjudged"):
+        return ""
+    told = "; ".join(f"{u['field']} ({u['why']})" for u in against["unjudged"])
+    return f"{_clean(against['option'], 200)} cannot tell: {told}\n"
 
 
 def _print(report: dict[str, Any], out: TextIO) -> None:
@@ -402,6 +497,7 @@ def _print(report: dict[str, Any], out: TextIO) -> None:
     for f in findings:
         label = "DOES NOT SHARE" if f["stops_sharing"] else "note"
         out.write(f"{label}: {f['message']}\n")
+    out.write(_cannot_tell(report["against"]))
     if report["unexpected"]:
         out.write(
             f"{len(report['unexpected'])} entries in the root are no deployment "
@@ -413,20 +509,7 @@ def _print(report: dict[str, Any], out: TextIO) -> None:
         out.write("nothing stops these replicas from sharing\n")
 
 
-def _read_against(path: str) -> dict[str, Any]:
-    """The ``--against`` run config; ValueError naming the argument."""
-    config, why = read_run_config(path)
-    if config is None:
-        raise ValueError(
-            f"--against {path}: {why} (give a replica's config.json, a JSON object of at "
-            f"most {CONFIG_FILE_LIMIT} bytes)"
-        )
-    if not isinstance(config.get("model_name"), str):
-        raise ValueError(f"--against {path}: no model_name: not a run config (config.json)")
-    return config
-
-
-def _one_root(args: argparse.Namespace, root: str, against: dict[str, Any] | None) -> RootOutcome:
+def _one_root(args: argparse.Namespace, root: str, against: Against | None) -> RootOutcome:
     if not os.path.isdir(root):
         return RootOutcome(EXIT_BAD_INPUT, error=f"{root}: not a directory")
     report = diagnose(root, args.walk, args.threads, against, args.idle_days)
@@ -435,6 +518,15 @@ def _one_root(args: argparse.Namespace, root: str, against: dict[str, Any] | Non
     status = EXIT_SHARING if report["sharing"] else EXIT_NOT_SHARING
     # A name that is not UTF-8 (kept by Python as surrogates) printed escaped.
     shown = text.getvalue().encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+    models = sorted({d["model"] for d in report["deployments"] if d["config"] is not None})
+    if against is not None and against.model not in models:
+        there = ", ".join(_clean(m, 60) for m in models[:10]) or "none"
+        error = (
+            f"{against.option.split(' ', 1)[0]}: no deployment of model "
+            f"{_clean(against.model)} on {_clean(root, 200)} to compare with (models there: "
+            f"{there}); give the model name as vLLM was served with it"
+        )
+        return RootOutcome(EXIT_BAD_INPUT, report, shown, error)
     return RootOutcome(status, report, shown)
 
 
@@ -458,12 +550,14 @@ def run(args: argparse.Namespace) -> int:
         )
         return EXIT_BAD_INPUT
     against = None
-    if args.against is not None:
-        try:
-            against = _read_against(args.against)
-        except ValueError as exc:
-            print(f"llmkv-fs doctor: {exc}", file=sys.stderr, flush=True)
-            return EXIT_BAD_INPUT
+    try:
+        if args.against is not None:
+            against = against_file(args.against)
+        elif args.against_args is not None:
+            against = against_args(args.against_args)
+    except ValueError as exc:
+        print(f"llmkv-fs doctor: {_clean(str(exc), 400)}", file=sys.stderr, flush=True)
+        return EXIT_BAD_INPUT
     return run_listed_roots(
         "doctor",
         args.root,

@@ -15,6 +15,7 @@ import os
 import stat
 
 import pytest
+import yaml
 
 from llmkv_fs import cli
 from llmkv_fs.layout.names import lease_dir
@@ -170,6 +171,140 @@ def test_against_a_replicas_own_config(tmp_path, replicas, capsys):
     assert finding["kind"] == "against" and finding["fields"] == ["block_size"]
     assert cli.main(["doctor", root, "--against", str(tmp_path / "missing.json")]) == 2
     assert "--against" in capsys.readouterr().err
+
+
+def serve_settings(block_size: int, **more: str) -> dict:
+    """vllm serve --config keys (dashes, as operators write them) of the
+    replicas ``start`` makes: its model, dtype, ``block_size`` tokens per
+    block and per offloaded chunk (one block per file)."""
+    return {
+        "model": "acme/llama-test",
+        "dtype": "bfloat16",
+        "block-size": block_size,
+        "kv-transfer-config": {
+            "kv_connector": "OffloadingConnector",
+            "kv_connector_extra_config": {"block_size": block_size},
+        },
+        **more,
+    }
+
+
+def as_args(settings: dict) -> str:
+    return " ".join(
+        f"--{k} {json.dumps(v)!r}" if isinstance(v, dict) else f"--{k} {v}"
+        for k, v in settings.items()
+    )
+
+
+def test_against_a_serve_config_file_and_serve_arguments(tmp_path, replicas, capsys):
+    """A replica's own vLLM settings, as a --config YAML file and as the
+    arguments an operator passes, against a deployment a real replica
+    stored: the block size named when it differs, nothing when alike, and
+    what the arguments cannot tell listed."""
+    root = str(tmp_path / "v")
+    a = start(replicas, ours(root), groups=((16, LAYERS),))
+    leased(a, root)
+    a.store(make_keys(2))
+    other, alike = tmp_path / "other.yaml", tmp_path / "alike.yaml"
+    other.write_text(yaml.safe_dump(serve_settings(32)))
+    alike.write_text(yaml.safe_dump(serve_settings(16)))
+    for option, value in (
+        ("--against", str(other)),
+        ("--against-args", "vllm serve " + as_args(serve_settings(32))),
+    ):
+        status, report = doctor(capsys, root, option, value)
+        assert status == 1, report
+        (finding,) = report["findings"]
+        assert finding["kind"] == "against" and finding["stops_sharing"]
+        # --block-size sets the blocks' tokens and, with one KV group, the hash's.
+        assert finding["fields"] == ["block_size", "hash_block_size"]
+        assert "block_size 32 vs 16: a prompt is cut into other blocks" in finding["message"]
+        unjudged = {u["field"] for u in finding["unjudged"]}
+        assert {"kv_layout", "sealing"} <= unjudged and "block_size" not in unjudged
+    for option, value in (
+        ("--against", str(alike)),
+        ("--against-args", as_args(serve_settings(16))),
+    ):
+        status, report = doctor(capsys, root, option, value)
+        assert status == 0 and report["findings"] == [], report["findings"]
+        assert report["against"]["known"]["blocks_per_file"] == 1
+    # What the arguments leave to the model is not judged, and said so.
+    assert cli.main(["doctor", root, "--against-args", "--model acme/llama-test"]) == 0
+    text = capsys.readouterr().out
+    assert "--against-args cannot tell: dtype (--dtype auto" in text and "block_size" in text
+    status, report = doctor(
+        capsys,
+        root,
+        "--against-args",
+        as_args(serve_settings(16, **{"prefix-caching-hash-algo": "xxhash"})),
+    )
+    assert status == 1 and report["findings"][0]["fields"] == ["prefix_caching_hash_algo"]
+
+
+@pytest.mark.parametrize(
+    "option, value, says",
+    [
+        ("--against", "missing.yaml", "No such file"),
+        ("--against", "list.yaml", "not a mapping"),
+        ("--against", "fifo", "config.json, or a vllm serve --config file"),
+        ("--against-args", "--model acme/llama-test --block-size sixteen", "--block-size"),
+        ("--against-args", "--model acme/llama-test --dtype fp7", "is not one of auto"),
+        ("--against-args", "--model 'acme/llama-test", "quotation"),
+        ("--against-args", "--block-size 16", "no model"),
+        ("--against-args", "--model acme/other --block-size 16", "no deployment of model"),
+        (
+            "--against-args",
+            "--model acme/llama-test --block-size 16 --kv-transfer-config "
+            '\'{"kv_connector_extra_config": {"block_size": 24}}\'',
+            "not a multiple of --block-size 16",
+        ),
+    ],
+)
+def test_against_bad_input_is_refused_naming_the_option(
+    tmp_path, replicas, capsys, option, value, says
+):
+    root = str(tmp_path / "v")
+    a = start(replicas, ours(root))
+    leased(a, root)
+    (tmp_path / "list.yaml").write_text("- model\n- block-size\n")
+    os.mkfifo(tmp_path / "fifo")
+    if option == "--against":
+        value = str(tmp_path / value)
+    assert cli.main(["doctor", root, option, value]) == 2
+    err = capsys.readouterr().err
+    assert option in err and says in err, err
+
+
+def test_sealed_blocks_under_a_key_no_live_replica_holds(tmp_path, replicas, capsys):
+    """A replica sealed blocks with key id 1 and is gone; the live one holds
+    only key id 2: --walk counts the blocks by the key in their trailers and
+    says every live replica misses them, and what to do."""
+    root = str(tmp_path / "v")
+    secrets = tmp_path / "secrets"
+    secrets.mkdir()
+    old, new = key_file(secrets, "old"), key_file(secrets, "new")
+    a = start(replicas, ours(root, seal_key_files={"1": old}))
+    leased(a, root)
+    a.store(make_keys(3))
+    replicas.remove(a)
+    a.close()  # its lease goes with it
+    b = start(replicas, ours(root, seal_key_files={"2": new}))
+    leased(b, root)
+    b.store([make_keys(4)[3]])
+    status, report = doctor(capsys, root)
+    assert status == 0 and report["findings"] == []  # without --walk no block is read
+    status, report = doctor(capsys, root, "--walk")
+    (dep,) = report["deployments"]
+    assert dep["sealed"] and len(dep["live"]) == 1 and dep["walk"]["blocks"] == 4
+    assert sorted(n for n in dep["walk"]["sealed_with"].values()) == [1, 3]
+    (finding,) = report["findings"]
+    assert finding["kind"] == "unheld_key" and finding["key_id"] == 1
+    assert finding["blocks"] == 3 and status == 0  # the live replicas share with each other
+    assert "which no live replica holds: they are foreign_key misses" in finding["message"]
+    assert "seal_key_files" in finding["message"] and "replaced" in finding["message"]
+    status = cli.main(["doctor", root, "--walk"])
+    out = capsys.readouterr().out
+    assert status == 0 and "note: 3 blocks of " in out
 
 
 # -- hostile volumes (no replica: files as anyone with write access makes them) --
