@@ -67,13 +67,16 @@ class EngineRoot:
 
     def close(self, wait_s: float = STOP_WAIT_S) -> None:
         """Stop the housekeeping thread (it removes the lease), waiting at
-        most ``wait_s`` for it, and close the signals fd; the signals page
+        most ``wait_s`` for it, close the calling thread's root descriptor
+        (I/O and lookup threads close theirs as they end) and the signals
+        fd; the signals page
         stays readable. A housekeeping thread left behind inside a call on
         the volume (logged by ``Housekeeping.stop``) keeps the page open:
         it may still write there (root check, space guard) until it ends,
         and the page goes with the process."""
         if self.housekeeping.stop(wait_s):
             self.signals.close()
+        self.blockio.release()  # the calling thread's root descriptor
 
 
 def close_roots(roots: Sequence[EngineRoot], wait_s: float) -> None:

@@ -111,6 +111,8 @@ class _RootFd:
         self.dev = dev
 
     def __del__(self) -> None:
+        if self.fd < 0:
+            return  # released
         try:
             self._close(self.fd)
         except Exception:  # closed already, or the interpreter is going
@@ -153,6 +155,16 @@ class Beneath:
         if held is None:
             held = self._local.root = self._open_root()
         return held
+
+    def release(self) -> None:
+        """Close the calling thread's root descriptor, if it holds one (the
+        next use opens the root again): a thread that stays alive -- the
+        engine's owner after shutdown -- keeps none."""
+        held: _RootFd | None = getattr(self._local, "root", None)
+        if held is not None:
+            del self._local.root
+            held._close(held.fd)
+            held.fd = -1
 
     def _open_root(self) -> _RootFd:
         try:

@@ -325,3 +325,28 @@ def test_two_roots_shared_through_another_client(shared_volume, engines, io_mode
     seen = json.loads(done.stdout.strip().splitlines()[-1])
     assert seen["workers"] == workers
     assert seen["hits"] == [True] * N and seen["loaded"] and seen["right"] == [True] * N
+
+
+def _fds_on(path: str) -> list[str]:
+    """This process's descriptors of ``path`` itself."""
+    found = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            if os.readlink(f"/proc/self/fd/{fd}") == path:
+                found.append(fd)
+        except OSError:
+            continue
+    return found
+
+
+def test_shutdown_leaves_no_descriptor_of_a_root_in_the_calling_thread(tmp_path, engines):
+    """The owner's thread (vLLM's scheduler) resolved names below each root
+    while the engine ran; once shutdown returns it holds no descriptor of a
+    root (an unmount of the volume then finds it unused by us)."""
+    roots = [str(tmp_path / "a" / "kv"), str(tmp_path / "b" / "kv")]
+    engine, _layout, _primary = engines(",".join(roots), n_blocks=4, path_sharding="by_block_hash")
+    for root in engine.roots:  # what a tool or the owner may do on its own thread
+        root.blockio.exists(make_key(0))
+    assert all(_fds_on(root) for root in roots)
+    engine.shutdown()
+    assert [fd for root in roots for fd in _fds_on(root)] == []

@@ -126,6 +126,11 @@ class BlockIO:
         """The block's directory relative to the root, and its name."""
         return block_place(self._rank, key)
 
+    def release(self) -> None:
+        """Close the calling thread's descriptor of the root (see
+        Beneath.release)."""
+        self._below.release()
+
     # -- queries -------------------------------------------------------------
 
     def exists(self, key: bytes) -> bool:
