@@ -271,7 +271,11 @@ class BlockIO:
                 return False, False
             raise
         finally:
-            os.close(fd)
+            # A network client's close of a file another client replaced
+            # meanwhile may answer ENOENT or ESTALE (FUSE's flush): nothing
+            # was written through it, and Linux frees the descriptor anyway.
+            with contextlib.suppress(OSError):
+                os.close(fd)
         return judged not in _REFUSED, True
 
     @staticmethod
