@@ -47,7 +47,7 @@ from llmkv_fs.ops.blockcheck import infer_chunk_size, sealed_with
 from llmkv_fs.ops.doctor_against import Against, against_args, against_file, compare
 from llmkv_fs.ops.per_root import RootOutcome, add_root_argument, run_listed_roots, worst
 from llmkv_fs.ops.problems import Problems, problem_lines
-from llmkv_fs.ops.stats import seed_warnings
+from llmkv_fs.ops.stats import lease_json, seed_warnings
 from llmkv_fs.ops.stats_walk import DigestFiles, walk_digest
 from llmkv_fs.volume.fsinfo import volume_usage
 from llmkv_fs.volume.leases import Lease, LeaseDir
@@ -123,18 +123,13 @@ def _finding(
 
 
 def _lease_json(lease: Lease, now: float) -> dict[str, Any]:
+    """stats' lease entry and what a lease announces for sharing."""
     return {
-        "host": lease.host,
-        "pid": lease.pid,
-        "hash_algo": lease.hash_algo,
-        "seed_fingerprint": lease.seed_fingerprint,
-        "vllm_version": lease.vllm_version,
-        "llmkv_fs_version": lease.llmkv_fs_version,
+        **lease_json(lease, now),
         "roots": list(lease.roots),
         "seal_keys": list(lease.seal_keys),
         "max_usage_percent": lease.max_usage_percent,
         "min_free_bytes": lease.min_free_bytes,
-        "heartbeat_age_s": round(now - lease.refreshed, 3),
     }
 
 

@@ -150,7 +150,8 @@ def _config_digest_ok(d: scan.Digest, config: dict | None) -> bool | None:
         return False
 
 
-def _lease_json(lease: Lease, now: float) -> dict[str, Any]:
+def lease_json(lease: Lease, now: float) -> dict[str, Any]:
+    """A lease as the tools print it in --json (doctor adds its own fields)."""
     return {
         "host": lease.host,
         "pid": lease.pid,
@@ -220,8 +221,8 @@ def _leases(
     for lease in found.leases:
         (live if lease.is_live(now, this_host) else stale).append(lease)
     report = {
-        "live": [_lease_json(x, now) for x in live],
-        "stale": [_lease_json(x, now) for x in stale],
+        "live": [lease_json(x, now) for x in live],
+        "stale": [lease_json(x, now) for x in stale],
         "bad": [{"path": b.path, "why": b.why} for b in found.bad],
         "error": error,
     }
