@@ -105,6 +105,10 @@ def test_no_product_function_is_longer_than_the_rule():
 _REPO_PATH = re.compile(r"(?<![\w./-])((?:llmkv_fs|tools|tests)/[\w./-]*\w)(?![\w/<-])")
 _DOTTED = re.compile(r"(?<![\w./])(llmkv_fs(?:\.\w+)+)")
 _RELATIVE = re.compile(r"(?<![\w./-])((?:[\w-]+/)*[\w-]+\.(?:py|c|md|toml))\b")
+# A test named by its file and function (``tests/x/test_y.py::test_z``, and a
+# following ``::test_w`` of the same file), and a test file named bare (``test_y.py``).
+_TEST_ID = re.compile(r"(tests/[\w/]+\.py)?::(\w+)")
+_BARE_TEST_FILE = re.compile(r"(?<![\w./*-])(test_\w+\.py)\b")
 # Deliberate exceptions: a file removed from the tree, named in the same paragraph as the
 # commit that still holds it (docs/benchmarks.md, "How to run each benchmark", and the
 # measurements made with those tools).
@@ -141,6 +145,23 @@ def _symbol_exists(dotted: str) -> bool:
     return False
 
 
+def _missing_tests(paragraph: str) -> list[str]:
+    """Tests named in ``paragraph`` (by file and function, or a file named bare)
+    that no file under tests/ holds."""
+    missing, last = [], None
+    for line in paragraph.splitlines():
+        for path, function in _TEST_ID.findall(line):
+            last = path or last
+            source = REPO / last if last else None
+            if source is None or not source.exists():
+                continue  # a path that does not exist is reported as a path
+            if not re.search(rf"(?m)^\s*(?:async )?(?:def|class) {function}\b", source.read_text()):
+                missing.append(f"{last}::{function}")
+    names = {p.name for p in TESTS.rglob("test_*.py")}
+    missing += [name for name in _BARE_TEST_FILE.findall(paragraph) if name not in names]
+    return missing
+
+
 def stale_references(where: str, text: str, bases=()) -> list[str]:
     """What ``text`` names that is not in the tree: repository paths, dotted symbols of
     the package, and files relative to one of ``bases`` (a product docstring's)."""
@@ -150,6 +171,7 @@ def stale_references(where: str, text: str, bases=()) -> list[str]:
         for path in _REPO_PATH.findall(paragraph):
             if not (REPO / path).exists() and not excused:
                 found.append(f"{where}: {path}")
+        found += [f"{where}: {name}" for name in _missing_tests(paragraph)]
         for dotted in _DOTTED.findall(paragraph):
             if not _symbol_exists(dotted):
                 found.append(f"{where}: {dotted}")
@@ -181,6 +203,9 @@ def test_a_planted_bad_reference_is_caught():
         "See llmkv_fs/engine/no_such_module.py for the rest.",
         "Built by tools/bench/no_such_tool.py.",
         "Tested in tests/engine/test_no_such_thing.py.",
+        "Proved by tests/test_house.py::test_no_such_test.",
+        "Proved by `tests/test_house.py::test_a_planted_bad_reference_is_caught`, `::test_gone`.",
+        "Proved by `test_no_such_file.py`.",
         "Call llmkv_fs.engine.engine.NoSuchEngine first.",
         "The module llmkv_fs.engine.no_such_room says so.",
         "Its twin is engine/block/no_such_step.py.",
@@ -190,8 +215,166 @@ def test_a_planted_bad_reference_is_caught():
     good = (
         "llmkv_fs/engine/engine.py, tools/bench/engine.py, tests/kits/engine_kit.py, "
         "llmkv_fs.engine.engine.FsEngine, llmkv_fs.engine.block._presence, "
-        "engine/block/pause.py"
+        "engine/block/pause.py, tests/test_house.py::test_a_planted_bad_reference_is_caught, "
+        "`::test_every_module_with_logic_has_its_test_file_or_says_why`"
     )
     assert stale_references("good", good, bases) == []
+    assert stale_references("good", "as `test_races.py` checks") == []
     # A removed tool named with the commit that holds it is a deliberate exception.
     assert stale_references("old", "`tools/gone.py`, removed after commit ce83199.") == []
+
+
+# -- every module with logic has its test file where its path says -------------------------
+
+# A product module "with logic" defines a function or a class (constants, a
+# re-export or an empty package have nothing of their own to test). Its tests are
+# ``tests/<its folder>/test_<module>.py`` (``test_package.py`` for an
+# ``__init__.py``), so a newcomer finds them by name. A module tested somewhere
+# else is listed here with where and why; an entry that no longer applies fails.
+_REFOLDED = "engine layout being refolded: its tests are named after the fold"
+_BENCH_BY_HAND = "untested: llmkv-fs bench is run by hand (docs/benchmarks.md)"
+_GC_PASS = "driven through whole gc passes by tests/ops/gc/test_rules.py and test_command.py"
+TESTED_ELSEWHERE = {
+    "llmkv_fs/cli.py": (
+        "each subcommand is tested with its tool (tests/ops/, tests/harness/test_demo.py); "
+        "the parser by tests/test_units.py and tests/test_rooms.py (--help without vLLM)"
+    ),
+    "llmkv_fs/harness/bench.py": (
+        "its arguments and cases by tests/harness/test_bench_media.py; the run itself "
+        "is llmkv-fs bench, run by hand (docs/benchmarks.md)"
+    ),
+    "llmkv_fs/harness/bench_drive.py": _BENCH_BY_HAND,
+    "llmkv_fs/harness/bench_fio.py": _BENCH_BY_HAND,
+    "llmkv_fs/harness/machine.py": _BENCH_BY_HAND,
+    "llmkv_fs/harness/demo_replica.py": "a demo's replica process: tests/harness/test_demo.py",
+    "llmkv_fs/harness/demo_report.py": "what the demo prints: tests/harness/test_demo.py",
+    "llmkv_fs/harness/driver.py": (
+        "the replicas of every tier test (tests/kits/tier_kit.py re-exports it): "
+        "tests/tier/test_fs_tier.py and test_plugin.py"
+    ),
+    "llmkv_fs/layout/run_diff.py": (
+        "field by field through llmkv-fs doctor (tests/ops/test_doctor.py) and the "
+        "tier's start-up line (tests/tier/test_startup_line.py)"
+    ),
+    "llmkv_fs/layout/sealed.py": (
+        "with the sealed byte path (tests/engine/block/test_sealing.py) and "
+        "tests/layout/test_judgement.py, tests/ops/test_sealed_ops.py"
+    ),
+    "llmkv_fs/ops/blockcheck.py": "verify's per-block check: tests/ops/test_verify.py",
+    "llmkv_fs/ops/doctor_against.py": "doctor --against: tests/ops/test_doctor.py",
+    "llmkv_fs/ops/events/options.py": (
+        "the shared options of announcing tools: tests/ops/events/test_config.py, test_oneshot.py"
+    ),
+    "llmkv_fs/ops/gc/actions.py": _GC_PASS,
+    "llmkv_fs/ops/gc/inventory.py": _GC_PASS,
+    "llmkv_fs/ops/gc/lock.py": (
+        "across processes and clients: tests/ops/gc/test_command.py, "
+        "tests/system/test_untrusted_volume.py"
+    ),
+    "llmkv_fs/ops/gc/report.py": _GC_PASS,
+    "llmkv_fs/ops/gc/sweep.py": _GC_PASS,
+    "llmkv_fs/ops/repair.py": "verify --repair: tests/ops/test_verify.py",
+    "llmkv_fs/ops/scan.py": (
+        "the walk of gc, stats and verify: tests/ops/test_walker.py, test_problems.py"
+    ),
+    "llmkv_fs/ops/stats_text.py": "what llmkv-fs stats prints: tests/ops/test_stats.py",
+    "llmkv_fs/ops/stats_walk.py": "stats' tally per digest: tests/ops/test_stats.py",
+    "llmkv_fs/ops/verify_readers.py": "verify's reader threads: tests/ops/test_verify.py",
+    "llmkv_fs/ops/verify_text.py": "what llmkv-fs verify prints: tests/ops/test_verify.py",
+    "llmkv_fs/tier/hashing.py": (
+        "needs vLLM's hash seed: tests/volume/test_leases.py and tests/ops/test_doctor.py"
+    ),
+    "llmkv_fs/volume/nofollow.py": (
+        "the steps the walk beneath the root is built from: tests/volume/test_beneath.py, "
+        "test_beneath_mounts.py"
+    ),
+    "llmkv_fs/volume/openat2.py": "the one-call walk: tests/volume/test_beneath.py",
+    "llmkv_fs/volume/quarantine.py": (
+        "by descriptor through the engine's loads (tests/engine/test_engine_io.py), "
+        "by path through verify --repair (tests/ops/test_verify.py)"
+    ),
+    "llmkv_fs/engine/block/blockio.py": _REFOLDED,
+    "llmkv_fs/engine/block/contents.py": _REFOLDED,
+    "llmkv_fs/engine/block/options.py": _REFOLDED,
+    "llmkv_fs/engine/block/sealed.py": _REFOLDED,
+    "llmkv_fs/engine/block/spec.py": _REFOLDED,
+    "llmkv_fs/engine/block/stamps.py": _REFOLDED,
+    "llmkv_fs/engine/block/tempfiles.py": _REFOLDED,
+    "llmkv_fs/engine/engine.py": _REFOLDED,
+    "llmkv_fs/engine/launch.py": _REFOLDED,
+    "llmkv_fs/engine/lookup_checks.py": _REFOLDED,
+    "llmkv_fs/engine/outcomes.py": _REFOLDED,
+    "llmkv_fs/engine/scheduling/accounting.py": _REFOLDED,
+    "llmkv_fs/engine/scheduling/executor.py": _REFOLDED,
+    "llmkv_fs/engine/scheduling/jobs.py": _REFOLDED,
+    "llmkv_fs/engine/startup/io_setup.py": _REFOLDED,
+    "llmkv_fs/engine/startup/neighbours.py": _REFOLDED,
+    "llmkv_fs/engine/startup/probe.py": _REFOLDED,
+    "llmkv_fs/engine/upkeep/prepare.py": _REFOLDED,
+    "llmkv_fs/engine/upkeep/signals.py": _REFOLDED,
+    "llmkv_fs/engine/workers/child.py": _REFOLDED,
+    "llmkv_fs/engine/workers/crew.py": _REFOLDED,
+    "llmkv_fs/engine/workers/process_executor.py": _REFOLDED,
+    "llmkv_fs/engine/workers/region.py": _REFOLDED,
+}
+
+
+def has_logic(source: str) -> bool:
+    """The module defines a function or a class, at any depth."""
+    kinds = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
+    return any(isinstance(node, kinds) for node in ast.walk(ast.parse(source)))
+
+
+def mapped_test_file(module: str) -> str:
+    """``llmkv_fs/a/b.py`` -> ``tests/a/test_b.py``; ``llmkv_fs/a/__init__.py`` ->
+    ``tests/a/test_package.py``."""
+    parts = module.split("/")[1:]
+    stem = parts[-1].removesuffix(".py")
+    name = "test_package.py" if stem == "__init__" else f"test_{stem}.py"
+    return "/".join(["tests", *parts[:-1], name])
+
+
+def untested_modules(modules: dict[str, str], present: set[str], allowed: dict[str, str]):
+    """(modules with logic and neither their test file nor an entry, entries that no
+    longer apply: the module is gone, has no logic, or has its test file)."""
+    missing, stale = [], []
+    for module, source in sorted(modules.items()):
+        mapped = mapped_test_file(module) in present
+        if has_logic(source) and not mapped and module not in allowed:
+            missing.append(f"{module}: no {mapped_test_file(module)} and no entry saying why")
+    for module in sorted(allowed):
+        source = modules.get(module)
+        if source is None or not has_logic(source) or mapped_test_file(module) in present:
+            stale.append(f"{module}: stale TESTED_ELSEWHERE entry (tests/test_house.py)")
+    return missing, stale
+
+
+def test_every_module_with_logic_has_its_test_file_or_says_why():
+    modules = {str(p.relative_to(REPO)): p.read_text() for p in PACKAGE.rglob("*.py")}
+    present = {str(p.relative_to(REPO)) for p in TESTS.rglob("test_*.py")}
+    missing, stale = untested_modules(modules, present, TESTED_ELSEWHERE)
+    assert not missing + stale, "\n".join(missing + stale)
+
+
+def test_the_mapping_catches_a_missing_test_and_a_stale_entry():
+    modules = {
+        "llmkv_fs/room/walk.py": "def walk(): pass",
+        "llmkv_fs/room/names.py": "SUFFIX = '.bin'",
+        "llmkv_fs/room/__init__.py": "class Room: pass",
+        "llmkv_fs/room/told.py": "class Told: pass",
+        "llmkv_fs/room/tested.py": "def tested(): pass",
+    }
+    present = {"tests/room/test_tested.py", "tests/room/test_package.py"}
+    allowed = {
+        "llmkv_fs/room/told.py": "why",
+        "llmkv_fs/room/names.py": "no logic",
+        "llmkv_fs/room/tested.py": "has its file",
+        "llmkv_fs/room/gone.py": "removed",
+    }
+    missing, stale = untested_modules(modules, present, allowed)
+    assert [m.split(":")[0] for m in missing] == ["llmkv_fs/room/walk.py"]
+    assert [s.split(":")[0] for s in stale] == [
+        "llmkv_fs/room/gone.py",
+        "llmkv_fs/room/names.py",
+        "llmkv_fs/room/tested.py",
+    ]

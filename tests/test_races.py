@@ -186,11 +186,11 @@ ALLOWED: dict[str, str] = {
         "settle() steps until the load finished; a block's corrupt count travels with "
         "its result, which the finished job carries"
     ),
-    "tests/tier/test_removal_events.py::test_a_stalled_volume_s_refusals_announce_nothing": (
+    "tests/tier/test_removals.py::test_a_stalled_volume_s_refusals_announce_nothing": (
         "resolve() steps until each lookup has a verdict; the stall holds (the gate keeps "
         "the block inside the volume)"
     ),
-    "tests/tier/test_removal_events.py::_lost_and_back": (
+    "tests/tier/test_removals.py::_lost_and_back": (
         "resolve() steps until each lookup has a verdict; the root's state waited on is "
         "changed only by this test"
     ),

@@ -46,7 +46,7 @@ _COMMON = ["tests/system/test_cross_client.py", "tests/ops/gc/test_race.py"]
 CI_FILES = {
     "4.2": [
         *_COMMON,
-        "tests/ops/gc/test_process.py",
+        "tests/ops/gc/test_command.py",
         "tests/engine/test_engine_io.py",
         "tests/ops/gc/test_rules.py",
         "tests/ops/test_stats.py",
@@ -55,7 +55,7 @@ CI_FILES = {
     ],
     "3": [
         *_COMMON,
-        "tests/ops/gc/test_process.py::test_gc_lock_holds_across_clients_and_dies_with_its_holder",
+        "tests/ops/gc/test_command.py::test_gc_lock_holds_across_clients_and_dies_with_its_holder",
     ],
 }
 VLLM_FILES = [
@@ -64,8 +64,8 @@ VLLM_FILES = [
     # only: in the emulated guest a worker process started after vLLM's import
     # exits 127 on ld.so's "elf_get_dynamic_info" assertion (seen 2026-11-28,
     # cause not run down); worker mode runs on tmpfs, ext4 and GlusterFS.
-    "tests/ops/gc/test_events.py::test_router_index_equals_the_volume[threads-nfs-router]",
-    "tests/ops/gc/test_events.py::"
+    "tests/ops/events/test_announcer.py::test_router_index_equals_the_volume[threads-nfs-router]",
+    "tests/ops/events/test_announcer.py::"
     "test_router_index_equals_the_volume[threads-nfs-router-dropping-removals]",
     "tests/ops/test_verify.py::test_blocks_written_by_vllm_builtin_tier",
     "tests/system/test_matrix_io_errors.py",

@@ -127,9 +127,7 @@ def test_quarantined_load_yields_block_removed(disk_root, replicas):
     events = manager_storage_events(b)
     quarantined, gone = [e for e in events if e.removed]
     assert quarantined.keys == [keys[1]] and quarantined.medium is Medium.STORAGE
-    assert (
-        gone.keys == [keys[2]] and gone.medium is Medium.STORAGE
-    )  # tests/tier/test_removal_events.py
+    assert gone.keys == [keys[2]] and gone.medium is Medium.STORAGE  # tests/tier/test_removals.py
     assert keys_of(events, removed=False) == set()  # loads announce nothing else
     # The writer's tier did not load anything: no removal from A.
     assert tier_events(a) == []

@@ -1,0 +1,75 @@
+"""Files on the shared volume (``volume/files.py``): the retry loop for
+transient shared-filesystem errors and a small file written atomically."""
+
+from __future__ import annotations
+
+import errno
+import os
+
+import pytest
+
+from llmkv_fs.volume.files import SHARED_FS_ATTEMPTS, retry_transient, write_file_atomically_at
+
+
+def flaky(failures: list[OSError]):
+    """An operation that raises the given errors, one per call, then succeeds."""
+    calls = []
+
+    def operation():
+        calls.append(len(calls))
+        if len(calls) <= len(failures):
+            raise failures[len(calls) - 1]
+        return "done"
+
+    return operation, calls
+
+
+def test_retry_rides_out_transient_errors():
+    stale = OSError(errno.ESTALE, "Stale file handle")
+    operation, calls = flaky([stale, FileNotFoundError(errno.ENOENT, "gone"), stale])
+    recovered = []
+    assert retry_transient(operation, recovered.append) == "done"
+    assert len(calls) == 4 and len(recovered) == 3
+
+
+def test_retry_gives_up_after_the_named_number_of_attempts():
+    stale = OSError(errno.ESTALE, "Stale file handle")
+    operation, calls = flaky([stale] * SHARED_FS_ATTEMPTS)
+    with pytest.raises(OSError) as raised:
+        retry_transient(operation, lambda exc: None)
+    assert raised.value.errno == errno.ESTALE
+    assert len(calls) == SHARED_FS_ATTEMPTS == 8
+
+
+def test_retry_passes_other_errors_through_at_once():
+    operation, calls = flaky([PermissionError(errno.EACCES, "no")])
+    recovered = []
+    with pytest.raises(PermissionError):
+        retry_transient(operation, recovered.append)
+    assert len(calls) == 1 and recovered == []
+
+
+def test_a_failed_close_of_the_temp_file_is_not_closed_again(tmp_path, monkeypatch):
+    """On NFS a close reports a lost writeback (EIO), yet has released the
+    descriptor: closing the number again would close whatever another
+    thread opened under it meanwhile."""
+    closed: list[int] = []
+    real_close = os.close
+
+    def close(fd: int) -> None:
+        closed.append(fd)
+        real_close(fd)
+        if len(closed) == 1:  # the temp file's close
+            raise OSError(errno.EIO, "Input/output error")
+
+    dir_fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        monkeypatch.setattr(os, "close", close)
+        with pytest.raises(OSError) as raised:
+            write_file_atomically_at(dir_fd, "config.json", b"{}", durable=False)
+        monkeypatch.undo()
+    finally:
+        os.close(dir_fd)
+    assert raised.value.errno == errno.EIO
+    assert len(closed) == 1
+    assert os.listdir(tmp_path) == []  # the temp file removed, nothing published
