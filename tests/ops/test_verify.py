@@ -228,13 +228,13 @@ def test_repair_puts_back_a_file_republished_just_before_the_rename(volume, caps
     fresh = f"{os.path.dirname(path)}/.fresh"
     shutil.copyfile(path, fresh)
     os.truncate(path, 10)
-    real_mkdir = quarantine_module.make_quarantine_dir
+    real_mkdir = quarantine_module.make_dir_at
 
-    def republish_then_mkdir(rank_dir, dir_mode=None):
+    def republish_then_mkdir(*args, **kwargs):
         os.rename(fresh, path)  # lands after the inode check, before the rename
-        return real_mkdir(rank_dir, dir_mode)
+        return real_mkdir(*args, **kwargs)
 
-    monkeypatch.setattr(quarantine_module, "make_quarantine_dir", republish_then_mkdir)
+    monkeypatch.setattr(quarantine_module, "make_dir_at", republish_then_mkdir)
     _rc, report = run_cli(capsys, volume, "--repair")
     (b,) = report["bad"]
     assert (b["reason"], b["repair"], b["quarantined_to"]) == ("truncated", "replaced", None)
