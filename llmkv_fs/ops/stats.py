@@ -63,13 +63,7 @@ _SEED_WARNING = "replicas will not share cache"
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_root_argument(parser, "cache root directory (the tier's root_dir)")
     parser.add_argument("--json", action="store_true", help="machine-readable output")
-    parser.add_argument(
-        "--threads",
-        type=int,
-        default=8,
-        metavar="N",
-        help="parallel directory listers (default 8; per root, one root after another)",
-    )
+    scan.add_threads_argument(parser)
     add_digest_argument(parser)
 
 
@@ -317,14 +311,19 @@ def _statvfs(root: str) -> dict[str, float]:
 
 
 def volume_stats(
-    root: str, threads: int = 8, digest_names: list[str] | None = None, now: float | None = None
+    root: str,
+    threads: int | str | None = None,
+    digest_names: list[str] | None = None,
+    now: float | None = None,
 ) -> dict[str, Any]:
+    """One root's report; ``threads`` as ``--threads`` (``scan.threads_for``)."""
     now = time.time() if now is None else now
     this_host = socket.gethostname()
     listing = scan.list_root(root)
     problems = listing.problems
     digests = select_digests(root, digest_names, listing)
-    per = [_digest_stats(d, now, this_host, max(1, threads), problems) for d in digests]
+    threads = scan.threads_for(root, threads)
+    per = [_digest_stats(d, now, this_host, threads, problems) for d in digests]
     unexpected = [] if digest_names else _unexpected_in_root(listing, problems)
     totals = {
         "digests": len(per),

@@ -85,13 +85,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="move bad files into their rank directory's .quarantine/",
     )
     add_digest_argument(parser)
-    parser.add_argument(
-        "--threads",
-        type=int,
-        default=8,
-        metavar="N",
-        help="parallel readers and directory listers (default 8; per root, one root after another)",
-    )
+    scan.add_threads_argument(parser)
     parser.add_argument(
         "--seal-key-file",
         action="append",
@@ -253,7 +247,7 @@ class _Results:
 def verify_volume(
     root: str,
     digest_names: list[str] | None = None,
-    threads: int = 8,
+    threads: int | str | None = None,
     repair: bool = False,
     progress_stream=None,
     announce: Announcer | None = None,
@@ -261,8 +255,9 @@ def verify_volume(
 ) -> dict:
     """The whole run as a JSON-able report (see docs/operations.md); sealed
     blocks are authenticated with ``keyring`` (None: counted
-    ``sealed_unchecked``, checked up to their key and length)."""
-    threads = max(1, threads)
+    ``sealed_unchecked``, checked up to their key and length). ``threads``:
+    as ``--threads`` (``scan.threads_for``)."""
+    threads = scan.threads_for(root, threads, reads=True)
     root_listing = scan.list_root(root)
     digests = select_digests(root, digest_names, root_listing)
     unread = _Unread(root_listing.problems, [] if digest_names else list(root_listing.symlinks))
