@@ -64,9 +64,10 @@ from llmkv_fs.ops.per_root import (
     sum_totals,
 )
 from llmkv_fs.ops.problems import EXAMPLES_PER_KIND, Problems
+from llmkv_fs.ops.progress import Progress
 from llmkv_fs.ops.repair import quarantine
 from llmkv_fs.ops.stats import add_digest_argument, select_digests
-from llmkv_fs.ops.verify_readers import Progress, check_all
+from llmkv_fs.ops.verify_readers import check_all
 from llmkv_fs.ops.verify_text import print_report
 from llmkv_fs.units import format_bytes
 from llmkv_fs.volume.keyfiles import keyring_from_args
@@ -267,7 +268,11 @@ def verify_volume(
     results = _Results(per_digest, unread, repair, announce if repair else None)
     totals, bad, errors = results.totals, results.bad, results.errors
     total_bytes = sum(e.st.st_size for _, _, e, *_ in items if stat.S_ISREG(e.st.st_mode))
-    progress = Progress(len(items), total_bytes, progress_stream)
+    progress = Progress("verify", progress_stream, total=len(items), unit=" files")
+
+    def tick() -> None:
+        done = f"{format_bytes(totals['bytes_read'])}/{format_bytes(total_bytes)}"
+        progress.update(f"{done}, bad {totals['bad']}", totals["files"])
 
     start = time.monotonic()
     try:
@@ -275,7 +280,7 @@ def verify_volume(
             items,
             threads,
             results.add,
-            lambda: progress.update(totals["files"], totals["bytes_read"], totals["bad"]),
+            tick,
             keyring,
         )
     finally:

@@ -8,7 +8,6 @@ reported with a count per kind and example paths, and skipped."""
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import select

@@ -26,7 +26,6 @@ from llmkv_fs.ops.events.options import (
     delivery_status,
 )
 from llmkv_fs.ops.gc.lock import LockBusy, VolumeLock
-from llmkv_fs.ops.gc.report import Progress
 from llmkv_fs.ops.gc.rules import Policy, pids_are_ours
 from llmkv_fs.ops.gc.sweep import gc_pass
 from llmkv_fs.ops.per_root import (
@@ -36,6 +35,7 @@ from llmkv_fs.ops.per_root import (
     roots_from_args,
     run_roots,
 )
+from llmkv_fs.ops.progress import Progress
 from llmkv_fs.ops.scan import add_threads_argument, threads_for
 from llmkv_fs.units import format_bytes, parse_duration, parse_percent_or_off, parse_size
 
@@ -240,7 +240,7 @@ def _one_root(
             models=args.model,
             threads=threads_for(root, args.threads),
             dry_run=args.dry_run,
-            progress=Progress(sys.stderr),
+            progress=Progress("gc", sys.stderr),
             stop=stop.is_set,
             announce=announce,
         )
