@@ -43,8 +43,9 @@ from llmkv_fs.ops.per_root import (
 )
 from llmkv_fs.ops.problems import Problems
 from llmkv_fs.ops.stats_text import print_report
-from llmkv_fs.ops.stats_walk import AGE_BUCKETS, OTHER_LISTED, entry_type, walk_digest
+from llmkv_fs.ops.stats_walk import AGE_BUCKETS, OTHER_LISTED, walk_digest
 from llmkv_fs.units import format_bytes
+from llmkv_fs.volume.files import file_type
 from llmkv_fs.volume.fsinfo import volume_usage
 from llmkv_fs.volume.leases import Lease, LeaseDir
 
@@ -288,7 +289,7 @@ def _unexpected_in_root(listing: scan.RootListing, problems: Problems) -> list[d
     out = []
     for path in listing.symlinks + listing.other:
         try:
-            out.append({"path": path, "type": entry_type(os.lstat(path))})
+            out.append({"path": path, "type": file_type(os.lstat(path).st_mode)})
         except FileNotFoundError:
             continue
         except OSError as exc:
