@@ -14,8 +14,8 @@ waiting for the router's subscription; exit status 3 when a run otherwise
 clean could not deliver its events (``ops/events/options.py``).
 
 Here the files to read are chosen (one walk), the results counted on the
-owner thread and the report and command made; the reader threads and the
-progress bar are ``ops/verify_readers.py``.
+owner thread and the report and command made; the reader threads are
+``ops/verify_readers.py``, the progress bar ``ops/progress.py``.
 
 Several roots (a tier's root_dir list with path_sharding by_block_hash, or
 several ROOT arguments): each root verified on its own, then the total; the
