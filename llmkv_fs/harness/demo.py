@@ -48,6 +48,7 @@ VOCAB = 32000
 DEFAULT_SEED = "4242"  # PYTHONHASHSEED when the environment sets none
 MiB = 1 << 20
 _COUNT = option(int_between(1, 1 << 20))  # documents, chunks, requests
+_SOME = option(int_between(0, 1 << 20))  # chunks that may be none
 
 
 def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -70,7 +71,7 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--suffix-chunks",
-        type=option(int_between(0, 1 << 20)),
+        type=_SOME,
         default=2,
         help="unique chunks after the document in each request (default 2)",
     )
@@ -80,6 +81,12 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         default=8,
         help="requests each of the two first replicas serves (default 8)",
     )
+    _add_replica_options(p)
+    return p
+
+
+def _add_replica_options(p: argparse.ArgumentParser) -> None:
+    """How each replica's tier and CPU tier are set up."""
     p.add_argument(
         "--block-mib",
         type=option(int_between(1, 1024)),
@@ -94,7 +101,7 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--cpu-chunks",
-        type=int,
+        type=_SOME,
         default=0,
         help="CPU tier size in chunks per replica (default: two requests)",
     )
@@ -113,7 +120,6 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     p.add_argument("--damage", choices=["bitflip", "trailerless"], help=argparse.SUPPRESS)
     p.add_argument("--accept-trailerless", action="store_true", help=argparse.SUPPRESS)
-    return p
 
 
 # -- the workload ------------------------------------------------------------------

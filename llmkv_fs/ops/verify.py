@@ -276,13 +276,7 @@ def verify_volume(
 
     start = time.monotonic()
     try:
-        check_all(
-            items,
-            threads,
-            results.add,
-            tick,
-            keyring,
-        )
+        check_all(items, threads, results.add, tick, keyring)
     finally:
         progress.done()
     elapsed = time.monotonic() - start
