@@ -7,11 +7,16 @@ which the docs show and the error quotes.
 Numbers have ranges both ways: a value absurdly small (a lease interval of
 1e-6 s makes an idle replica spin) is as much a mistake as one too large.
 
+The command lines check their numbers with the same checks: ``option``
+makes one an argparse ``type=``, so a refused value's message names the
+option (argparse adds it) and quotes what is valid.
+
 Pure functions: safe from any thread.
 """
 
 from __future__ import annotations
 
+import argparse
 import math
 import re
 from collections.abc import Callable
@@ -35,6 +40,8 @@ __all__ = [
     "number_between",
     "octal_mode",
     "one_of",
+    "option",
+    "or_auto",
     "percent",
     "seconds",
 ]
@@ -116,9 +123,55 @@ def or_null(check: Callable[[str, Any], Any]) -> Callable[[str, Any], Any]:
     return either
 
 
+def or_auto(check: Callable[[str, Any], Any]) -> Callable[[str, Any], Any]:
+    """``check``, or ``"auto"`` (returned as is: the caller decides)."""
+
+    expected = f'"auto" or {check.valid}'  # type: ignore[attr-defined]
+
+    @accepts(expected)
+    def either(key: str, value: Any) -> Any:
+        if value == "auto":
+            return "auto"
+        try:
+            return check(key, value)
+        except TierConfigError:
+            raise fail(key, value, expected) from None
+
+    return either
+
+
+def option(
+    check: Callable[[str, Any], Any], parse: Callable[[str], Any] = int
+) -> Callable[[str], Any]:
+    """``check`` as an argparse ``type=``: the option's text is ``parse``d
+    (text that does not parse is checked as text: ``"auto"``), then
+    checked; a refused value raises ArgumentTypeError quoting what is valid
+    (argparse names the option)."""
+    valid = check.valid  # type: ignore[attr-defined]
+
+    def convert(text: str) -> Any:
+        try:
+            value = parse(text)
+        except ValueError:
+            value = text
+        try:
+            return check("", value)
+        except TierConfigError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {valid}") from None
+
+    convert.__name__ = "value"  # argparse's fallback wording: "invalid value value"
+    return convert
+
+
+def _plain(number: float) -> str:
+    """``1e+07`` as ``10,000,000``; any other number as ``:g`` writes it."""
+    text = f"{number:g}"
+    return f"{int(number):,}" if "e+" in text and float(number).is_integer() else text
+
+
 def number_between(low: float, high: float, what: str) -> Callable[[str, Any], float]:
     """A float (or int) in [low, high]; NaN, infinities and bools refused."""
-    expected = f"{what}, a number in [{low:g}, {high:g}]"
+    expected = f"{what}, a number in [{_plain(low)}, {_plain(high)}]"
 
     @accepts(expected)
     def check(key: str, value: Any) -> float:
@@ -287,10 +340,4 @@ def key_id_or_null(key: str, value: Any) -> int | None:
     return None if value is None else key_id(key, value)
 
 
-@accepts(f'"auto" or an integer in [0, {IO_WORKERS_MAX}]')
-def io_workers_count(key: str, value: Any) -> str | int:
-    if value == "auto":
-        return "auto"
-    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= IO_WORKERS_MAX:
-        return value
-    raise fail(key, value, f'"auto" or an integer in [0, {IO_WORKERS_MAX}]')
+io_workers_count = or_auto(int_between(0, IO_WORKERS_MAX))

@@ -19,7 +19,7 @@ refused value's error quotes it.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from llmkv_fs.checks import (
@@ -36,6 +36,7 @@ from llmkv_fs.checks import (
     numa_node,
     octal_mode,
     one_of,
+    option,
     or_null,
     percent,
     seconds,
@@ -43,7 +44,14 @@ from llmkv_fs.checks import (
 from llmkv_fs.declared import Setting, declare, table_of
 from llmkv_fs.rootlist import split_root_list
 
-__all__ = ["SETTINGS", "Setting", "TierConfigError", "TierSettings", "store_queue_blocks"]
+__all__ = [
+    "SETTINGS",
+    "Setting",
+    "TierConfigError",
+    "TierSettings",
+    "setting_option",
+    "store_queue_blocks",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -398,6 +406,12 @@ class TierSettings:
 
 SETTINGS: tuple[Setting, ...] = table_of(TierSettings)
 _BY_KEY = {s.key: s for s in SETTINGS}
+
+
+def setting_option(key: str) -> Callable[[str], Any]:
+    """An argparse ``type=`` for a command-line option that sets ``key``
+    (``llmkv-fs bench --io-workers``): the setting's own check."""
+    return option(_BY_KEY[key].check)
 
 
 def store_queue_blocks(settings: TierSettings, block_size: int) -> int:

@@ -33,6 +33,8 @@ import sys
 import time
 from typing import Any
 
+from llmkv_fs.checks import int_between, option
+from llmkv_fs.config import setting_option
 from llmkv_fs.harness import bench_report
 from llmkv_fs.harness.bench_media import KINDS, roots_of
 from llmkv_fs.harness.machine import fs_of, machine_info
@@ -40,6 +42,7 @@ from llmkv_fs.harness.machine import fs_of, machine_info
 __all__ = ["add_arguments", "run_bench"]
 
 _PAGE_MIB = 4096 / (1 << 20)
+_COUNT = option(int_between(1, 1 << 20))  # jobs, blocks, rounds, loads
 
 
 def _block_mib(text: str) -> float:
@@ -85,12 +88,14 @@ def _add_cases(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--threads",
         action="append",
-        type=int,
+        type=setting_option("n_read_threads"),
         help="n_read_threads = n_write_threads of both tiers (repeat for a sweep; default 4)",
     )
-    p.add_argument("--jobs", type=int, default=8, help="jobs per direction per round (default 8)")
-    p.add_argument("--blocks-per-job", type=int, default=8, help="blocks per job (default 8)")
-    p.add_argument("--rounds", type=int, default=3, help="alternating A/B rounds (default 3)")
+    p.add_argument(
+        "--jobs", type=_COUNT, default=8, help="jobs per direction per round (default 8)"
+    )
+    p.add_argument("--blocks-per-job", type=_COUNT, default=8, help="blocks per job (default 8)")
+    p.add_argument("--rounds", type=_COUNT, default=3, help="alternating A/B rounds (default 3)")
 
 
 def _add_tier_options(p: argparse.ArgumentParser) -> None:
@@ -111,6 +116,7 @@ def _add_tier_options(p: argparse.ArgumentParser) -> None:
 def _add_mixed(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--io-workers",
+        type=setting_option("io_workers"),
         default=None,
         help='ours: the io_workers setting ("auto", 0 = threads, N processes; default: the '
         "tier's default)",
@@ -122,13 +128,13 @@ def _add_mixed(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--mixed-store-jobs",
-        type=int,
+        type=_COUNT,
         default=None,
         help="store jobs in the --mixed burst (default 4 x threads: twice the pool)",
     )
     p.add_argument(
         "--mixed-loads",
-        type=int,
+        type=_COUNT,
         default=200,
         help="most one-block loads timed per --mixed round (default 200)",
     )
@@ -297,8 +303,6 @@ def _mixed_summary(
 def run_bench(args: argparse.Namespace) -> int:
     args.block_mib = args.block_mib or [2.0]
     args.threads = args.threads or [4]
-    if min(args.threads) < 1 or args.jobs < 1 or args.blocks_per_job < 1 or args.rounds < 1:
-        raise SystemExit("--threads, --jobs, --blocks-per-job and --rounds must be >= 1")
     if args.plot_dir and bench_report.plotting_missing():
         print(
             f"# --plot-dir: plots will be skipped: {bench_report.plotting_missing()}",

@@ -26,10 +26,8 @@ MIXED_IDLE_LOADS = 8  # loads timed before the burst: the no-backlog baseline
 _CTX = ReqContext(req_id="bench")
 
 
-def _io_workers(text: str | None) -> dict[str, str | int]:
-    if text is None:
-        return {}
-    return {"io_workers": text if text == "auto" else int(text)}
+def _io_workers(value: str | int | None) -> dict[str, str | int]:
+    return {} if value is None else {"io_workers": value}
 
 
 class Bench:

@@ -33,6 +33,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from llmkv_fs.checks import int_between, option
+from llmkv_fs.config import setting_option
 from llmkv_fs.harness.demo_replica import TOKENS_PER_CHUNK, DemoError, ReplicaProcess
 from llmkv_fs.harness.demo_report import (
     describe,
@@ -45,6 +47,8 @@ from llmkv_fs.harness.demo_report import (
 VOCAB = 32000
 DEFAULT_SEED = "4242"  # PYTHONHASHSEED when the environment sets none
 MiB = 1 << 20
+_COUNT = option(int_between(1, 1 << 20))  # documents, chunks, requests
+_SOME = option(int_between(0, 1 << 20))  # chunks that may be none
 
 
 def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -55,30 +59,49 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--keep", action="store_true", help="keep the temporary root")
     p.add_argument(
         "--docs",
-        type=int,
+        type=_COUNT,
         default=4,
         help="documents (shared prefixes) requests are built on (default 4)",
     )
     p.add_argument(
-        "--doc-chunks", type=int, default=8, help="chunks (16 tokens each) per document (default 8)"
+        "--doc-chunks",
+        type=_COUNT,
+        default=8,
+        help="chunks (16 tokens each) per document (default 8)",
     )
     p.add_argument(
         "--suffix-chunks",
-        type=int,
+        type=_SOME,
         default=2,
         help="unique chunks after the document in each request (default 2)",
     )
     p.add_argument(
         "--requests",
-        type=int,
+        type=_COUNT,
         default=8,
         help="requests each of the two first replicas serves (default 8)",
     )
-    p.add_argument("--block-mib", type=int, default=2, help="chunk size in MiB (default 2)")
-    p.add_argument("--threads", type=int, default=4, help="read and write threads each")
+    _add_replica_options(p)
+    return p
+
+
+def _add_replica_options(p: argparse.ArgumentParser) -> None:
+    """How each replica's tier and CPU tier are set up."""
+    p.add_argument(
+        "--block-mib",
+        type=option(int_between(1, 1024)),
+        default=2,
+        help="chunk size in MiB (default 2)",
+    )
+    p.add_argument(
+        "--threads",
+        type=setting_option("n_read_threads"),
+        default=4,
+        help="read and write threads each",
+    )
     p.add_argument(
         "--cpu-chunks",
-        type=int,
+        type=_SOME,
         default=0,
         help="CPU tier size in chunks per replica (default: two requests)",
     )
@@ -97,7 +120,6 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     p.add_argument("--damage", choices=["bitflip", "trailerless"], help=argparse.SUPPRESS)
     p.add_argument("--accept-trailerless", action="store_true", help=argparse.SUPPRESS)
-    return p
 
 
 # -- the workload ------------------------------------------------------------------
@@ -276,11 +298,6 @@ def run_demo(args: argparse.Namespace) -> int:
 
 def _check_arguments(args: argparse.Namespace) -> None:
     """Refuse what cannot run; fill in the CPU tier's default size."""
-    for flag in ("docs", "doc_chunks", "requests", "block_mib", "threads"):
-        if getattr(args, flag) < 1:
-            raise SystemExit(f"llmkv-fs demo: --{flag.replace('_', '-')} must be >= 1")
-    if args.suffix_chunks < 0:
-        raise SystemExit("llmkv-fs demo: --suffix-chunks must be >= 0")
     request_chunks = args.doc_chunks + args.suffix_chunks
     args.cpu_chunks = args.cpu_chunks or 2 * request_chunks
     if args.cpu_chunks < request_chunks:

@@ -210,16 +210,6 @@ class Replica:
         wait_until(resolved, "lookups to resolve")
         return final, history
 
-    def read_primary(self, key: bytes, ctx: ReqContext) -> bytes:
-        """Bytes a GPU load of this (HIT) key would copy, via prepare_load."""
-        with self.manager.lock:
-            spec = self.manager.prepare_load([key], ctx)
-        (chunk,) = spec.chunk_ids
-        data = self.rows[chunk].tobytes()
-        with self.manager.lock:
-            self.manager.complete_load([key], ctx)
-        return data
-
     def close(self) -> None:
         # The view must go before vLLM unmaps the region (closed: rows is gone).
         self.rows = None  # type: ignore[assignment]

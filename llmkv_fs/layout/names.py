@@ -35,6 +35,7 @@ __all__ = [
     "CONFIG_FILENAME",
     "DIGEST_LEN",
     "GC_LOCK_NAME",
+    "GROUP_BYTES",
     "LEASES_DIRNAME",
     "LEASE_SUFFIX",
     "QUARANTINE_DIRNAME",
@@ -61,6 +62,7 @@ __all__ = [
     "is_vllm_temp_name",
     "lease_dir",
     "lease_file_name",
+    "offload_key",
     "parse_block_path",
     "parse_block_rel_path",
     "parse_digest_dir_name",
@@ -90,8 +92,9 @@ GC_LOCK_NAME = ".llmkv-gc.lock"
 _PROBE_PREFIX = ".llmkv_fs_o_direct_probe."
 DIGEST_LEN = 12
 _NAME_MAX = 255  # bytes in one path component on every Linux filesystem we target
-# An OffloadKey is <block hash><4-byte big-endian KV group index>.
-_GROUP_BYTES = 4
+# An OffloadKey is <block hash><4-byte big-endian KV group index>: packed by
+# offload_key, taken apart by block_rel_parts (inline: per block moved).
+GROUP_BYTES = 4
 
 
 class LayoutError(ValueError):
@@ -165,6 +168,12 @@ def config_path(digest_dir: str) -> str:
 # -- block files -------------------------------------------------------------------
 
 
+def offload_key(block_hash: bytes, group: int = 0) -> bytes:
+    """The OffloadKey of ``block_hash`` in KV cache group ``group`` (vLLM's
+    ``make_offload_key``, for code that does not import vLLM)."""
+    return block_hash + group.to_bytes(GROUP_BYTES, "big")
+
+
 def block_rel_path(key: bytes) -> str:
     """``<hhh>/<hh>_g<group>/<hash>.bin``: where a key's block lives below its
     rank directory (vLLM's FileMapper fan-out, byte for byte)."""
@@ -173,8 +182,8 @@ def block_rel_path(key: bytes) -> str:
 
 def block_rel_parts(key: bytes) -> tuple[str, str, str]:
     """``block_rel_path``'s components (inline: runs for every block moved)."""
-    h = key[:-_GROUP_BYTES].hex()
-    group = int.from_bytes(key[-_GROUP_BYTES:], "big")
+    h = key[:-GROUP_BYTES].hex()
+    group = int.from_bytes(key[-GROUP_BYTES:], "big")
     return h[:3], f"{h[3:5]}_g{group}", f"{h}{BLOCK_SUFFIX}"
 
 
@@ -197,7 +206,7 @@ def parse_block_rel_path(rel: str) -> bytes | None:
     match = _BLOCK_REL_RE.fullmatch(rel)
     if match is None or len(match["hash"]) % 2 or int(match["group"]) >= 1 << 32:
         return None
-    key = bytes.fromhex(match["hash"]) + int(match["group"]).to_bytes(_GROUP_BYTES, "big")
+    key = offload_key(bytes.fromhex(match["hash"]), int(match["group"]))
     # Round trip through the builder, so a reader can never disagree with the
     # tier about which key a path holds (e.g. a hash too short for the
     # <hhh>/<hh> fan-out, or fan-out directories of another hash).

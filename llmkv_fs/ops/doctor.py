@@ -40,6 +40,7 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TextIO
 
+from llmkv_fs.checks import number_between, option
 from llmkv_fs.layout.run_diff import Difference, differences
 from llmkv_fs.layout.sealed import NAMESPACE_FIELD
 from llmkv_fs.ops import scan
@@ -56,6 +57,7 @@ __all__ = ["add_arguments", "diagnose", "run"]
 
 EXIT_SHARING, EXIT_NOT_SHARING, EXIT_BAD_INPUT = 0, 1, 2
 _DAY_S = 86400.0
+MAX_IDLE_DAYS = 36500  # a century: beyond it, a typo
 _SHOWN = 80  # characters of a string from the volume, in the text report
 
 
@@ -68,13 +70,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="also walk every block file: blocks, bytes, newest store and use per "
         "deployment (as long as llmkv-fs stats takes)",
     )
-    parser.add_argument(
-        "--threads",
-        type=int,
-        default=8,
-        metavar="N",
-        help="parallel directory listers of --walk (default 8)",
-    )
+    scan.add_threads_argument(parser)
     mine = parser.add_mutually_exclusive_group()
     mine.add_argument(
         "--against",
@@ -92,7 +88,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--idle-days",
-        type=float,
+        type=option(number_between(0, MAX_IDLE_DAYS, "days"), float),
         default=3.0,
         metavar="D",
         help="a deployment holding blocks with no sign of a replica for D days is "
@@ -404,7 +400,7 @@ def _pairs(deployments: list[dict[str, Any]], against: Against | None) -> list[d
 def diagnose(
     root: str,
     walk: bool = False,
-    threads: int = 8,
+    threads: int | str | None = None,
     against: Against | None = None,
     idle_days: float = 3.0,
     now: float | None = None,
@@ -415,9 +411,8 @@ def diagnose(
     listing = scan.list_root(root)
     problems = listing.problems
     this_host = socket.gethostname()
-    deployments = [
-        _deployment(d, now, this_host, walk, max(1, threads), problems) for d in listing.digests
-    ]
+    threads = scan.threads_for(root, threads) if walk else 1
+    deployments = [_deployment(d, now, this_host, walk, threads, problems) for d in listing.digests]
     try:
         usage = volume_usage(root)
     except OSError as exc:
@@ -537,13 +532,6 @@ def _totals(done: Sequence[tuple[str, RootOutcome]]) -> tuple[dict[str, Any], li
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.threads < 1 or not args.idle_days >= 0:
-        print(
-            "llmkv-fs doctor: --threads must be >= 1 and --idle-days >= 0",
-            file=sys.stderr,
-            flush=True,
-        )
-        return EXIT_BAD_INPUT
     against = None
     try:
         if args.against is not None:

@@ -11,11 +11,13 @@ skipped (``ops/problems.py``), never the end of a pass.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import errno
 import os
 import stat
 
+from llmkv_fs.checks import int_between, option, or_auto
 from llmkv_fs.layout.names import (
     config_path,
     is_trash_name,
@@ -31,10 +33,15 @@ from llmkv_fs.volume.run_config import read_run_config, run_config_proves
 __all__ = [
     "Digest",
     "RootListing",
+    "add_threads_argument",
     "default_threads",
     "is_network_fs",
     "list_root",
+    "threads_for",
 ]
+
+MAX_THREADS = 256  # the walker's pool never grows past this
+_LOCAL_READERS = 8
 
 
 @dataclasses.dataclass
@@ -142,9 +149,38 @@ def is_network_fs(fstype: str) -> bool:
     return fstype in _NETWORK_FS or fstype.startswith("fuse")
 
 
-def default_threads(path: str) -> int:
-    """16 listings in flight on a network (or FUSE) filesystem, 1 on a local one."""
-    return 16 if is_network_fs(filesystem_type(path)) else 1
+def default_threads(path: str, reads: bool = False) -> int:
+    """16 listings in flight on a network (or FUSE) filesystem, 1 on a local
+    one (each listing hands the GIL over, and a cached one is a
+    microsecond: docs/gc.md, Speed); a tool that ``reads`` every file
+    (verify) 8 there, whose reads and checksums run outside the GIL
+    (docs/operations.md)."""
+    if is_network_fs(filesystem_type(path)):
+        return 16
+    return _LOCAL_READERS if reads else 1
+
+
+def add_threads_argument(parser: argparse.ArgumentParser) -> None:
+    """``--threads``, the same option of every volume tool (gc, stats,
+    verify, doctor): how many directories are listed, and files read, at
+    once on each root. Its value is ``threads_for``'s ``given``."""
+    parser.add_argument(
+        "--threads",
+        type=option(or_auto(int_between(1, MAX_THREADS))),
+        default="auto",
+        metavar="N",
+        help=f"directories listed (and files read) at once on each root, 1 to {MAX_THREADS}; "
+        "default auto: 16 on a network or FUSE filesystem (NFS, CephFS, Lustre, "
+        f"GlusterFS); on a local one 1, or {_LOCAL_READERS} for verify, which reads every file",
+    )
+
+
+def threads_for(root: str, given: int | str | None, reads: bool = False) -> int:
+    """The threads a tool uses on ``root``: ``given`` (a count), or for
+    ``"auto"`` and None ``default_threads(root, reads)``."""
+    if given is None or given == "auto":
+        return default_threads(root, reads)
+    return int(given)
 
 
 def list_root(root: str) -> RootListing:

@@ -43,8 +43,9 @@ from llmkv_fs.ops.per_root import (
 )
 from llmkv_fs.ops.problems import Problems
 from llmkv_fs.ops.stats_text import print_report
-from llmkv_fs.ops.stats_walk import AGE_BUCKETS, OTHER_LISTED, entry_type, walk_digest
+from llmkv_fs.ops.stats_walk import AGE_BUCKETS, OTHER_LISTED, walk_digest
 from llmkv_fs.units import format_bytes
+from llmkv_fs.volume.files import file_type
 from llmkv_fs.volume.fsinfo import volume_usage
 from llmkv_fs.volume.leases import Lease, LeaseDir
 
@@ -63,13 +64,7 @@ _SEED_WARNING = "replicas will not share cache"
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_root_argument(parser, "cache root directory (the tier's root_dir)")
     parser.add_argument("--json", action="store_true", help="machine-readable output")
-    parser.add_argument(
-        "--threads",
-        type=int,
-        default=8,
-        metavar="N",
-        help="parallel directory listers (default 8; per root, one root after another)",
-    )
+    scan.add_threads_argument(parser)
     add_digest_argument(parser)
 
 
@@ -294,7 +289,7 @@ def _unexpected_in_root(listing: scan.RootListing, problems: Problems) -> list[d
     out = []
     for path in listing.symlinks + listing.other:
         try:
-            out.append({"path": path, "type": entry_type(os.lstat(path))})
+            out.append({"path": path, "type": file_type(os.lstat(path).st_mode)})
         except FileNotFoundError:
             continue
         except OSError as exc:
@@ -317,14 +312,19 @@ def _statvfs(root: str) -> dict[str, float]:
 
 
 def volume_stats(
-    root: str, threads: int = 8, digest_names: list[str] | None = None, now: float | None = None
+    root: str,
+    threads: int | str | None = None,
+    digest_names: list[str] | None = None,
+    now: float | None = None,
 ) -> dict[str, Any]:
+    """One root's report; ``threads`` as ``--threads`` (``scan.threads_for``)."""
     now = time.time() if now is None else now
     this_host = socket.gethostname()
     listing = scan.list_root(root)
     problems = listing.problems
     digests = select_digests(root, digest_names, listing)
-    per = [_digest_stats(d, now, this_host, max(1, threads), problems) for d in digests]
+    threads = scan.threads_for(root, threads)
+    per = [_digest_stats(d, now, this_host, threads, problems) for d in digests]
     unexpected = [] if digest_names else _unexpected_in_root(listing, problems)
     totals = {
         "digests": len(per),

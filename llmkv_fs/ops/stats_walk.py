@@ -22,28 +22,13 @@ from llmkv_fs.layout.blockfile import last_used
 from llmkv_fs.layout.names import in_quarantine, is_block_name, parse_quarantine_name
 from llmkv_fs.ops import kinds, scan, walker
 from llmkv_fs.ops.problems import Problems
+from llmkv_fs.volume.files import file_type
 
-__all__ = ["AGE_BUCKETS", "OTHER_LISTED", "DigestFiles", "entry_type", "walk_digest"]
+__all__ = ["AGE_BUCKETS", "OTHER_LISTED", "DigestFiles", "walk_digest"]
 
 # Upper bounds (seconds) of the last-used buckets; the last one is open.
 AGE_BUCKETS = (("<1h", 3600), ("<1d", 86400), ("<7d", 7 * 86400), ("older", None))
 OTHER_LISTED = 100  # unexpected entries listed per digest (all are counted)
-
-
-def entry_type(st: os.stat_result) -> str:
-    """What an entry is, as the report names it (``file`` for a regular one)."""
-    mode = st.st_mode
-    for test, name in (
-        (stat.S_ISLNK, "symlink"),
-        (stat.S_ISFIFO, "fifo"),
-        (stat.S_ISSOCK, "socket"),
-        (stat.S_ISCHR, "char-device"),
-        (stat.S_ISBLK, "block-device"),
-        (stat.S_ISDIR, "directory"),
-    ):
-        if test(mode):
-            return name
-    return "file"
 
 
 def _quarantine_reason(name: str) -> str:
@@ -134,5 +119,5 @@ def walk_digest(
             else:  # OTHER, SYMLINK, and any kind scan may add later
                 found.other_count += 1
                 if len(found.other) < OTHER_LISTED:
-                    found.other.append({"path": e.path, "type": entry_type(e.st)})
+                    found.other.append({"path": e.path, "type": file_type(e.st.st_mode)})
     return found

@@ -14,8 +14,8 @@ waiting for the router's subscription; exit status 3 when a run otherwise
 clean could not deliver its events (``ops/events/options.py``).
 
 Here the files to read are chosen (one walk), the results counted on the
-owner thread and the report and command made; the reader threads and the
-progress bar are ``ops/verify_readers.py``.
+owner thread and the report and command made; the reader threads are
+``ops/verify_readers.py``, the progress bar ``ops/progress.py``.
 
 Several roots (a tier's root_dir list with path_sharding by_block_hash, or
 several ROOT arguments): each root verified on its own, then the total; the
@@ -64,9 +64,10 @@ from llmkv_fs.ops.per_root import (
     sum_totals,
 )
 from llmkv_fs.ops.problems import EXAMPLES_PER_KIND, Problems
+from llmkv_fs.ops.progress import Progress
 from llmkv_fs.ops.repair import quarantine
 from llmkv_fs.ops.stats import add_digest_argument, select_digests
-from llmkv_fs.ops.verify_readers import Progress, check_all
+from llmkv_fs.ops.verify_readers import check_all
 from llmkv_fs.ops.verify_text import print_report
 from llmkv_fs.units import format_bytes
 from llmkv_fs.volume.keyfiles import keyring_from_args
@@ -85,13 +86,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="move bad files into their rank directory's .quarantine/",
     )
     add_digest_argument(parser)
-    parser.add_argument(
-        "--threads",
-        type=int,
-        default=8,
-        metavar="N",
-        help="parallel readers and directory listers (default 8; per root, one root after another)",
-    )
+    scan.add_threads_argument(parser)
     parser.add_argument(
         "--seal-key-file",
         action="append",
@@ -253,7 +248,7 @@ class _Results:
 def verify_volume(
     root: str,
     digest_names: list[str] | None = None,
-    threads: int = 8,
+    threads: int | str | None = None,
     repair: bool = False,
     progress_stream=None,
     announce: Announcer | None = None,
@@ -261,8 +256,9 @@ def verify_volume(
 ) -> dict:
     """The whole run as a JSON-able report (see docs/operations.md); sealed
     blocks are authenticated with ``keyring`` (None: counted
-    ``sealed_unchecked``, checked up to their key and length)."""
-    threads = max(1, threads)
+    ``sealed_unchecked``, checked up to their key and length). ``threads``:
+    as ``--threads`` (``scan.threads_for``)."""
+    threads = scan.threads_for(root, threads, reads=True)
     root_listing = scan.list_root(root)
     digests = select_digests(root, digest_names, root_listing)
     unread = _Unread(root_listing.problems, [] if digest_names else list(root_listing.symlinks))
@@ -272,17 +268,15 @@ def verify_volume(
     results = _Results(per_digest, unread, repair, announce if repair else None)
     totals, bad, errors = results.totals, results.bad, results.errors
     total_bytes = sum(e.st.st_size for _, _, e, *_ in items if stat.S_ISREG(e.st.st_mode))
-    progress = Progress(len(items), total_bytes, progress_stream)
+    progress = Progress("verify", progress_stream, total=len(items), unit=" files")
+
+    def tick() -> None:
+        done = f"{format_bytes(totals['bytes_read'])}/{format_bytes(total_bytes)}"
+        progress.update(f"{done}, bad {totals['bad']}", totals["files"])
 
     start = time.monotonic()
     try:
-        check_all(
-            items,
-            threads,
-            results.add,
-            lambda: progress.update(totals["files"], totals["bytes_read"], totals["bad"]),
-            keyring,
-        )
+        check_all(items, threads, results.add, tick, keyring)
     finally:
         progress.done()
     elapsed = time.monotonic() - start

@@ -1,62 +1,25 @@
 """``llmkv-fs verify``'s reading: block files checked on a pool of reader
-threads (``ops/blockcheck.py`` does each check), and the progress bar of the
-run. ``ops/verify.py`` decides what to read and counts what comes back.
+threads (``ops/blockcheck.py`` does each check). ``ops/verify.py`` decides
+what to read and counts what comes back.
 
 Threading: ``check_all`` runs on the caller's thread and owns the pool. Each
 reader checks one file and posts its result on a queue; the caller's thread
 takes them in completion order and is the only one that calls ``on_result``
 and ``tick`` (so what they fill needs no lock), keeping at most 2 x threads
-files in flight. A ``Progress`` is used from that thread only.
+files in flight.
 """
 
 from __future__ import annotations
 
 import queue
-import sys
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
-from tqdm import tqdm
-
 from llmkv_fs.layout.sealed import Keyring
 from llmkv_fs.ops.blockcheck import ERROR, Result, check_block
-from llmkv_fs.units import format_bytes
+from llmkv_fs.ops.progress import INTERVAL_S
 
-__all__ = ["PROGRESS_INTERVAL_S", "Progress", "check_all"]
-
-PROGRESS_INTERVAL_S = 0.2
-
-
-class Progress:
-    """A tqdm bar on stderr (files checked, bytes read, bad so far), only when
-    it is a terminal; cleared when done. Called from the collecting thread."""
-
-    def __init__(self, total_files: int, total_bytes: int, stream=None):
-        self.stream = stream if stream is not None else sys.stderr
-        self.enabled = bool(getattr(self.stream, "isatty", lambda: False)())
-        self.total_bytes = total_bytes
-        self.bar = tqdm(
-            total=total_files,
-            desc="verify",
-            unit=" files",
-            file=self.stream,
-            mininterval=PROGRESS_INTERVAL_S,
-            leave=False,
-            disable=not self.enabled,
-        )
-
-    def update(self, files: int, nbytes: int, bad: int, force: bool = False) -> None:
-        if not self.enabled:
-            return
-        self.bar.set_postfix_str(
-            f"{format_bytes(nbytes)}/{format_bytes(self.total_bytes)}, bad {bad}", refresh=False
-        )
-        self.bar.update(files - self.bar.n)  # redraws once PROGRESS_INTERVAL_S has passed
-        if force:
-            self.bar.refresh()
-
-    def done(self) -> None:
-        self.bar.close()
+__all__ = ["check_all"]
 
 
 def _work(item, out: queue.SimpleQueue, keyring: Keyring | None) -> None:
@@ -94,7 +57,7 @@ def check_all(
             in_flight += submit_next()
         while in_flight:
             try:
-                got = results.get(timeout=PROGRESS_INTERVAL_S)
+                got = results.get(timeout=INTERVAL_S)
             except queue.Empty:
                 tick()
                 continue

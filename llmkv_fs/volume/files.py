@@ -38,6 +38,7 @@ __all__ = [
     "SMALL_FILE_LIMIT",
     "UnsafeFileError",
     "create_exclusive",
+    "file_type",
     "make_dirs",
     "missing_or_stale",
     "needs_chmod",
@@ -220,17 +221,20 @@ def create_exclusive(
     return os.open(path, flags, file_mode, dir_fd=dir_fd)
 
 
-def _kind(mode: int) -> str:
+def file_type(mode: int) -> str:
+    """What a file of ``st_mode`` ``mode`` is, in one word (``file`` for a
+    regular one): the words the reports and errors use."""
     for test, name in (
-        (stat.S_ISFIFO, "a FIFO"),
-        (stat.S_ISSOCK, "a socket"),
-        (stat.S_ISCHR, "a character device"),
-        (stat.S_ISBLK, "a block device"),
-        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISLNK, "symlink"),
+        (stat.S_ISFIFO, "fifo"),
+        (stat.S_ISSOCK, "socket"),
+        (stat.S_ISCHR, "char-device"),
+        (stat.S_ISBLK, "block-device"),
+        (stat.S_ISDIR, "directory"),
     ):
         if test(mode):
             return name
-    return "not a regular file"
+    return "file"
 
 
 def read_small_regular_file(
@@ -281,7 +285,9 @@ def read_small_regular_file_at(
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
-            raise UnsafeFileError(errno.EINVAL, _kind(st.st_mode), shown)
+            raise UnsafeFileError(
+                errno.EINVAL, f"not a regular file ({file_type(st.st_mode)})", shown
+            )
         if st.st_size > limit:
             raise UnsafeFileError(errno.EFBIG, f"{st.st_size} bytes, over {limit}", shown)
         chunks, size = [], 0

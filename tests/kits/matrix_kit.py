@@ -41,7 +41,7 @@ from llmkv_fs.layout.blockfile import (
     verify_block,
 )
 from llmkv_fs.layout.names import parse_temp_name
-from tests.kits.tier_kit import MiB, payload_for, wait_until
+from tests.kits.tier_kit import MiB, payload_for, read_primary, wait_until
 from tests.kits.user_kit import become
 
 HIT, MISS, RETRY, HIT_PENDING = (
@@ -116,7 +116,7 @@ def served(replica, keys: Iterable[bytes], final: dict, ctx) -> tuple[int, int]:
     for key in keys:
         if final.get(key) is HIT:
             hits += 1
-            wrong += replica.read_primary(key, ctx) != payload_for(key, replica.row_bytes)
+            wrong += read_primary(replica, key, ctx) != payload_for(key, replica.row_bytes)
     return hits, wrong
 
 

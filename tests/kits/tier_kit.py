@@ -51,6 +51,17 @@ def assert_io_mode(replica) -> None:
     assert bool(replica.tier.engine.io_workers) == workers, replica.tier.engine.io_workers
 
 
+def read_primary(replica: Replica, key: bytes, ctx) -> bytes:
+    """Bytes a GPU load of this (HIT) key would copy, via prepare_load."""
+    with replica.manager.lock:
+        spec = replica.manager.prepare_load([key], ctx)
+    (chunk,) = spec.chunk_ids
+    data = replica.rows[chunk].tobytes()
+    with replica.manager.lock:
+        replica.manager.complete_load([key], ctx)
+    return data
+
+
 def resolve(replica, keys, on_hit_pending=None) -> dict:
     """A fresh request looks ``keys`` up until each is HIT or MISS (see
     Replica.find for ``on_hit_pending``), then finishes."""

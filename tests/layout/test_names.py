@@ -305,3 +305,14 @@ def test_unsafe_model_names_are_refused():
     with pytest.raises(names.LayoutError, match="too long"):
         names.digest_dir_name("m" * 250, DIGEST)
     assert names.digest_dir_name("../x", DIGEST) == f".._x_{DIGEST}"
+
+
+@pytest.mark.parametrize("group", [0, 1, 7, (1 << 32) - 1])
+def test_an_offload_key_is_vllms_and_its_path_gives_it_back(group):
+    base = pytest.importorskip("vllm.v1.kv_offload.base")
+    block_hash = hashlib.sha256(b"chunk").digest()
+    key = names.offload_key(block_hash, group)
+    assert key == base.make_offload_key(block_hash, group)
+    assert base.get_offload_block_hash(key) == block_hash
+    assert names.block_rel_path(key).split("/")[1].endswith(f"_g{group}")
+    assert names.parse_block_rel_path(names.block_rel_path(key)) == key

@@ -22,6 +22,7 @@ from llmkv_fs.engine import prepare_volume
 from llmkv_fs.layout.blockfile import TRAILER_SIZE
 from llmkv_fs.layout.paths import CacheLayout
 from llmkv_fs.ops import verify, verify_readers
+from llmkv_fs.ops.progress import Progress
 from llmkv_fs.volume import quarantine as quarantine_module
 from tests.kits.engine_kit import BS, make_key, pattern, write_blocks
 from tests.kits.volume_kit import quarantined
@@ -228,13 +229,13 @@ def test_repair_puts_back_a_file_republished_just_before_the_rename(volume, caps
     fresh = f"{os.path.dirname(path)}/.fresh"
     shutil.copyfile(path, fresh)
     os.truncate(path, 10)
-    real_mkdir = quarantine_module.make_quarantine_dir
+    real_mkdir = quarantine_module.make_dir_at
 
-    def republish_then_mkdir(rank_dir, dir_mode=None):
+    def republish_then_mkdir(*args, **kwargs):
         os.rename(fresh, path)  # lands after the inode check, before the rename
-        return real_mkdir(rank_dir, dir_mode)
+        return real_mkdir(*args, **kwargs)
 
-    monkeypatch.setattr(quarantine_module, "make_quarantine_dir", republish_then_mkdir)
+    monkeypatch.setattr(quarantine_module, "make_dir_at", republish_then_mkdir)
     _rc, report = run_cli(capsys, volume, "--repair")
     (b,) = report["bad"]
     assert (b["reason"], b["repair"], b["quarantined_to"]) == ("truncated", "replaced", None)
@@ -311,8 +312,8 @@ def test_progress_line_only_on_a_terminal(volume, capsys):
     write_blocks(volume, range(4))
     tty = FakeTty()
     verify.verify_volume(volume, threads=2, progress_stream=tty)
-    progress = verify_readers.Progress(4, 4 * BS, tty)
-    progress.update(4, 4 * BS, 0, force=True)
+    progress = Progress("verify", tty, total=4, unit=" files")
+    progress.update("bad 0", 4, force=True)
     text = tty.getvalue()
     assert "\rverify: " in text and "| 4/4 [" in text and "files/s" in text
     pipe = io.StringIO()

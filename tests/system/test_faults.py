@@ -8,7 +8,14 @@ import pytest
 from vllm.v1.kv_offload.base import LookupResult
 
 from llmkv_fs.engine import Direction, Failure
-from tests.kits.tier_kit import Replica, make_keys, offloading_config, ours, payload_for
+from tests.kits.tier_kit import (
+    Replica,
+    make_keys,
+    offloading_config,
+    ours,
+    payload_for,
+    read_primary,
+)
 from tests.kits.volume_kit import block_files, temp_files
 
 # Our tier through vLLM's stack, in both io modes (I/O threads, worker processes).
@@ -44,7 +51,7 @@ def test_full_disk_fails_stores_cleanly_and_reads_continue(mount_tmpfs, io_mode)
             }
             assert {k for k, v in final.items() if v is LookupResult.HIT} == stored
             for key in stored:
-                assert reader.read_primary(key, ctx) == payload_for(key, reader.row_bytes)
+                assert read_primary(reader, key, ctx) == payload_for(key, reader.row_bytes)
         finally:
             reader.close()
     finally:

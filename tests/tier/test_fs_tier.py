@@ -23,6 +23,7 @@ from tests.kits.tier_kit import (
     offloading_config,
     ours,
     payload_for,
+    read_primary,
     start,
     store_burst_while_stalled,
     wait_until,
@@ -46,7 +47,7 @@ def assert_all_promoted_byte_exact(replica, keys):
     final, history = replica.find(keys, ctx)
     assert final == dict.fromkeys(keys, HIT)
     for key in keys:
-        assert replica.read_primary(key, ctx) == payload_for(key, replica.row_bytes)
+        assert read_primary(replica, key, ctx) == payload_for(key, replica.row_bytes)
     return history
 
 
@@ -116,7 +117,7 @@ def test_bit_flip_is_never_loaded_and_is_quarantined(shared_volume, replicas):
     # the block before it was kept (partial success) and is byte exact, the
     # one after it is not delivered (vLLM uses only the prefix).
     assert final == {keys[0]: HIT, keys[1]: MISS, keys[2]: MISS}
-    assert b.read_primary(keys[0], ctx) == payload_for(keys[0], b.row_bytes)
+    assert read_primary(b, keys[0], ctx) == payload_for(keys[0], b.row_bytes)
     with b.manager.lock:
         assert b.manager.primary_tier.lookup(keys[1], ctx) is MISS
     assert not os.path.lexists(

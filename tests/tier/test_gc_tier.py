@@ -10,7 +10,7 @@ import pytest
 from vllm.v1.kv_offload.base import LookupResult
 
 from tests.kits.gc_kit import age, cache_entries, gc_process, gc_run, running, stop_watch
-from tests.kits.tier_kit import make_keys, ours, payload_for, start, wait_until
+from tests.kits.tier_kit import make_keys, ours, payload_for, read_primary, start, wait_until
 
 HIT, MISS, RETRY, HIT_PENDING = (
     LookupResult.HIT,
@@ -51,7 +51,7 @@ def assert_hits_byte_exact(replica, keys):
     final, _ = replica.find(keys, ctx)
     assert final == dict.fromkeys(keys, HIT)
     for key in keys:
-        assert replica.read_primary(key, ctx) == payload_for(key, replica.row_bytes)
+        assert read_primary(replica, key, ctx) == payload_for(key, replica.row_bytes)
 
 
 def test_evicted_between_lookup_and_load_is_a_clean_miss(volume, replicas):
@@ -79,7 +79,7 @@ def test_evicted_between_lookup_and_load_is_a_clean_miss(volume, replicas):
     final, _ = reader.find(keys, ctx)  # submits the load, steps until resolved
     assert final == {**dict.fromkeys(keys[:3], HIT), **dict.fromkeys(keys[3:], MISS)}
     for key in keys[:3]:
-        assert reader.read_primary(key, ctx) == payload_for(key, reader.row_bytes)
+        assert read_primary(reader, key, ctx) == payload_for(key, reader.row_bytes)
     # The MISS sticks (no livelock on a doomed load) ...
     again, _ = reader.find(keys[3:])
     assert again == dict.fromkeys(keys[3:], MISS)
@@ -122,7 +122,7 @@ def test_loads_race_a_gc_that_evicts_continuously(volume, replicas):
                 assert verdict in (HIT, MISS)
                 outcomes[verdict] += 1
                 if verdict is HIT:
-                    assert reader.read_primary(key, ctx) == payload_for(key, reader.row_bytes)
+                    assert read_primary(reader, key, ctx) == payload_for(key, reader.row_bytes)
             reader.finish_request(ctx)
         passes = [json.loads(first), *stop_watch(watcher)]
     assert sum(p["capacity"]["evicted_blocks"] for p in passes) > 0

@@ -11,7 +11,16 @@ import pytest
 from vllm.v1.kv_offload.base import LookupResult
 
 from llmkv_fs.rootlist import RootListError
-from tests.kits.tier_kit import MiB, make_keys, ours, payload_for, resolve, start, wait_until
+from tests.kits.tier_kit import (
+    MiB,
+    make_keys,
+    ours,
+    payload_for,
+    read_primary,
+    resolve,
+    start,
+    wait_until,
+)
 from tests.kits.volume_kit import block_files
 
 pytestmark = pytest.mark.usefixtures("io_mode")
@@ -30,7 +39,7 @@ def served(replica, keys) -> bool:
     ctx = replica.new_request()
     try:
         return all(
-            replica.read_primary(key, ctx) == payload_for(key, replica.row_bytes) for key in keys
+            read_primary(replica, key, ctx) == payload_for(key, replica.row_bytes) for key in keys
         )
     finally:
         replica.finish_request(ctx)

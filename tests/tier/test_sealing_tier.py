@@ -17,7 +17,7 @@ from llmkv_fs.checks import TierConfigError
 from llmkv_fs.engine import Direction, Failure, Outcome
 from llmkv_fs.layout.blockfile import Corruption
 from tests.kits.seal_kit import forge_plain, key_file, sealed_trailer
-from tests.kits.tier_kit import builtin, make_keys, ours, payload_for, start
+from tests.kits.tier_kit import builtin, make_keys, ours, payload_for, read_primary, start
 from tests.kits.volume_kit import block_files
 
 pytestmark = pytest.mark.usefixtures("io_mode")
@@ -57,7 +57,7 @@ def test_sealed_tier_round_trips_and_the_builtin_never_sees_its_blocks(
     final, _ = reader.find(keys, ctx)
     assert final == dict.fromkeys(keys, HIT)
     for key in keys:
-        assert reader.read_primary(key, ctx) == payload_for(key, reader.row_bytes)
+        assert read_primary(reader, key, ctx) == payload_for(key, reader.row_bytes)
     assert secret_text not in caplog.text
     plain = start(replicas, builtin(root))
     assert plain.find(keys)[0] == dict.fromkeys(keys, MISS)
@@ -79,7 +79,7 @@ def test_forged_block_with_valid_xxh3_trailer_is_served_when_unsealed(tmp_path, 
     victim = start(replicas, ours(root))
     ctx = victim.new_request()
     assert victim.find([key], ctx)[0] == {key: HIT}
-    assert victim.read_primary(key, ctx) == b"\x66" * victim.row_bytes  # the hole
+    assert read_primary(victim, key, ctx) == b"\x66" * victim.row_bytes  # the hole
 
 
 def test_forged_block_with_valid_xxh3_trailer_is_refused_when_sealed(tmp_path, replicas, secrets):
@@ -196,5 +196,5 @@ def test_a_store_writes_over_blocks_this_replica_cannot_open(tmp_path, replicas,
     ctx = reader.new_request()
     assert reader.find(keys, ctx)[0] == dict.fromkeys(keys, HIT)
     for key in keys:
-        assert reader.read_primary(key, ctx) == payload_for(key, reader.row_bytes)
+        assert read_primary(reader, key, ctx) == payload_for(key, reader.row_bytes)
     assert len(block_files(root)) == len(keys)

@@ -8,7 +8,14 @@ import os
 
 import pytest
 
-from llmkv_fs.volume.files import SHARED_FS_ATTEMPTS, retry_transient, write_file_atomically_at
+from llmkv_fs.volume.files import (
+    SHARED_FS_ATTEMPTS,
+    UnsafeFileError,
+    file_type,
+    read_small_regular_file,
+    retry_transient,
+    write_file_atomically_at,
+)
 
 
 def flaky(failures: list[OSError]):
@@ -73,3 +80,19 @@ def test_a_failed_close_of_the_temp_file_is_not_closed_again(tmp_path, monkeypat
     assert raised.value.errno == errno.EIO
     assert len(closed) == 1
     assert os.listdir(tmp_path) == []  # the temp file removed, nothing published
+
+
+def test_file_type_names_each_kind_of_entry_once(tmp_path):
+    (tmp_path / "f").write_bytes(b"x")
+    (tmp_path / "d").mkdir()
+    os.symlink(tmp_path / "f", tmp_path / "l")
+    os.mkfifo(tmp_path / "p")
+    kinds = {n: file_type(os.lstat(tmp_path / n).st_mode) for n in ("f", "d", "l", "p")}
+    assert kinds == {"f": "file", "d": "directory", "l": "symlink", "p": "fifo"}
+    assert file_type(os.stat("/dev/null").st_mode) == "char-device"
+
+
+def test_a_small_file_that_is_not_regular_is_named_by_its_type(tmp_path):
+    (tmp_path / "config.json").mkdir()
+    with pytest.raises(UnsafeFileError, match=r"not a regular file \(directory\)"):
+        read_small_regular_file(str(tmp_path / "config.json"))

@@ -34,6 +34,7 @@ from tests.kits.tier_kit import (
     offloading_config,
     ours,
     payload_for,
+    read_primary,
     wait_until,
 )
 
@@ -342,7 +343,7 @@ def _replica_process(role: str, root: str, control: str) -> None:
         final, _ = replica.find([key], ctx)
         out["verdict"] = final[key].name
         if final[key] is LookupResult.HIT:
-            out["bytes_ok"] = replica.read_primary(key, ctx) == payload_for(key, replica.row_bytes)
+            out["bytes_ok"] = read_primary(replica, key, ctx) == payload_for(key, replica.row_bytes)
         out["verified"] = replica.tier.engine.counters[Outcome.VERIFIED]
     replica.close()
     if role != "writer":

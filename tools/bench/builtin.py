@@ -40,6 +40,8 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
+from llmkv_fs.layout.names import block_rel_path
+
 # One reference to None per fs_io_C call made (Python < 3.12 only). The list
 # itself is never freed (one reference more than anyone drops): freeing it at
 # exit would drop those references while the calls' decrements stand.
@@ -74,11 +76,10 @@ def load_payload(path: str) -> Payload:
 
 
 def builtin_path(base: str, key: bytes) -> str:
-    """The FileMapper's path of ``key`` (an OffloadKey: block hash + 4-byte
-    big-endian group) under the tier's ``base`` (``<root>/vllm_builtin``)."""
-    hash_hex = key[:-4].hex()
-    group = int.from_bytes(key[-4:], "big")
-    return f"{base}_r0/{hash_hex[:3]}/{hash_hex[3:5]}_g{group}/{hash_hex}.bin"
+    """The FileMapper's path of ``key`` (an OffloadKey) under the tier's
+    ``base`` (``<root>/vllm_builtin``): rank 0's directory, then the same
+    fan-out as ours (``block_rel_path``, byte for byte)."""
+    return f"{base}_r0/{block_rel_path(key)}"
 
 
 def builtin_batch_lookup() -> tuple[Callable[[list[str]], Any], str]:

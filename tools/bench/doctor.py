@@ -18,6 +18,7 @@ import sys
 import tempfile
 import time
 
+from llmkv_fs.layout.names import offload_key
 from llmkv_fs.layout.paths import CacheLayout, RunIdentity
 from llmkv_fs.volume.run_config import ensure_run_config
 
@@ -34,7 +35,7 @@ def fill(root: str, blocks: int) -> None:
         layout = CacheLayout.for_identity(root, identity(block_size))
         ensure_run_config(layout)
         for i in range(part, blocks, 2):
-            key = hashlib.sha256(str(i).encode()).digest() + b"\0\0\0\0"
+            key = offload_key(hashlib.sha256(str(i).encode()).digest())
             path = layout.block_path(key)
             os.makedirs(os.path.dirname(path), exist_ok=True)
             with open(path, "wb") as f:

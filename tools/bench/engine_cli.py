@@ -4,24 +4,16 @@ from __future__ import annotations
 
 import argparse
 
+from llmkv_fs.config import setting_option
 from llmkv_fs.harness.bench_media import roots_of
 from tools.bench.variants import parse_variant
 
 __all__ = ["io_workers_setting", "media_of", "parse_args"]
 
 
-def numa_setting(text: str) -> str | int:
-    if text in ("auto", "off"):
-        return text
-    if text.isdigit():
-        return int(text)
-    raise argparse.ArgumentTypeError(f"numa setting must be auto, off or a node id, not {text!r}")
-
-
-def io_workers_setting(text: str) -> str | int:
-    if text == "auto" or text.isdigit():
-        return text if text == "auto" else int(text)
-    raise argparse.ArgumentTypeError(f"io_workers must be auto or a count, not {text!r}")
+# The tier settings these options set, checked by the settings' own checks.
+io_workers_setting = setting_option("io_workers")
+numa_setting = setting_option("numa_node")
 
 
 def int_list(text: str) -> list[int]:

@@ -5,7 +5,11 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
+from llmkv_fs.checks import int_between, option
+
 __all__ = ["int_list", "parse_args"]
+
+_COUNT = option(int_between(1, 1 << 24))
 
 
 def int_list(text: str) -> list[int]:
@@ -26,7 +30,7 @@ def parse_args(
     p.add_argument(
         "--check-dir", help="the same directory through the client that checks (default --dir)"
     )
-    p.add_argument("--keys", type=int, default=2048, help="blocks of the prompt (default 2048)")
+    p.add_argument("--keys", type=_COUNT, default=2048, help="blocks of the prompt (default 2048)")
     p.add_argument(
         "--threads",
         type=int_list,
@@ -35,7 +39,7 @@ def parse_args(
         help="lookup_threads of ours, and plain stat's thread counts (default 4,8,16,32,64)",
     )
     p.add_argument("--builtin", metavar="PAYLOAD_DIR", help="also vLLM's built-in lookups")
-    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--rounds", type=_COUNT, default=2)
     p.add_argument("--phase", choices=("prepare", "measure", "all"), default="all")
     p.add_argument(
         "--keep", action="store_true", help="keep the files after --phase all (default: removed)"
@@ -59,7 +63,5 @@ def parse_args(
     p.add_argument("--json", metavar="PATH")
     args = p.parse_args(argv)
     args.check_dir = args.check_dir or args.dir
-    if args.keys < 1 or args.rounds < 1:
-        p.error("--keys and --rounds must be at least 1")
     args.single_keys = min(args.single_keys, args.keys)
     return args

@@ -11,6 +11,7 @@ import threading
 import time
 from typing import Any, Protocol
 
+from llmkv_fs.layout.names import offload_key
 from llmkv_fs.layout.paths import RunIdentity
 
 MiB = 1 << 20
@@ -24,8 +25,7 @@ IDENTITY = RunIdentity(
 
 
 def make_keys(n: int, seed: str) -> list[bytes]:
-    # An OffloadKey: block hash + 4-byte big-endian KV group index.
-    return [hashlib.sha256(f"{seed}-{i}".encode()).digest() + b"\0\0\0\0" for i in range(n)]
+    return [offload_key(hashlib.sha256(f"{seed}-{i}".encode()).digest()) for i in range(n)]
 
 
 class Primary:

@@ -35,6 +35,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from llmkv_fs.checks import number_between, option
 from llmkv_fs.layout.blockfile import file_sizes
 from llmkv_fs.layout.names import parse_block_path
 from llmkv_fs.ops import kinds, walker
@@ -53,6 +54,7 @@ if TYPE_CHECKING:
 __all__ = ["add_arguments", "run", "snapshot"]
 
 DEFAULT_RATE = 20_000  # events a second
+MAX_RATE = 10_000_000
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -66,23 +68,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_root_argument(snap, "the cache volume's root_dir")
     snap.add_argument(
         "--rate",
-        type=_rate,
+        type=option(number_between(1, MAX_RATE, "events a second"), float),
         default=DEFAULT_RATE,
         metavar="N",
         help=f"at most N events a second on average (default {DEFAULT_RATE:,})",
     )
     snap.add_argument("--json", action="store_true", help="print the summary as JSON")
     add_event_arguments(snap, "a BlockStored for every block (required)")
-
-
-def _rate(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = 0.0
-    if not 1 <= value <= 10_000_000:
-        raise argparse.ArgumentTypeError(f"--rate {text!r} is not a number from 1 to 10,000,000")
-    return value
 
 
 def snapshot(

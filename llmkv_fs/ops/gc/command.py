@@ -26,7 +26,6 @@ from llmkv_fs.ops.events.options import (
     delivery_status,
 )
 from llmkv_fs.ops.gc.lock import LockBusy, VolumeLock
-from llmkv_fs.ops.gc.report import Progress
 from llmkv_fs.ops.gc.rules import Policy, pids_are_ours
 from llmkv_fs.ops.gc.sweep import gc_pass
 from llmkv_fs.ops.per_root import (
@@ -36,7 +35,8 @@ from llmkv_fs.ops.per_root import (
     roots_from_args,
     run_roots,
 )
-from llmkv_fs.ops.scan import default_threads
+from llmkv_fs.ops.progress import Progress
+from llmkv_fs.ops.scan import add_threads_argument, threads_for
 from llmkv_fs.units import format_bytes, parse_duration, parse_percent_or_off, parse_size
 
 if TYPE_CHECKING:
@@ -61,20 +61,7 @@ DEFAULTS = {
     "tmp_age": "1h",  # far beyond any block write, even on a stalled NFS server
     "protect": "10m",  # blocks a running request may still be about to load
     "high": "85",  # below the tier's own space guard (max_usage_percent, 95)
-    "threads": "auto",  # 16 listings in flight on a network filesystem, 1 on a local one
 }
-
-
-def _threads(text: str) -> int | None:
-    if text == "auto":
-        return None
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if not 1 <= value <= 256:
-        raise argparse.ArgumentTypeError(f"{text!r} is not 'auto' or a number from 1 to 256")
-    return value
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -173,14 +160,7 @@ def _add_scope(parser: argparse.ArgumentParser) -> None:
 
 def _add_running(parser: argparse.ArgumentParser) -> None:
     """How a run goes: listing threads, proof of death, watch mode, the lock."""
-    parser.add_argument(
-        "--threads",
-        type=_threads,
-        default=None,
-        metavar="N",
-        help="directories listed concurrently; default auto: 16 on a network "
-        "or FUSE filesystem (NFS, CephFS, Lustre, GlusterFS), 1 on a local one",
-    )
+    add_threads_argument(parser)
     parser.add_argument(
         "--pid-check",
         choices=("auto", "on", "off"),
@@ -258,9 +238,9 @@ def _one_root(
             lock,
             keep=args.keep,
             models=args.model,
-            threads=args.threads or default_threads(root),
+            threads=threads_for(root, args.threads),
             dry_run=args.dry_run,
-            progress=Progress(sys.stderr),
+            progress=Progress("gc", sys.stderr),
             stop=stop.is_set,
             announce=announce,
         )

@@ -1,20 +1,17 @@
 """What a gc pass did (or, with --dry-run, would do): one dict for --json,
-a short human summary, and the progress line on a terminal (tqdm)."""
+a short human summary."""
 
 from __future__ import annotations
 
 import copy
 import dataclasses
-import sys
 import time
-from typing import Any, TextIO
-
-from tqdm import tqdm
+from typing import Any
 
 from llmkv_fs.ops.problems import Problems, shorten
 from llmkv_fs.units import format_bytes, format_duration
 
-__all__ = ["Progress", "Report"]
+__all__ = ["Report"]
 
 _LIST_LIMIT = 50
 
@@ -181,40 +178,3 @@ class Report:
         if self.interrupted:
             lines.append("interrupted (SIGTERM): stopped between two actions")
         return lines
-
-
-class Progress:
-    """gc's status line on stderr, drawn by tqdm only when the stream is a
-    terminal: redrawn at most every ``every_s`` unless forced, cleared when
-    done. Called from the pass's thread only."""
-
-    def __init__(
-        self, stream: TextIO | None = None, every_s: float = 0.2, enabled: bool | None = None
-    ):
-        self.stream = stream if stream is not None else sys.stderr
-        if enabled is None:
-            enabled = bool(getattr(self.stream, "isatty", lambda: False)())
-        self.enabled = enabled
-        self.every_s = every_s
-        self._bar: tqdm | None = None  # made on the first update: nothing drawn before
-
-    def update(self, text: str, force: bool = False) -> None:
-        if not self.enabled:
-            return
-        if self._bar is None:
-            self._bar = tqdm(
-                desc=text,
-                file=self.stream,
-                bar_format="gc: {desc} [{elapsed}]",
-                mininterval=self.every_s,
-                leave=False,
-            )
-            return
-        self._bar.set_description_str(text, refresh=force)
-        if not force:
-            self._bar.update(0)  # tqdm redraws only once every_s has passed
-
-    def done(self) -> None:
-        if self._bar is not None:
-            self._bar.close()  # leave=False: the line is cleared
-            self._bar = None

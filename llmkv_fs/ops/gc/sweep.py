@@ -24,8 +24,9 @@ from typing import TYPE_CHECKING
 from llmkv_fs.ops.gc import actions
 from llmkv_fs.ops.gc.inventory import DigestFacts, Inventory, take_inventory
 from llmkv_fs.ops.gc.lock import VolumeLock
-from llmkv_fs.ops.gc.report import Progress, Report
+from llmkv_fs.ops.gc.report import Report
 from llmkv_fs.ops.gc.rules import Capacity, Policy, capacity_need, pick_lru, volume_usage
+from llmkv_fs.ops.progress import Progress
 from llmkv_fs.ops.scan import Digest, RootListing, list_root
 from llmkv_fs.volume.fsinfo import filesystem_type
 
@@ -76,7 +77,9 @@ def gc_pass(
             "models": list(models),
         },
     )
-    sweep = _Sweep(root, policy, lock, report, dry_run, progress or Progress(enabled=False), stop)
+    sweep = _Sweep(
+        root, policy, lock, report, dry_run, progress or Progress("gc", enabled=False), stop
+    )
     sweep.announce = None if dry_run else announce
     before = collections.Counter(announce.counts) if announce is not None else None
     try:

@@ -1,8 +1,18 @@
-"""Issue 20: on a memory filesystem the default byte path (VectoredBytes)
-writes the payload in pieces and hashes each piece right after its write
-(the kernel's copy has just brought it into cache), then seals and writes
-the trailer. The file is the payload plus a trailer whose checksum is the
-whole payload's, whatever the piece; a load hashes the same way."""
+"""Hashing in pieces. On a memory filesystem the default byte path
+(VectoredBytes) writes the payload in pieces and hashes each piece right
+after its write (the kernel's copy has just brought it into cache), then
+seals and writes the trailer. The file is the payload plus a trailer whose
+checksum is the whole payload's, whatever the piece; a load hashes the same
+way.
+
+The piece depends on who moves the bytes (engine/startup/io_setup.py):
+1 MiB for I/O threads in vLLM's process (each piece is one more GIL
+hand-off), 256 KiB for worker processes (no GIL; many busy workers evict a
+1 MiB piece before it is hashed); sealed blocks likewise: threads seal a
+whole block (up to 4 MiB) in one cipher call, workers 256 KiB pieces. What a
+worker process moves blocks with is what it was started with: the launch
+spec on its command line, read from /proc. Real tmpfs and ext4, real worker
+processes, bytes checked through both."""
 
 from __future__ import annotations
 
@@ -15,7 +25,9 @@ import xxhash
 from llmkv_fs.engine.block import bytepath
 from llmkv_fs.engine.block.bytepath import VectoredBytes
 from llmkv_fs.engine.block.options import IoOptions
+from llmkv_fs.engine.workers.crew import WorkerLaunch
 from llmkv_fs.layout.blockfile import TRAILER_SIZE, file_sizes, pack_trailer, verify_block
+from tests.kits.engine_kit import round_trip, worker_engine
 
 KEY = bytes(range(36))
 
@@ -106,3 +118,36 @@ def test_each_piece_is_hashed_after_its_write(tmp_path, monkeypatch):
         os.close(fd)
     piece = [("write", 8192), ("hash", 8192)]
     assert events == [*piece, *piece, ("write", TRAILER_SIZE)]
+
+
+# -- the piece, by who moves the bytes ---------------------------------------------
+
+
+def worker_options(pid: int) -> IoOptions:
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        argv = f.read().split(b"\0")
+    launch = WorkerLaunch.decoded(argv[3].decode())  # python -c CODE LAUNCH
+    (root,) = launch.step.roots  # one root here
+    return root.options
+
+
+@pytest.mark.parametrize("medium", ["tmpfs", "ext4"])
+def test_workers_hash_and_seal_in_smaller_pieces_than_threads(medium, mount_tmpfs, tmp_path):
+    base = mount_tmpfs("64m") if medium == "tmpfs" else str(tmp_path)
+    # 2 MiB blocks: larger than either piece, so both paths hash in pieces.
+    engine, primary = worker_engine(f"{base}/kv", 8, 2 << 20)
+    try:
+        threads_piece = engine.roots[0].blockio.options.hash_chunk
+        pieces = [worker_options(pid).hash_chunk for pid in engine.executor.worker_pids()]
+        if medium == "tmpfs":
+            assert threads_piece == 1 << 20
+            assert pieces == [256 << 10, 256 << 10]
+        else:  # a disk: one large read matters more than the cache
+            assert threads_piece == 0 and pieces == [0, 0]
+        assert engine.roots[0].blockio.options.seal_piece == 4 << 20
+        assert [worker_options(pid).seal_piece for pid in engine.executor.worker_pids()] == [
+            256 << 10
+        ] * 2
+        round_trip(engine, primary, 8)
+    finally:
+        engine.shutdown()

@@ -23,7 +23,15 @@ from tests.kits.engine_kit import (
 )
 from tests.kits.engine_kit import make_key as engine_key
 from tests.kits.matrix_kit import lookup_until, served
-from tests.kits.tier_kit import Replica, builtin, make_keys, offloading_config, ours, payload_for
+from tests.kits.tier_kit import (
+    Replica,
+    builtin,
+    make_keys,
+    offloading_config,
+    ours,
+    payload_for,
+    read_primary,
+)
 from tests.kits.volume_kit import flip_a_bit
 
 HIT, MISS, HIT_PENDING = LookupResult.HIT, LookupResult.MISS, LookupResult.HIT_PENDING
@@ -150,7 +158,7 @@ def test_bit_flip_mid_job_through_vllm_keeps_the_prefix(disk_root, replicas):
     ctx = reader.new_request()
     final, _ = reader.find(keys, ctx)
     assert final == {keys[0]: HIT, keys[1]: MISS, keys[2]: MISS, keys[3]: MISS}
-    assert reader.read_primary(keys[0], ctx) == payload_for(keys[0], reader.row_bytes)
+    assert read_primary(reader, keys[0], ctx) == payload_for(keys[0], reader.row_bytes)
     c = reader.tier.engine.counters
     assert c[Corruption.BAD_CHECKSUM] == 1
     assert c[Direction.LOAD, Failure.SKIPPED] == 2
