@@ -239,10 +239,6 @@ TESTED_ELSEWHERE = {
         "each subcommand is tested with its tool (tests/ops/, tests/harness/test_demo.py); "
         "the parser by tests/test_units.py and tests/test_rooms.py (--help without vLLM)"
     ),
-    "llmkv_fs/harness/bench.py": (
-        "its arguments and cases by tests/harness/test_bench_media.py; the run itself "
-        "is llmkv-fs bench, run by hand (docs/benchmarks.md)"
-    ),
     "llmkv_fs/harness/bench_drive.py": _BENCH_BY_HAND,
     "llmkv_fs/harness/bench_fio.py": _BENCH_BY_HAND,
     "llmkv_fs/harness/machine.py": _BENCH_BY_HAND,
@@ -274,9 +270,6 @@ TESTED_ELSEWHERE = {
     "llmkv_fs/ops/gc/report.py": _GC_PASS,
     "llmkv_fs/ops/gc/sweep.py": _GC_PASS,
     "llmkv_fs/ops/repair.py": "verify --repair: tests/ops/test_verify.py",
-    "llmkv_fs/ops/scan.py": (
-        "the walk of gc, stats and verify: tests/ops/test_walker.py, test_problems.py"
-    ),
     "llmkv_fs/ops/stats_text.py": "what llmkv-fs stats prints: tests/ops/test_stats.py",
     "llmkv_fs/ops/stats_walk.py": "stats' tally per digest: tests/ops/test_stats.py",
     "llmkv_fs/ops/verify_readers.py": "verify's reader threads: tests/ops/test_verify.py",
@@ -289,10 +282,6 @@ TESTED_ELSEWHERE = {
         "test_beneath_mounts.py"
     ),
     "llmkv_fs/volume/openat2.py": "the one-call walk: tests/volume/test_beneath.py",
-    "llmkv_fs/volume/quarantine.py": (
-        "by descriptor through the engine's loads (tests/engine/test_engine_io.py), "
-        "by path through verify --repair (tests/ops/test_verify.py)"
-    ),
     "llmkv_fs/engine/block/blockio.py": _REFOLDED,
     "llmkv_fs/engine/block/contents.py": _REFOLDED,
     "llmkv_fs/engine/block/options.py": _REFOLDED,
