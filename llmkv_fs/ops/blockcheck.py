@@ -119,7 +119,7 @@ def _open_block(rank_dir: str, path: str) -> tuple[int, bool]:
 def undo_atime(fd: int, before: os.stat_result) -> bool:
     """Put back the atime a read moved although the file was opened with
     O_NOATIME: an NFS client accepts the flag but the server stamps every
-    READ (measured, v4.2 and v3), so stats or verify made 8-day-old blocks
+    READ (v4.2 and v3; docs/reliability.md), so stats or verify made 8-day-old blocks
     look used seconds ago. Returns whether the atime is as before. (A tier's
     load stamping the same block in between loses that stamp: the block
     looks as old as it was before the check, never younger.)"""

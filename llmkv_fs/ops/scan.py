@@ -120,8 +120,7 @@ class RootListing:
 
 # Filesystems where a metadata operation is a network round trip (or a FUSE
 # hop): there, concurrent listing pays off. On local ones (ext4, xfs, tmpfs,
-# ...) a thread pool only adds GIL hand-offs: measured 4x slower with 16
-# threads than with 1 on ext4 (docs/gc.md).
+# ...) a thread pool only adds GIL hand-offs (figures in docs/gc.md).
 _NETWORK_FS = (
     "nfs",
     "nfs4",

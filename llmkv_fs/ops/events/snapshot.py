@@ -18,9 +18,9 @@ the network.
 A one-shot tool: it waits for the router's subscription before the first
 event and exits 3 when events were not delivered (``ops/events/oneshot.py``).
 
-A block removed while the snapshot runs may be announced after its removal
-was: run the snapshot before (re)starting gc's events, or accept that the
-next gc pass or the tiers' own removals correct it.
+A block removed while the snapshot runs may be announced after it was
+removed: run the snapshot before (re)starting gc's events, or accept that
+the next gc pass or the tiers' own removals correct it.
 """
 
 from __future__ import annotations

@@ -248,9 +248,8 @@ class DirHandles:
     kept open while the next actions are in the same ones: eviction in age
     order visits a directory's same-age blocks one after another, and with
     KV events a batch is first checked and announced, then unlinked, so each
-    of its directories is used twice (keeping one fd reopened every one of
-    them: a pass over 100,000 blocks took 18 % longer with events on, 2
-    cores). Not thread-safe; close() when done."""
+    of its directories is used twice (keeping one fd would reopen every one
+    of them). Not thread-safe; close() when done."""
 
     def __init__(self, keep: int = 1) -> None:
         self._keep = max(1, keep)

@@ -151,7 +151,7 @@ class VolumeLock:
             os.pwrite(fd, note.encode(), 0)
             # An NFS client sends cached writes at close or fsync only: without
             # this, a gc refused on another client read an empty note
-            # ("holder unknown", tests/ops/gc/test_process.py on NFS v4.2).
+            # ("holder unknown", tests/ops/gc/test_command.py on NFS v4.2).
             os.fsync(fd)
         self._fd = fd
         return True
