@@ -3,7 +3,7 @@ I/O threads or I/O worker processes (io_workers), batched off-thread lookups,
 NUMA pinning, counters.
 
 It speaks in plain terms (keys are bytes, chunks are row indices into one
-flat buffer of ``num_chunks * block_size`` bytes), so it can be driven by the
+flat buffer of whole rows of ``block_size`` bytes), so it can be driven by the
 vLLM adapter, by benchmarks or by tests alike.
 
 Threading rules
@@ -96,7 +96,7 @@ class FsEngine:
 
     ``byte_path`` moves a block's bytes once its file is open (the seam for
     another implementation, block/bytepath.py); it reaches I/O threads and
-    worker processes alike through the step spec (``step_spec``).
+    worker processes alike through the step spec (``StepSpec``).
 
     ``pause``: pause points for a test to hold blocks and lookup checks at
     known places (block/pause.py); they reach I/O threads, lookup threads
@@ -113,22 +113,22 @@ class FsEngine:
         byte_path: BytePathKind = VectoredBytes,
         pause: PausePoints | None = None,
     ):
-        self.settings = settings
+        self._settings = settings
         self.block_size = block_size
         self._flat = rows_view(primary, block_size)
-        self.num_chunks = self._flat.nbytes // block_size
         keyring, layouts = sealing(settings, layouts)
+        self.keyring = keyring  # the sealing keys (None: blocks are not sealed)
         # Every root prepared (and its housekeeping started) before any I/O
         # thread or worker exists.
         self.roots: list[EngineRoot] = open_roots(
             settings, layouts, self._flat, block_size, byte_path, keyring
         )
-        self.placement = RootPlacement([root.root_dir for root in self.roots])
+        self._placement = RootPlacement([root.root_dir for root in self.roots])
         # What every block step is built from, in threads and workers alike.
-        self.step_spec = StepSpec(
-            tuple(r.spec for r in self.roots), self.placement, byte_path, keyring
+        self._step_spec = StepSpec(
+            tuple(r.spec for r in self.roots), self._placement, byte_path, keyring
         )
-        self.pause = pause
+        self._pause = pause
         self.pinning: PinningPlan = plan_pinning(read_topology(), settings.numa_node, self._flat)
         # Cumulative, updated by the owner only; tier/metrics.py publishes them.
         self._counters: collections.Counter[CounterKey] = collections.Counter()
@@ -141,12 +141,12 @@ class FsEngine:
         self.root_counters: collections.Counter[tuple[int, Direction, bool]] = collections.Counter()
         self._error_log = ThrottledErrorLog()
         self._rejected: list[FinishedJob] = []
-        self._stalled = False  # as of the last recheck_stalled() (lookups read this)
+        self._stalled = False  # as of the last _recheck_stalled() (lookups read this)
         # Lost roots by index, as of the last end_step() (lookups read this).
         self._lost_roots: frozenset[int] = frozenset()
-        self.slice_blocks = slice_blocks(block_size)
+        self._slice_blocks = slice_blocks(block_size)
         self._scheduler = BlockScheduler(
-            store_queue_blocks(settings, block_size), self.slice_blocks
+            store_queue_blocks(settings, block_size), self._slice_blocks
         )
         self._started = self._start_io()
         self.io_workers = self._started.io_workers  # worker processes in use (0: I/O threads)
@@ -169,20 +169,20 @@ class FsEngine:
         can hold may start a store the moment the guard lifts after ENOSPC."""
         started = start_executor(
             self._scheduler,
-            self.settings,
-            self.step_spec,
+            self._settings,
+            self._step_spec,
             self.roots,
             self._flat,
             self.pinning,
-            self.pause,
+            self._pause,
         )
-        held = self._scheduler.executor.capacity() * self.slice_blocks
+        held = self._scheduler.executor.capacity() * self._slice_blocks
         for root in self.roots:
             root.guard.headroom_bytes = self.block_size * (held + 1)
         return started
 
     def _start_lookups(self) -> AsyncExistence:
-        settings = self.settings
+        settings = self._settings
         return AsyncExistence(
             self._exists_on_its_roots,
             settings.lookup_threads,
@@ -195,20 +195,20 @@ class FsEngine:
         """A lookup thread's check: the key's home root, then (several
         roots) its second choice (see ``RootPlacement``); a lost root is
         not touched (root_presence.py: a key it may hold answers None)."""
-        if self.pause is not None:  # a check held as in a stalled mount
-            self.pause.reached("exists", "lookup", key)
-        return on_their_roots(self.roots, self.placement, [key], each_key)[0]
+        if self._pause is not None:  # a check held as in a stalled mount
+            self._pause.reached("exists", "lookup", key)
+        return on_their_roots(self.roots, self._placement, [key], each_key)[0]
 
     def _exist_on_their_roots(self, keys: list[bytes], budget_s: float) -> list[Found]:
         """A lookup thread's check of a chunk of keys at once (the compiled
         presence check; same roots and rules as ``_exists_on_its_roots``),
         of the first keys only if ``budget_s`` is spent first. Pause points
         stop at each key before the chunk's one call."""
-        if self.pause is not None:  # a check held as in a stalled mount
+        if self._pause is not None:  # a check held as in a stalled mount
             for key in keys:
-                self.pause.reached("exists", "lookup", key)
+                self._pause.reached("exists", "lookup", key)
         return on_their_roots(
-            self.roots, self.placement, keys, functools.partial(at_once, budget_s=budget_s)
+            self.roots, self._placement, keys, functools.partial(at_once, budget_s=budget_s)
         )
 
     def _presence(self) -> str:
@@ -228,15 +228,15 @@ class FsEngine:
         """Queue a store; False if it was refused -- the bounded queue is
         full, the space guard is tripped, the volume is stalled or failed. A
         refused job is reported failed by the next take_finished, without I/O."""
-        if self.recheck_volume_failed():
+        if self._recheck_volume_failed():
             return self._refuse(job_id, Direction.STORE, keys, Failure.VOLUME_FAILED)
-        if self.recheck_stalled():
+        if self._recheck_stalled():
             return self._refuse(job_id, Direction.STORE, keys, Failure.STALLED)
         if not any(root.guard.allows_store() for root in self.roots):
             # Each root's guard also refuses its own blocks in the step.
             return self._refuse(job_id, Direction.STORE, keys, Failure.SPACE)
         try:
-            self._scheduler.submit(IoJob(job_id, False, keys, chunks, self.settings.job_timeout_s))
+            self._scheduler.submit(IoJob(job_id, False, keys, chunks, self._settings.job_timeout_s))
             return True
         except QueueFull:
             return self._refuse(job_id, Direction.STORE, keys, Failure.QUEUE_FULL)
@@ -244,11 +244,11 @@ class FsEngine:
     def submit_load(self, job_id: int, keys: Sequence[bytes], chunks: Sequence[int]) -> bool:
         """Queue a load; False (reported failed at the next take_finished) if
         the volume is stalled or failed."""
-        if self.recheck_volume_failed():
+        if self._recheck_volume_failed():
             return self._refuse(job_id, Direction.LOAD, keys, Failure.VOLUME_FAILED)
-        if self.recheck_stalled():
+        if self._recheck_stalled():
             return self._refuse(job_id, Direction.LOAD, keys, Failure.STALLED)
-        self._scheduler.submit(IoJob(job_id, True, keys, chunks, self.settings.job_timeout_s))
+        self._scheduler.submit(IoJob(job_id, True, keys, chunks, self._settings.job_timeout_s))
         return True
 
     def _refuse(
@@ -259,7 +259,7 @@ class FsEngine:
         self._rejected.append(FinishedJob(job_id, is_load, [], list(keys), 0.0, 0))
         return False
 
-    def recheck_stalled(self) -> bool:
+    def _recheck_stalled(self) -> bool:
         """Look again whether the volume stopped answering (an expired job
         still has a block inside a syscall, or no lookup check answered for
         the lookup timeout), remember the verdict for lookups and return it.
@@ -267,7 +267,7 @@ class FsEngine:
         self._stalled = self._scheduler.stuck_blocks() > 0 or self._lookups.stuck()
         return self._stalled
 
-    def recheck_volume_failed(self) -> bool:
+    def _recheck_volume_failed(self) -> bool:
         """Look again which roots are lost (as of each housekeeping thread's
         last check; never touches the filesystem), remember them for
         lookups and return whether every root is: none is the directory the
@@ -282,7 +282,7 @@ class FsEngine:
             return []  # vLLM polls every millisecond: keep the empty case cheap
         expired = self._scheduler.expire_overdue()
         if expired:
-            self.recheck_stalled()
+            self._recheck_stalled()
             self.counters[Tally.DEADLINE_EXPIRED] += expired
             self._error_log.report("deadline", f"{expired} block(s) passed job_timeout_s")
         results, self._rejected = self._rejected, []
@@ -307,7 +307,7 @@ class FsEngine:
                 counts[0, direction, True] += len(result.succeeded)
                 counts[0, direction, False] += len(result.failed)
                 continue
-            home = self.placement.home
+            home = self._placement.home
             for key in result.succeeded:
                 counts[home(key), direction, True] += 1
             for key in result.failed:
@@ -322,7 +322,7 @@ class FsEngine:
         if self._stalled or self._lost_roots:
             if self._stalled:
                 refused: MissReason | None = MissReason.STALLED
-            elif self.placement.home(key) in self._lost_roots:
+            elif self._placement.home(key) in self._lost_roots:
                 refused = MissReason.LOST_ROOT
             else:
                 refused = None
@@ -342,7 +342,7 @@ class FsEngine:
         refused while stalled or while its home root is lost, the lookup
         deadline passed, the check failed (EIO), or a load of it failed.
         Removal announcements trust only the former."""
-        if self._stalled or (self._lost_roots and self.placement.home(key) in self._lost_roots):
+        if self._stalled or (self._lost_roots and self._placement.home(key) in self._lost_roots):
             return False
         return not self._lookups.guessed_miss(key)
 
@@ -365,8 +365,8 @@ class FsEngine:
         # Cumulative in the executor; copied here so that only the owner
         # writes counters.
         self.counters[Tally.WORKER_DEATHS] = self._executor.deaths()
-        self.recheck_stalled()
-        self.recheck_volume_failed()
+        self._recheck_stalled()
+        self._recheck_volume_failed()
         expired = self._lookups.expire_overdue()
         if expired:
             self.counters[LookupAnswer.DEADLINE_MISS] += expired
@@ -408,25 +408,11 @@ class FsEngine:
             }
         return gauges
 
-    @property
-    def lookups(self) -> AsyncExistence:
-        """The existence checks behind lookup(): tests read how many keys
-        it tracks and drive its deadlines with an explicit clock."""
-        return self._lookups
-
     def forget_request(self, request_id: str) -> None:
         self._lookups.forget_request(request_id)
 
     def has_pending_work(self) -> bool:
         return self._scheduler.busy() or bool(self._rejected)
-
-    def queued_store_blocks(self) -> int:
-        return self._scheduler.queued_store_blocks()
-
-    @property
-    def executor(self) -> Executor:
-        """What runs the blocks (tests ask it for worker pids and deaths)."""
-        return self._executor
 
     def drain(self) -> None:
         self._scheduler.drain()
@@ -445,7 +431,7 @@ class FsEngine:
         self._scheduler.shutdown()
         if self._started.handover is not None:
             self._started.handover.close()
-        close_roots(self.roots, min(self.settings.job_timeout_s, _LOOKUP_TIMEOUT_CAP_S))
+        close_roots(self.roots, min(self._settings.job_timeout_s, _LOOKUP_TIMEOUT_CAP_S))
         # Our view pins the primary mmap; vLLM unmaps it right after us.
         self._flat.release()
         logger.info("llmkv_fs engine stopped in %.3fs", time.monotonic() - started)

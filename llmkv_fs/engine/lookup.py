@@ -295,9 +295,6 @@ class AsyncExistence:
             del misses[oldest]
         return False
 
-    def remembered_misses(self) -> int:
-        return len(self._misses)
-
     def set_verdict(self, keys: Iterable[bytes], verdict: bool) -> None:
         """Force what the next lookups of these keys say (a load failed: False,
         counted LOAD_FAILED unless the key is a remembered miss, which keeps
@@ -331,9 +328,6 @@ class AsyncExistence:
             state.requests.discard(request_id)
             if not state.requests and not state.in_flight:
                 del self._states[key]
-
-    def tracked_keys(self) -> int:
-        return len(self._states)
 
     def shutdown(self) -> None:
         """Stop the lookup thread and its helpers, waiting at most the

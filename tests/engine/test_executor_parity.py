@@ -10,7 +10,15 @@ import threading
 
 from llmkv_fs.engine import Direction, Failure, Outcome
 from llmkv_fs.engine.upkeep import space as space_module
-from tests.kits.engine_kit import fill, held_by_executor, make_key, pattern, wait_jobs, wait_until
+from tests.kits.engine_kit import (
+    fill,
+    held_by_executor,
+    inside,
+    make_key,
+    pattern,
+    wait_jobs,
+    wait_until,
+)
 
 
 def test_a_failed_volume_stops_queued_stores_without_io(disk_root, engines, gate_for):
@@ -23,13 +31,13 @@ def test_a_failed_volume_stops_queued_stores_without_io(disk_root, engines, gate
     assert engine.submit_store(1, [make_key("warm")], [0])
     assert not wait_jobs(engine, [1])[1].failed
     gate = gate_for(engine)
-    n = engine.executor.capacity() + 160
+    n = inside(engine).executor.capacity() + 160
     keys = [make_key(("queued", i)) for i in range(n)]
     for start in range(0, n, 8):
         assert engine.submit_store(
             100 + start, keys[start : start + 8], [c % 32 for c in range(start, start + 8)]
         )
-    held_by_executor(engine, engine.executor.capacity())
+    held_by_executor(engine, inside(engine).executor.capacity())
     # The volume goes; a directory holding the same layout takes its place.
     os.rename(disk_root, disk_root + ".gone")
     os.makedirs(os.path.dirname(layout.block_path(keys[0])))

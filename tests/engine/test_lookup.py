@@ -33,7 +33,15 @@ from llmkv_fs.engine.block.presence import PRESENCE_ENV, compiled_check
 from llmkv_fs.engine.lookup import _MAX_REMEMBERED_MISSES, AsyncExistence
 from llmkv_fs.layout.blockfile import Corruption
 from tests.kits.clock_kit import ManualClock
-from tests.kits.engine_kit import DEADLINE_S, make_key, settle, store_blocks, wait_jobs
+from tests.kits.engine_kit import (
+    DEADLINE_S,
+    inside,
+    make_key,
+    remembered_misses,
+    settle,
+    store_blocks,
+    wait_jobs,
+)
 from tests.kits.matrix_kit import ext4_shutdown, loop_ext4
 from tests.kits.volume_kit import flip_a_bit
 
@@ -58,7 +66,7 @@ def fails_then_misses(engine, key: bytes, loads) -> None:
         engine.end_step()
         engine.forget_request(f"again-{i}")
     assert [k for _place, _kind, k in loads.entries] == [key]
-    assert engine.lookups.remembered_misses() == 1
+    assert inside(engine).remembered_misses() == 1
 
 
 def test_bad_file_that_cannot_be_quarantined_is_a_miss_for_a_while(disk_root, engines, gate_for):
@@ -118,9 +126,9 @@ def test_remembered_misses_expire_and_are_bounded(tmp_path):
             lookups.end_step()
             time.sleep(0.002)
         assert probes == [b"old"]
-        assert lookups.remembered_misses() == 1  # the expired entry is gone
+        assert remembered_misses(lookups) == 1  # the expired entry is gone
         lookups.remember_misses(i.to_bytes(4, "big") for i in range(_MAX_REMEMBERED_MISSES + 5))
-        assert lookups.remembered_misses() == _MAX_REMEMBERED_MISSES
+        assert remembered_misses(lookups) == _MAX_REMEMBERED_MISSES
     finally:
         lookups.shutdown()
     doc = next(s.doc for s in SETTINGS if s.key == "failed_load_miss_s")

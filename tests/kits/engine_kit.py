@@ -11,7 +11,7 @@ import hashlib
 import mmap
 import os
 import time
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import pytest
 
@@ -156,7 +156,7 @@ class Gate:
         kinds: tuple[str, ...] = (),
         point: str = "enter",
     ):
-        assert engine.pause is not None, "the engine started without a pause directory"
+        assert engine._pause is not None, "the engine started without a pause directory"
         self.dir = pause_dir
         self.point = point
         self.opened = _FileFlag(os.path.join(pause_dir, "open"))
@@ -315,6 +315,73 @@ def engine_clock(monkeypatch) -> ManualClock:
     every engine of the test (they run in this process in both io modes: a
     worker process only sees a cancelled block)."""
     return ManualClock().install(monkeypatch, scheduler, jobs, accounting, lookup, lookup_checks)
+
+
+class Inside:
+    """What a test reads or drives inside an engine beyond what the tier
+    calls -- the one place tests reach the engine's private parts, so the
+    product's public names stay the tier's."""
+
+    def __init__(self, engine: FsEngine):
+        self._engine = engine
+
+    @property
+    def lookups(self) -> lookup.AsyncExistence:
+        return self._engine._lookups
+
+    @property
+    def executor(self) -> Any:
+        return self._engine._executor
+
+    @property
+    def placement(self) -> Any:
+        return self._engine._placement
+
+    @property
+    def pause(self) -> PausePoints | None:
+        return self._engine._pause
+
+    @property
+    def slice_blocks(self) -> int:
+        return self._engine._slice_blocks
+
+    @property
+    def step_spec(self) -> Any:
+        return self._engine._step_spec
+
+    def recheck_stalled(self) -> bool:
+        return self._engine._recheck_stalled()
+
+    def recheck_volume_failed(self) -> bool:
+        return self._engine._recheck_volume_failed()
+
+    def queued_store_blocks(self) -> int:
+        return self._engine.gauges()["queued_store_blocks"]
+
+    def tracked_keys(self) -> int:
+        return tracked_keys(self.lookups)
+
+    def remembered_misses(self) -> int:
+        return remembered_misses(self.lookups)
+
+
+def inside(engine: FsEngine) -> Inside:
+    return Inside(engine)
+
+
+def tracked_keys(lookups: lookup.AsyncExistence) -> int:
+    """Keys the lookups keep a state for."""
+    return len(lookups._states)
+
+
+def remembered_misses(lookups: lookup.AsyncExistence) -> int:
+    """Keys answered miss without a probe for a while (failed loads)."""
+    return len(lookups._misses)
+
+
+def workers_started(executor: Any) -> int:
+    """Worker processes a ProcessExecutor has started, cumulative."""
+    return int(executor._crew.started)
 
 
 def held_by_executor(engine: FsEngine, n: int) -> None:

@@ -140,10 +140,6 @@ class ProcessExecutor:
     def deaths(self) -> int:
         return self._crew.died
 
-    @property
-    def workers_started(self) -> int:
-        return self._crew.started
-
     # -- the conductor thread ----------------------------------------------------
 
     def _conduct(self) -> None:
