@@ -51,10 +51,15 @@ from llmkv_fs.engine.outcomes import (
 )
 from llmkv_fs.engine.root_presence import at_once, each_key, on_their_roots
 from llmkv_fs.engine.roots import EngineRoot, close_roots, open_roots
-from llmkv_fs.engine.scheduling.accounting import FinishedJob, JobAccountant, ThrottledErrorLog
-from llmkv_fs.engine.scheduling.executor import Executor
-from llmkv_fs.engine.scheduling.jobs import IoJob, QueueFull
-from llmkv_fs.engine.scheduling.scheduler import BlockScheduler
+from llmkv_fs.engine.scheduling.scheduler import (
+    BlockScheduler,
+    Executor,
+    FinishedJob,
+    IoJob,
+    JobAccountant,
+    QueueFull,
+    ThrottledErrorLog,
+)
 from llmkv_fs.engine.startup.io_setup import rows_view
 from llmkv_fs.engine.startup.neighbours import log_other_deployments
 from llmkv_fs.engine.startup.numa import PinningPlan, plan_pinning, read_topology
@@ -145,21 +150,17 @@ class FsEngine:
         # Lost roots by index, as of the last end_step() (lookups read this).
         self._lost_roots: frozenset[int] = frozenset()
         self._slice_blocks = slice_blocks(block_size)
+        accountant = JobAccountant(
+            self._counters, block_size, self._error_log, settings.failed_load_miss_s
+        )
+        self.job_latencies = accountant.job_latencies
         self._scheduler = BlockScheduler(
-            store_queue_blocks(settings, block_size), self._slice_blocks
+            store_queue_blocks(settings, block_size), self._slice_blocks, accountant
         )
         self._started = self._start_io()
         self.io_workers = self._started.io_workers  # worker processes in use (0: I/O threads)
         self._executor: Executor = self._scheduler.executor
         self._lookups = self._start_lookups()
-        self._accountant = JobAccountant(
-            self._counters,
-            block_size,
-            self._error_log,
-            self._lookups.remember_misses,
-            settings.failed_load_miss_s,
-        )
-        self.job_latencies = self._accountant.job_latencies
         log_start(settings, self._started, self.pinning, self._presence(), keyring, self.roots)
         for root in self.roots:  # config.json files and leases only: no block walk
             log_other_deployments(root.layout)
@@ -278,25 +279,21 @@ class FsEngine:
         return len(lost) == len(self.roots)
 
     def take_finished(self) -> list[FinishedJob]:
-        if not self._rejected and not self._scheduler.has_news():
-            return []  # vLLM polls every millisecond: keep the empty case cheap
-        expired = self._scheduler.expire_overdue()
+        # One scheduler call per poll; None (the common case: vLLM polls
+        # every millisecond) when it has nothing to report.
+        report = self._scheduler.report()
+        if report is None:
+            if not self._rejected:
+                return []
+            expired, results = 0, []
+        else:
+            expired, results = report
         if expired:
             self._recheck_stalled()
-            self.counters[Tally.DEADLINE_EXPIRED] += expired
-            self._error_log.report("deadline", f"{expired} block(s) passed job_timeout_s")
-        results, self._rejected = self._rejected, []
-        for job in self._scheduler.take_finished():
-            results.append(self._accountant.account(job))
+        if self._rejected:
+            results, self._rejected = self._rejected + results, []
         self._count_by_root(results)
-        for result in results:
-            if result.is_load:
-                self._lookups.set_verdict(result.failed, False)
-            else:
-                # A file remembered as unloadable that the store wrote over
-                # is a good block now.
-                self._lookups.forget_misses(result.replaced)
-                self._lookups.set_verdict(result.succeeded, True)
+        self._lookups.jobs_finished(results)
         return results
 
     def _count_by_root(self, results: list[FinishedJob]) -> None:

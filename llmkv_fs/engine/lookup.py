@@ -56,6 +56,7 @@ from typing import Any
 
 from llmkv_fs.engine.lookup_checks import BatchChecks, CheckMany, Found
 from llmkv_fs.engine.outcomes import MissReason
+from llmkv_fs.engine.scheduling.scheduler import FinishedJob
 
 __all__ = ["AsyncExistence"]
 
@@ -271,6 +272,23 @@ class AsyncExistence:
         self.set_verdict(keys, False)
         while len(misses) > _MAX_REMEMBERED_MISSES:
             misses.popitem(last=False)
+
+    def jobs_finished(self, results: Iterable[FinishedJob]) -> None:
+        """What finished jobs teach the lookups (owner, once per
+        ``take_finished``): a failed load answers miss; a load that would
+        fail again is remembered as a miss for a while (``remember_misses``);
+        a stored block is there -- and a file remembered as unloadable that
+        a store wrote over is a good block now."""
+        for result in results:
+            if result.is_load:
+                if result.unreadable:
+                    self.remember_misses(result.unreadable)
+                if result.foreign:
+                    self.remember_misses(result.foreign, why=MissReason.FOREIGN_KEY)
+                self.set_verdict(result.failed, False)
+            else:
+                self.forget_misses(result.replaced)
+                self.set_verdict(result.succeeded, True)
 
     def forget_misses(self, keys: Iterable[bytes]) -> None:
         """These keys' files were written over (Outcome.REPLACED): probe

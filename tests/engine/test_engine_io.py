@@ -429,7 +429,7 @@ def test_repeated_block_errors_are_logged_once_per_interval(
 ):  # the interval is the test's clock: three jobs on a loaded machine stay inside it
     engine, _, _primary = engines(disk_root, n_blocks=4)
 
-    def failing_store(key, row_view, still_wanted=None):
+    def failing_store(key, row_view, cancelled=None, pause=None):
         raise OSError(5, "Input/output error")  # not ENOSPC: that trips the space guard
 
     engine.roots[0].blockio.store = failing_store

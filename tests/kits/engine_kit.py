@@ -21,7 +21,7 @@ from llmkv_fs.engine.block.blockio import BlockIO
 from llmkv_fs.engine.block.bytepath import VectoredBytes
 from llmkv_fs.engine.block.options import IoOptions
 from llmkv_fs.engine.block.pause import PausePoints
-from llmkv_fs.engine.scheduling import accounting, jobs, scheduler
+from llmkv_fs.engine.scheduling import scheduler
 from llmkv_fs.layout.paths import CacheLayout, RunIdentity
 from tests.kits.clock_kit import ManualClock
 
@@ -314,7 +314,7 @@ def engine_clock(monkeypatch) -> ManualClock:
     """The clock of job deadlines, job latencies and lookup deadlines, for
     every engine of the test (they run in this process in both io modes: a
     worker process only sees a cancelled block)."""
-    return ManualClock().install(monkeypatch, scheduler, jobs, accounting, lookup, lookup_checks)
+    return ManualClock().install(monkeypatch, scheduler, lookup, lookup_checks)
 
 
 class Inside:

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from llmkv_fs.engine import Direction, Failure, Outcome, lookup, lookup_checks
-from llmkv_fs.engine.scheduling import accounting, jobs, scheduler
+from llmkv_fs.engine.scheduling import scheduler
 from tests.kits.clock_kit import JUST_BEFORE_S, ManualClock
 from tests.kits.engine_kit import Gate, held_by_executor, inside
 from tests.kits.matrix_kit import (
@@ -89,7 +89,7 @@ def test_stalled_brick_never_blocks_the_scheduler(gluster, replicas, monkeypatch
         pytest.skip("brick multiplexing is on: SIGSTOP would stall other volumes")
     # The engine's job and lookup deadlines run on this clock: they pass
     # when the test moves it, however long the steps before took.
-    clock = ManualClock().install(monkeypatch, scheduler, jobs, accounting, lookup, lookup_checks)
+    clock = ManualClock().install(monkeypatch, scheduler, lookup, lookup_checks)
     root_a, root_b = gluster_dirs(gluster, "stall")
     writer = Replica(offloading_config(tiers=[ours(root_a)]))
     replicas.append(writer)

@@ -42,11 +42,11 @@ import os
 import socket
 import stat
 import threading
-from collections.abc import Callable
 
 from llmkv_fs.engine.block.bytepath import BytePath
 from llmkv_fs.engine.block.contents import BlockContents
 from llmkv_fs.engine.block.options import O_DIRECT, IoOptions
+from llmkv_fs.engine.block.pause import PausePoints
 from llmkv_fs.engine.block.presence import BlockPresence
 from llmkv_fs.engine.block.stamps import AccessStamps
 from llmkv_fs.engine.block.tempfiles import DirectoryGone, TempFiles
@@ -61,7 +61,11 @@ from llmkv_fs.volume.files import SHARED_FS_ATTEMPTS, missing_or_stale
 from llmkv_fs.volume.nofollow import MountInTree
 from llmkv_fs.volume.quarantine import file_ident, quarantine_at
 
-__all__ = ["BlockIO"]
+__all__ = ["BlockIO", "Cancel"]
+
+# A job's cancel byte: nonzero once its deadline failed the job (the
+# scheduler's ``IoJob.cancelled``, or a worker's byte of the cancel board).
+Cancel = bytearray | memoryview
 
 _PAGE = mmap.PAGESIZE
 # A file a store finds is opened to read its trailer page: never through a
@@ -152,7 +156,11 @@ class BlockIO:
     # -- store -----------------------------------------------------------------
 
     def store(
-        self, key: bytes, row: memoryview, still_wanted: Callable[[], bool] | None = None
+        self,
+        key: bytes,
+        row: memoryview,
+        cancelled: Cancel | None = None,
+        pause: PausePoints | None = None,
     ) -> Outcome:
         """Publish ``row`` as the block file of ``key``: temp file named after
         this writer, optional fsync, rename -- all relative to the block's
@@ -162,16 +170,18 @@ class BlockIO:
         PRESENT when a block file this replica would load is there already;
         REPLACED when it wrote over a file it would not (``_found``).
 
-        ``still_wanted`` is asked right before the rename: a job that passed
-        its deadline meanwhile was already reported failed, and vLLM may have
-        reused ``row``, so what was written must not be published (Abandoned).
+        ``cancelled`` (the job's cancel byte) is read right before the
+        rename: a job that passed its deadline meanwhile was already reported
+        failed, and vLLM may have reused ``row``, so what was written must
+        not be published (Abandoned). ``pause``: the "publish" pause point,
+        reached right before that read (tests).
         """
         rel_dir, name = self._place(key)
         attempts = SHARED_FS_ATTEMPTS
         after_race = False
         while True:
             try:
-                return self._store_in(rel_dir, name, key, row, still_wanted, after_race)
+                return self._store_in(rel_dir, name, key, row, cancelled, pause, after_race)
             except DirectoryGone:
                 # gc removed the directory between our walk and the create
                 # (nothing written yet): walk, and make it, again, opening
@@ -188,7 +198,8 @@ class BlockIO:
         name: str,
         key: bytes,
         row: memoryview,
-        still_wanted: Callable[[], bool] | None,
+        cancelled: Cancel | None,
+        pause: PausePoints | None,
         after_race: bool,
     ) -> Outcome:
         opts = self.options
@@ -211,7 +222,9 @@ class BlockIO:
                     self._contents.write(fd, key, row, trailer)
                 finally:
                     os.close(fd)
-                if still_wanted is not None and not still_wanted():
+                if pause is not None:  # tests: a store written, not published yet
+                    pause.reached("publish", "store", key)
+                if cancelled is not None and cancelled[0]:
                     raise Abandoned(self.layout.block_path(key))
                 try:
                     os.rename(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)

@@ -3,7 +3,8 @@ moves, and its result. An I/O thread of the engine and an I/O worker process
 call the same ``BlockStep.run``, so the two modes cannot drift apart (they
 did: a worker stored to a volume the engine had declared failed).
 
-The checks, in order: the job still wants the block (its deadline); the
+The checks, in order: the job still wants the block (its cancel byte,
+set once the deadline failed the job); the
 chunk index lies inside the primary buffer (a memoryview slice would clamp
 silently and copy the wrong bytes); root_dir is still the directory the tier
 started on (shared ``VolumeSignals``, one page per root); for a store, the
@@ -24,10 +25,10 @@ holds no mutable state of its own (BlockIO keeps per-thread scratch).
 from __future__ import annotations
 
 import errno
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import NamedTuple, TypeVar
 
-from llmkv_fs.engine.block.blockio import BlockIO
+from llmkv_fs.engine.block.blockio import BlockIO, Cancel
 from llmkv_fs.engine.block.pause import PausePoints
 from llmkv_fs.engine.outcomes import (
     DEADLINE,
@@ -90,15 +91,15 @@ class BlockStep:
         self.num_chunks = rows.nbytes // self.block_size
         self._rows = rows
         self._placement = placement
+        self._one_root = len(self.roots) == 1  # every key's only choice: no placement
         self._pause = pause
 
-    def run(
-        self, is_load: bool, key: bytes, chunk: int, still_wanted: Callable[[], bool]
-    ) -> BlockResult:
-        """Move one block; its result (an Outcome, or a Failed naming why)."""
+    def run(self, is_load: bool, key: bytes, chunk: int, cancelled: Cancel) -> BlockResult:
+        """Move one block; its result (an Outcome, or a Failed naming why).
+        ``cancelled``: the job's cancel byte (nonzero: not wanted any more)."""
         if self._pause is not None:  # tests: before every check, so a held block re-checks
             self._pause.reached("enter", "load" if is_load else "store", key)
-        if not still_wanted():
+        if cancelled[0]:
             return DEADLINE
         if not 0 <= chunk < self.num_chunks:
             message = f"chunk {chunk} outside the primary buffer (0..{self.num_chunks - 1})"
@@ -108,7 +109,7 @@ class BlockStep:
         try:
             if is_load:
                 return self._load(key, row)
-            return self._store(key, row, still_wanted)
+            return self._store(key, row, cancelled)
         except Exception as exc:  # recorded per block; never ends a thread or worker
             return failed(without_tracebacks(exc))
         finally:
@@ -122,15 +123,15 @@ class BlockStep:
         is_load: bool,
         keys: Sequence[bytes],
         chunks: Sequence[int],
-        still_wanted: Callable[[], bool],
+        cancelled: Cancel,
     ) -> list[BlockResult]:
         """``run`` for consecutive blocks of one job, in order. After a load
         fails the rest are SKIPPED without I/O: vLLM can use only the blocks
-        before the first failure (the scheduler stops the job's other blocks
-        the same way). Never raises."""
+        before the first failure (the load prefix rule: scheduling/scheduler.py).
+        Never raises."""
         results: list[BlockResult] = []
         for key, chunk in zip(keys, chunks):
-            result = self.run(is_load, key, chunk, still_wanted)
+            result = self.run(is_load, key, chunk, cancelled)
             results.append(result)
             if is_load and not isinstance(result, Outcome):
                 results += [SKIPPED] * (len(keys) - len(results))
@@ -141,7 +142,7 @@ class BlockStep:
         """From the block's home root, else its second choice (where it was
         written before the home root was added); a lost root is skipped."""
         first_error: BlockNotMoved | None = None
-        for index in self._placement.choices(key):
+        for index in (0,) if self._one_root else self._placement.choices(key):
             blockio, signals = self.roots[index]
             if signals.root_lost:
                 first_error = first_error or VolumeFailed(blockio.layout.root_dir)
@@ -159,29 +160,17 @@ class BlockStep:
         assert first_error is not None
         raise first_error
 
-    def _store(self, key: bytes, row: memoryview, still_wanted: Callable[[], bool]) -> BlockResult:
-        blockio, signals = self.roots[self._placement.home(key)]
+    def _store(self, key: bytes, row: memoryview, cancelled: Cancel) -> BlockResult:
+        blockio, signals = self.roots[0 if self._one_root else self._placement.home(key)]
         if signals.root_lost:
             raise VolumeFailed(blockio.layout.root_dir)
         if signals.stores_refused:
             raise StoreRefused(signals.refusal)
-        if self._pause is not None:
-            still_wanted = self._pausing_before_publish(self._pause, key, still_wanted)
         try:
-            return blockio.store(key, row, still_wanted)
+            return blockio.store(key, row, cancelled, self._pause)
         except RootGone as exc:
             raise VolumeFailed(blockio.layout.root_dir) from exc
         except OSError as exc:
             if exc.errno in _SPACE_ERRNOS:
                 trip_on_enospc(signals, blockio.layout.root_dir)
             raise
-
-    @staticmethod
-    def _pausing_before_publish(
-        pause: PausePoints, key: bytes, still_wanted: Callable[[], bool]
-    ) -> Callable[[], bool]:
-        def publish_point() -> bool:  # BlockIO.store asks this right before its rename
-            pause.reached("publish", "store", key)
-            return still_wanted()
-
-        return publish_point

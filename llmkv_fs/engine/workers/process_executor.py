@@ -51,8 +51,7 @@ import time
 from collections.abc import Sequence
 
 from llmkv_fs.engine.outcomes import BlockResult, Failed, Failure
-from llmkv_fs.engine.scheduling.executor import BlockSource
-from llmkv_fs.engine.scheduling.jobs import BlockSlice, IoJob
+from llmkv_fs.engine.scheduling.scheduler import BlockSlice, BlockSource, IoJob
 from llmkv_fs.engine.workers import crew as crew_module
 from llmkv_fs.engine.workers.crew import DEPTH, START_TIMEOUT_S, Crew, WorkerHandle, WorkerSpec
 from llmkv_fs.engine.workers.records import HELLO, OP_LOAD, OP_STORE, job_record, take_results
@@ -72,7 +71,7 @@ _ONE = ctypes.byref(ctypes.c_uint64(1))
 
 
 class ProcessExecutor:
-    """Implements scheduling.executor.Executor with worker processes.
+    """Implements scheduling.scheduler.Executor with worker processes.
     ``start`` blocks until every worker mapped the region and said hello; it
     raises OSError/RuntimeError if they cannot (the engine then uses threads)."""
 

@@ -9,14 +9,13 @@ from __future__ import annotations
 import pytest
 
 from llmkv_fs.engine.outcomes import CANCELLED, DEADLINE, SKIPPED, Failed, Failure, Outcome
-from llmkv_fs.engine.scheduling.jobs import BlockSlice, IoJob, QueueFull
-from llmkv_fs.engine.scheduling.scheduler import BlockScheduler
+from llmkv_fs.engine.scheduling.scheduler import BlockScheduler, BlockSlice, IoJob, QueueFull
 
 MISSING = Failed(Failure.MISSING)
 
 
 class FakeExecutor:
-    """Implements the executor protocol (scheduling/executor.py) and moves
+    """Implements the executor protocol (scheduling/scheduler.py) and moves
     nothing: it records what the scheduler told it."""
 
     def __init__(self, places: int):
@@ -142,7 +141,7 @@ def test_an_overdue_store_is_reported_at_once_and_its_blocks_out_become_stuck():
     assert out is not None and out.n_blocks == 1
     assert sched.expire_overdue(now=store.submitted + 1.0) == 0
     assert sched.expire_overdue(now=store.submitted + 6.0) == 3
-    assert executor.expired == [store] and not store.still_wanted()
+    assert executor.expired == [store] and store.cancelled[0]
     assert sched.take_finished() == [store] and store.outcomes == [DEADLINE] * 3
     assert sched.stuck_blocks() == 1  # the volume has not answered that block
     done(sched, out)  # answered at last: not stuck, not reported twice

@@ -8,8 +8,7 @@ from __future__ import annotations
 import threading
 
 from llmkv_fs.engine.outcomes import Outcome
-from llmkv_fs.engine.scheduling.jobs import IoJob
-from llmkv_fs.engine.scheduling.scheduler import BlockScheduler
+from llmkv_fs.engine.scheduling.scheduler import BlockScheduler, IoJob
 from llmkv_fs.engine.threads.thread_executor import ThreadExecutor
 
 BOUND_S = 60.0  # bounds a hang only
@@ -26,7 +25,7 @@ class RecordingStep:
         if not hold:
             self.release.set()
 
-    def run_slice(self, is_load, keys, chunks, still_wanted):
+    def run_slice(self, is_load, keys, chunks, cancelled):
         self.runs.append((is_load, tuple(keys)))
         self.inside.set()
         assert self.release.wait(BOUND_S)
