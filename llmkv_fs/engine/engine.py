@@ -129,6 +129,9 @@ class FsEngine:
             settings, layouts, self._flat, block_size, byte_path, keyring
         )
         self._placement = RootPlacement([root.root_dir for root in self.roots])
+        # What the owner reads of each root per job (lost? stores refused?):
+        # the page its housekeeping writes, read directly.
+        self._signals = tuple(root.signals for root in self.roots)
         # What every block step is built from, in threads and workers alike.
         self._step_spec = StepSpec(
             tuple(r.spec for r in self.roots), self._placement, byte_path, keyring
@@ -233,7 +236,7 @@ class FsEngine:
             return self._refuse(job_id, Direction.STORE, keys, Failure.VOLUME_FAILED)
         if self._recheck_stalled():
             return self._refuse(job_id, Direction.STORE, keys, Failure.STALLED)
-        if not any(root.guard.allows_store() for root in self.roots):
+        if all(signals.stores_refused for signals in self._signals):
             # Each root's guard also refuses its own blocks in the step.
             return self._refuse(job_id, Direction.STORE, keys, Failure.SPACE)
         try:
@@ -265,7 +268,7 @@ class FsEngine:
         still has a block inside a syscall, or no lookup check answered for
         the lookup timeout), remember the verdict for lookups and return it.
         Clears by itself when the calls return."""
-        self._stalled = self._scheduler.stuck_blocks() > 0 or self._lookups.stuck()
+        self._stalled = self._scheduler.stuck_blocks > 0 or self._lookups.stuck()
         return self._stalled
 
     def _recheck_volume_failed(self) -> bool:
@@ -274,7 +277,7 @@ class FsEngine:
         lookups and return whether every root is: none is the directory the
         engine started on. With several roots, the blocks of a lost root fail one
         by one in the step, and lookups of its keys answer miss."""
-        lost = [index for index, root in enumerate(self.roots) if root.lost]
+        lost = [index for index, signals in enumerate(self._signals) if signals.root_lost]
         self._lost_roots = frozenset(lost)
         return len(lost) == len(self.roots)
 
@@ -388,7 +391,7 @@ class FsEngine:
             "io_places": scheduler.places,
             "held_blocks": scheduler.blocks_in_flight(),
             "io_workers": len(self._executor.worker_pids()),
-            "stuck_blocks": scheduler.stuck_blocks(),
+            "stuck_blocks": scheduler.stuck_blocks,
         }
 
     def root_gauges(self) -> dict[str, dict[str, float]]:

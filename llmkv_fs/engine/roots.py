@@ -4,7 +4,7 @@
 thread (root check, free space, lease, access stamps). A tier with one root
 has one of each, exactly as before roots could be several; with several
 (``path_sharding: by_block_hash``) one root lost or full costs only the
-blocks placed on it (block/step.py, ``RootPlacement``).
+blocks placed on it (block/blockio.py, ``RootPlacement``).
 
 Threading: built on the constructing thread before any I/O thread or worker
 exists; afterwards immutable apart from what each part documents (the

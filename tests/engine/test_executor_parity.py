@@ -1,5 +1,5 @@
 """Behaviour that once differed between I/O threads and worker processes,
-now one code path (the scheduler and block/step.py), checked in both modes
+now one code path (the scheduler and block/blockio.py), checked in both modes
 (the io_mode fixture). No vLLM; real files, real processes, real tmpfs."""
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ The load prefix rule: vLLM can use only the blocks of a load job before the
 first one that failed, in key order (its built-in stops reading there). So
 when a load block fails, the job's blocks not handed out yet are not read:
 they finish at once as SKIPPED (``slice_done``; a slice's own later blocks
-are not read either, block/step.py). Blocks already out run to the end; the
+are not read either, block/blockio.py). Blocks already out run to the end; the
 accounting keeps, in key order, only the successes before the first failure
 (``loaded_prefix``).
 
@@ -277,7 +277,9 @@ class BlockScheduler:
         self._jobs_out = 0
         self._in_flight = 0  # blocks handed out, not back yet
         self._slices_out = 0  # slices handed out: one per busy place
-        self._stuck = 0  # of those, blocks of expired jobs
+        # Of those, blocks of expired jobs (owner reads it): nonzero means the
+        # volume is not answering.
+        self.stuck_blocks = 0
         self._finished: collections.deque[IoJob] = collections.deque()
         # Jobs with a deadline in submission order (hence deadline order:
         # one timeout for all), until reported.
@@ -341,11 +343,6 @@ class BlockScheduler:
         I/O thread is one place, a worker process DEPTH."""
         return self._places
 
-    def stuck_blocks(self) -> int:
-        """Blocks still out although their job's deadline passed: nonzero
-        means the volume is not answering."""
-        return self._stuck
-
     def busy(self) -> bool:
         return self._jobs_in > self._jobs_out or bool(self._finished)
 
@@ -403,7 +400,7 @@ class BlockScheduler:
             job.expired = True
             job.cancelled[0] = 1
             out = job.running
-            self._stuck += out
+            self.stuck_blocks += out
             if job.is_load:  # reported when its blocks out are back
                 self._fail(job, queued, DEADLINE)
             else:  # reported now: its blocks still out won't publish
@@ -476,7 +473,7 @@ class BlockScheduler:
             self._in_flight -= taken.n_blocks
             self._slices_out -= 1
             if job.expired:
-                self._stuck -= taken.n_blocks
+                self.stuck_blocks -= taken.n_blocks
             if job.reported:
                 return  # a store failed by its deadline without these blocks
             # A read that did complete after the deadline is as good as ever.

@@ -1,6 +1,6 @@
 """The I/O-thread executor: threads of the engine's own process take blocks
 from the scheduler and run each through the one per-block function
-(block/step.py).
+(block/blockio.py).
 
 Read-priority threads ask for loads first, write-priority threads for stores
 first (scheduling/scheduler.py decides what that means). While blocks are
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import threading
 
-from llmkv_fs.engine.block.step import BlockStep
+from llmkv_fs.engine.block.blockio import BlockStep
 from llmkv_fs.engine.scheduling.scheduler import BlockSlice, BlockSource, IoJob
 from llmkv_fs.engine.startup.numa import pin_current_thread
 

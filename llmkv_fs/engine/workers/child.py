@@ -51,9 +51,8 @@ import signal
 import sys
 import time
 
-from llmkv_fs.engine.block.blockio import BlockIO
+from llmkv_fs.engine.block.blockio import BlockIO, BlockStep
 from llmkv_fs.engine.block.spec import build_step
-from llmkv_fs.engine.block.step import BlockStep
 from llmkv_fs.engine.upkeep.signals import VolumeSignals
 from llmkv_fs.engine.workers.crew import WorkerLaunch
 from llmkv_fs.engine.workers.prefault import RowPrefault

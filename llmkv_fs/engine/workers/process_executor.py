@@ -1,7 +1,7 @@
 """The worker-process executor: blocks run in I/O worker processes
 (workers/child.py) that map the primary region themselves, so the per-block
 Python does not share vLLM's GIL. What a block passes through in a worker
-is the same BlockStep an I/O thread runs (block/step.py).
+is the same BlockStep an I/O thread runs (block/blockio.py).
 
 Roles
 -----

@@ -143,9 +143,9 @@ def test_an_overdue_store_is_reported_at_once_and_its_blocks_out_become_stuck():
     assert sched.expire_overdue(now=store.submitted + 6.0) == 3
     assert executor.expired == [store] and store.cancelled[0]
     assert sched.take_finished() == [store] and store.outcomes == [DEADLINE] * 3
-    assert sched.stuck_blocks() == 1  # the volume has not answered that block
+    assert sched.stuck_blocks == 1  # the volume has not answered that block
     done(sched, out)  # answered at last: not stuck, not reported twice
-    assert sched.stuck_blocks() == 0 and sched.take_finished() == []
+    assert sched.stuck_blocks == 0 and sched.take_finished() == []
 
 
 def test_an_overdue_load_is_reported_only_when_its_blocks_out_are_back():

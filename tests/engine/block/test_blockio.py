@@ -1,4 +1,4 @@
-"""The per-block step (engine/block/step.py) on its own, with stand-in
+"""The per-block step (engine/block/blockio.py) on its own, with stand-in
 ``BlockIO``s and real ``VolumeSignals`` pages: every check a block passes
 before and while it moves, and that a step never raises. The same step runs
 in I/O threads and worker processes (tests/engine/test_executor_parity.py
@@ -10,7 +10,7 @@ import errno
 
 import pytest
 
-from llmkv_fs.engine.block.step import BlockStep, StepRoot
+from llmkv_fs.engine.block.blockio import BlockStep, StepRoot
 from llmkv_fs.engine.outcomes import DEADLINE, SKIPPED, BlockMissing, Failure, Outcome
 from llmkv_fs.engine.upkeep.signals import VolumeSignals
 from llmkv_fs.layout.placement import RootPlacement
