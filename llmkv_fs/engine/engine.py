@@ -22,7 +22,6 @@ back to the scheduler; counters are updated by the owner in
 from __future__ import annotations
 
 import collections
-import functools
 import logging
 import time
 from collections.abc import Sequence
@@ -40,7 +39,6 @@ from llmkv_fs.engine.launch import (
     start_executor,
 )
 from llmkv_fs.engine.lookup import AsyncExistence
-from llmkv_fs.engine.lookup_checks import Found
 from llmkv_fs.engine.outcomes import (
     CounterKey,
     Direction,
@@ -49,8 +47,7 @@ from llmkv_fs.engine.outcomes import (
     MissReason,
     Tally,
 )
-from llmkv_fs.engine.root_presence import at_once, each_key, on_their_roots
-from llmkv_fs.engine.roots import EngineRoot, close_roots, open_roots
+from llmkv_fs.engine.roots import EngineRoot, RootsPresence, close_roots, open_roots
 from llmkv_fs.engine.scheduling.scheduler import (
     BlockScheduler,
     Executor,
@@ -129,8 +126,7 @@ class FsEngine:
             settings, layouts, self._flat, block_size, byte_path, keyring
         )
         self._placement = RootPlacement([root.root_dir for root in self.roots])
-        # What the owner reads of each root per job (lost? stores refused?):
-        # the page its housekeeping writes, read directly.
+        # Each root's page its housekeeping writes (lost? stores refused?).
         self._signals = tuple(root.signals for root in self.roots)
         # What every block step is built from, in threads and workers alike.
         self._step_spec = StepSpec(
@@ -164,7 +160,9 @@ class FsEngine:
         self.io_workers = self._started.io_workers  # worker processes in use (0: I/O threads)
         self._executor: Executor = self._scheduler.executor
         self._lookups = self._start_lookups()
-        log_start(settings, self._started, self.pinning, self._presence(), keyring, self.roots)
+        log_start(
+            settings, self._started, self.pinning, self._presence_check(), keyring, self.roots
+        )
         for root in self.roots:  # config.json files and leases only: no block walk
             log_other_deployments(root.layout)
 
@@ -186,45 +184,23 @@ class FsEngine:
         return started
 
     def _start_lookups(self) -> AsyncExistence:
+        """The lookups, given what they check keys against: the roots (they
+        never call back into the engine)."""
         settings = self._settings
+        self._presence = RootsPresence(self.roots, self._placement, self._pause)
         return AsyncExistence(
-            self._exists_on_its_roots,
+            self._presence,
             settings.lookup_threads,
             timeout=min(settings.job_timeout_s, _LOOKUP_TIMEOUT_CAP_S),
             miss_for_s=settings.failed_load_miss_s,
-            exist_many=self._exist_on_their_roots if self._checks_in_batches() else None,
         )
 
-    def _exists_on_its_roots(self, key: bytes) -> Found:
-        """A lookup thread's check: the key's home root, then (several
-        roots) its second choice (see ``RootPlacement``); a lost root is
-        not touched (root_presence.py: a key it may hold answers None)."""
-        if self._pause is not None:  # a check held as in a stalled mount
-            self._pause.reached("exists", "lookup", key)
-        return on_their_roots(self.roots, self._placement, [key], each_key)[0]
-
-    def _exist_on_their_roots(self, keys: list[bytes], budget_s: float) -> list[Found]:
-        """A lookup thread's check of a chunk of keys at once (the compiled
-        presence check; same roots and rules as ``_exists_on_its_roots``),
-        of the first keys only if ``budget_s`` is spent first. Pause points
-        stop at each key before the chunk's one call."""
-        if self._pause is not None:  # a check held as in a stalled mount
-            for key in keys:
-                self._pause.reached("exists", "lookup", key)
-        return on_their_roots(
-            self.roots, self._placement, keys, functools.partial(at_once, budget_s=budget_s)
-        )
-
-    def _presence(self) -> str:
+    def _presence_check(self) -> str:
         """Which presence check the lookups run, for the start-up line."""
         presence = presence_path()
-        if presence == COMPILED_PRESENCE and not self._checks_in_batches():
+        if presence == COMPILED_PRESENCE and not self._presence.batched:
             presence = "python (a root without openat2)"
         return presence
-
-    def _checks_in_batches(self) -> bool:
-        """Lookups check chunks in one compiled call: every root can."""
-        return all(r.blockio.checks_in_batches for r in self.roots)
 
     # -- owner side --------------------------------------------------------------------
 

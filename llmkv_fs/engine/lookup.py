@@ -51,10 +51,10 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
-from llmkv_fs.engine.lookup_checks import BatchChecks, CheckMany, Found
+from llmkv_fs.engine.lookup_checks import Answers, BatchChecks, Found, Presence
 from llmkv_fs.engine.outcomes import MissReason
 from llmkv_fs.engine.scheduling.scheduler import FinishedJob
 
@@ -110,16 +110,18 @@ def _settle(state: _State, found: Found, unknown: MissReason) -> None:
 
 
 class AsyncExistence:
+    """The lookups of one engine (the module doc), checking keys against
+    ``presence`` (the engine's roots: ``RootsPresence``) on a lookup thread
+    and up to ``n_threads - 1`` helpers."""
+
     def __init__(
         self,
-        exists: Callable[[bytes], Found],
+        presence: Presence,
         n_threads: int,
         name: str = "llmkv_fs",
         timeout: float = 5.0,
         miss_for_s: float = 60.0,
-        exist_many: CheckMany | None = None,
     ):
-        self._exists = exists
         self._timeout = timeout
         self._miss_for_s = miss_for_s
         # key -> (monotonic time its remembered miss ends, why); insertion
@@ -138,10 +140,8 @@ class AsyncExistence:
         self._to_worker: queue.SimpleQueue[tuple[int, list[tuple[bytes, int]]] | None] = (
             queue.SimpleQueue()
         )
-        self._answers: queue.SimpleQueue[tuple[int, list[tuple[bytes, int, Found]], bool]] = (
-            queue.SimpleQueue()
-        )
-        self._checks = BatchChecks(self._check, n_threads - 1, self._post, name, exist_many)
+        self._answers: Answers = queue.SimpleQueue()
+        self._checks = BatchChecks(presence, n_threads - 1, self._answers, name)
         self._thread = threading.Thread(target=self._worker, name=f"{name}_lookup", daemon=True)
         self._thread.start()
 
@@ -399,18 +399,6 @@ class AsyncExistence:
                 _settle(state, found, MissReason.CHECK_FAILED)
 
     # -- lookup thread ---------------------------------------------------------------
-
-    def _check(self, key: bytes) -> Found:
-        try:
-            return self._exists(key)
-        except OSError as exc:
-            # An unreachable volume is a miss, not a crash and not a stall,
-            # and not a finding that the file is gone.
-            logger.warning("llmkv_fs: existence check failed (%s); treating as a miss", exc)
-            return None
-
-    def _post(self, batch_id: int, answers: list[tuple[bytes, int, Found]], final: bool) -> None:
-        self._answers.put((batch_id, answers, final))
 
     def _worker(self) -> None:
         while True:

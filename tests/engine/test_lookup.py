@@ -35,6 +35,7 @@ from llmkv_fs.layout.blockfile import Corruption
 from tests.kits.clock_kit import ManualClock
 from tests.kits.engine_kit import (
     DEADLINE_S,
+    Checks,
     inside,
     make_key,
     remembered_misses,
@@ -113,7 +114,7 @@ def test_remembered_misses_expire_and_are_bounded(tmp_path):
         probes.append(key)
         return True
 
-    lookups = AsyncExistence(exists, 1, miss_for_s=60.0)
+    lookups = AsyncExistence(Checks(exists), 1, miss_for_s=60.0)
     try:
         lookups.remember_misses([b"old"], now=time.monotonic() - 61)
         lookups.remember_misses([b"new"])
@@ -187,7 +188,7 @@ def test_a_guessed_miss_is_not_handed_to_a_new_request():
             raise OSError(errno.EIO, "Input/output error")
         return key in there
 
-    lookups = AsyncExistence(exists, 1)
+    lookups = AsyncExistence(Checks(exists), 1)
     try:
         failing.add(b"eio")
         assert step_until_known(lookups, [b"eio", b"gone"], "open") == [False, False]
@@ -221,7 +222,7 @@ def test_checks_go_parallel_once_the_volume_makes_them_wait(monkeypatch):
         checked.append(i)
         return i % 3 != 2
 
-    lookups = AsyncExistence(exists, 8, timeout=60.0, name="slowvol")
+    lookups = AsyncExistence(Checks(exists), 8, timeout=60.0, name="slowvol")
     try:
         keys = [number(i) for i in range(600)]
         verdicts = step_until_known(lookups, keys)
@@ -252,7 +253,7 @@ def test_a_chunk_checked_at_once_is_timed_whole_and_a_failure_checked_key_by_key
         time.sleep(0)
         return [int.from_bytes(k, "big") % 3 != 2 for k in keys]
 
-    lookups = AsyncExistence(exists, 8, timeout=60.0, name="chunkvol", exist_many=exist_many)
+    lookups = AsyncExistence(Checks(exists, exist_many), 8, timeout=60.0, name="chunkvol")
     try:
         verdicts = step_until_known(lookups, [number(i) for i in range(600)])
         helpers = [t for t in threading.enumerate() if t.name.startswith("chunkvol_stat")]
@@ -273,7 +274,7 @@ def test_checks_on_a_volume_answering_in_cpu_time_stay_on_one_thread(monkeypatch
         clock.spend(2e-6)
         return True
 
-    lookups = AsyncExistence(exists, 8, name="fastvol")
+    lookups = AsyncExistence(Checks(exists), 8, name="fastvol")
     try:
         assert step_until_known(lookups, [number(i) for i in range(400)]) == [True] * 400
         assert not [t for t in threading.enumerate() if t.name.startswith("fastvol_stat")]
@@ -309,9 +310,8 @@ def _checked_in_chunks(monkeypatch, name: str, cost_s: Callable[[int], float]):
     clock = ThreadClock()
     monkeypatch.setattr(lookup_checks, "time", clock)
     calls: list[tuple[int, float]] = []
-    lookups = AsyncExistence(
-        lambda key: True, 2, timeout=60.0, name=name, exist_many=_budgeted(clock, cost_s, calls)
-    )
+    checks = Checks(lambda key: True, _budgeted(clock, cost_s, calls))
+    lookups = AsyncExistence(checks, 2, timeout=60.0, name=name)
     try:
         verdicts = step_until_known(lookups, [number(i) for i in range(8192)])
         helpers = [t for t in threading.enumerate() if t.name.startswith(f"{name}_stat")]
@@ -363,7 +363,7 @@ def test_a_volume_that_answers_slowly_is_not_stalled(monkeypatch):
             assert go_on.wait(DEADLINE_S)
         return True
 
-    lookups = AsyncExistence(exists, 1, timeout=5.0)
+    lookups = AsyncExistence(Checks(exists), 1, timeout=5.0)
     try:
         keys = [number(i) for i in range(64)]
         assert lookups.lookup(keys[0], "r") is None
@@ -399,7 +399,7 @@ def test_answers_come_for_the_whole_batch_or_up_to_a_miss(miss_at):
             assert go_on.wait(DEADLINE_S)
         return key != missing
 
-    lookups = AsyncExistence(exists, 1)
+    lookups = AsyncExistence(Checks(exists), 1)
     keys = [number(i) for i in range(100)]
     try:
         assert all(lookups.lookup(k, "r") is None for k in keys)
@@ -501,7 +501,7 @@ def test_each_miss_says_why():
             release.wait(DEADLINE_S)
         return key == b"there"
 
-    lookups = AsyncExistence(exists, 1, timeout=5.0)
+    lookups = AsyncExistence(Checks(exists), 1, timeout=5.0)
     why = lookups.miss_reason
     try:
         for key in (b"gone", b"eio", b"there"):

@@ -11,6 +11,7 @@ import hashlib
 import mmap
 import os
 import time
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import pytest
@@ -115,6 +116,25 @@ def replace_checks(monkeypatch, check) -> None:
         return [check(self, key) for key in keys]
 
     monkeypatch.setattr(BlockIO, "exists_many", many)
+
+
+class Checks:
+    """What ``AsyncExistence`` checks keys with, for a test that drives the
+    lookups on their own (engine/lookup_checks.py, ``Presence``): ``exists``
+    per key and, when given, ``exist_many`` a chunk at once."""
+
+    def __init__(
+        self,
+        exists: Callable[[bytes], bool | None],
+        exist_many: Callable[[list[bytes], float], list[bool | None]] | None = None,
+    ):
+        self.one = exists
+        self.batched = exist_many is not None
+        self._many = exist_many
+
+    def many(self, keys: list[bytes], budget_s: float) -> list[bool | None]:
+        assert self._many is not None
+        return self._many(keys, budget_s)
 
 
 class PauseMark(NamedTuple):
