@@ -52,7 +52,6 @@ from llmkv_fs.engine.scheduling.scheduler import (
     BlockScheduler,
     Executor,
     FinishedJob,
-    IoJob,
     JobAccountant,
     QueueFull,
     ThrottledErrorLog,
@@ -216,7 +215,7 @@ class FsEngine:
             # Each root's guard also refuses its own blocks in the step.
             return self._refuse(job_id, Direction.STORE, keys, Failure.SPACE)
         try:
-            self._scheduler.submit(IoJob(job_id, False, keys, chunks, self._settings.job_timeout_s))
+            self._scheduler.submit(job_id, False, keys, chunks, self._settings.job_timeout_s)
             return True
         except QueueFull:
             return self._refuse(job_id, Direction.STORE, keys, Failure.QUEUE_FULL)
@@ -228,7 +227,7 @@ class FsEngine:
             return self._refuse(job_id, Direction.LOAD, keys, Failure.VOLUME_FAILED)
         if self._recheck_stalled():
             return self._refuse(job_id, Direction.LOAD, keys, Failure.STALLED)
-        self._scheduler.submit(IoJob(job_id, True, keys, chunks, self._settings.job_timeout_s))
+        self._scheduler.submit(job_id, True, keys, chunks, self._settings.job_timeout_s)
         return True
 
     def _refuse(

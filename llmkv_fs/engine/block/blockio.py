@@ -634,9 +634,10 @@ class BlockStep:
 
     def _store(self, key: bytes, row: memoryview, cancelled: Cancel) -> BlockResult:
         blockio, signals = self.roots[0 if self._one_root else self._placement.home(key)]
-        if signals.root_lost:
+        lost, refused = signals.store_flags()
+        if lost:
             raise VolumeFailed(blockio.layout.root_dir)
-        if signals.stores_refused:
+        if refused:
             raise StoreRefused(signals.refusal)
         try:
             return blockio.store(key, row, cancelled, self._pause)

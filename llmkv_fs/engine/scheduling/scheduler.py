@@ -299,17 +299,27 @@ class BlockScheduler:
 
     # -- owner side ------------------------------------------------------------
 
-    def submit(self, job: IoJob) -> None:
-        """Queue every block of ``job``. Raises QueueFull (nothing queued)
-        for a store job that does not fit, and RuntimeError after shutdown."""
-        n = len(job.keys)
+    def submit(
+        self,
+        job_id: int,
+        is_load: bool,
+        keys: Sequence[bytes],
+        chunks: Sequence[int],
+        timeout: float | None = None,
+    ) -> IoJob:
+        """Queue every block of a new job (``IoJob``, returned) whose
+        deadline is ``timeout`` seconds from now. Raises QueueFull (nothing
+        queued) for a store job that does not fit, and RuntimeError after
+        shutdown."""
+        job = IoJob(job_id, is_load, keys, chunks, timeout)
+        n = len(keys)
         if self._stopping:
             raise RuntimeError("llmkv_fs I/O scheduler is shut down")
         if not n:  # nothing to move: done now, or it would never finish
             job.reported = True
             self._finished.append(job)
-            return
-        if not job.is_load:
+            return job
+        if not is_load:
             queued = self.queued_store_blocks()
             # A store job bigger than the bound alone still gets an empty
             # queue, or a long prompt could never be stored at all.
@@ -321,6 +331,7 @@ class BlockScheduler:
             self._watched.append(job)
         self._incoming.append(job)
         self.executor.work_arrived(n)
+        return job
 
     def queued_store_blocks(self) -> int:
         return self._blocks_in[False] - self._blocks_out[False]

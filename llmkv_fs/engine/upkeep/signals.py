@@ -93,6 +93,12 @@ class VolumeSignals:
     def stores_refused(self) -> bool:
         return bool(self._page[_REFUSED])
 
+    def store_flags(self) -> tuple[int, int]:
+        """``root_lost`` and ``stores_refused`` in one read (nonzero: set),
+        as a block about to be stored asks them."""
+        page = self._page
+        return page[_ROOT_LOST], page[_REFUSED]
+
     @property
     def enospc(self) -> bool:
         return bool(self._page[_ENOSPC])
