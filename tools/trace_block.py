@@ -33,6 +33,8 @@ import collections
 import json
 import mmap
 import os
+import re
+import subprocess
 import sys
 import tempfile
 import threading
@@ -180,28 +182,13 @@ def _primary(size: int) -> mmap.mmap:
 
 
 def trace(mode: str, block_size: int, directory: str) -> dict[str, Any]:
-    from llmkv_fs.config import TierSettings
-    from llmkv_fs.engine import FsEngine
-    from llmkv_fs.layout.paths import CacheLayout
-
-    workers = 2 if mode == "workers" else 0
-    settings = TierSettings(
-        root_dir=directory,
-        io_workers=workers,
-        n_read_threads=1,
-        n_write_threads=1,
-        lookup_threads=1,
-    )
-    layout = CacheLayout(directory, {"model_name": "trace/block", "block_size": block_size}, 0)
-    primary = _primary(4 * block_size)
-    primary[:block_size] = os.urandom(block_size)
     # Housekeeping runs on its own clock, not for the block: left out.
     tracer = Tracer(
         _package_dir(), lambda name: "housekeep" in name or "keeper" in name, threading.get_ident()
     )
     threading.setprofile(tracer.profile)
     sys.setprofile(tracer.profile)
-    engine = FsEngine(settings, layout, primary, block_size)
+    engine, primary = _engine(mode, block_size, directory)
     key = os.urandom(32) + bytes(4)
     report: dict[str, Any] = {"mode": mode, "block_size": block_size}
     report["io_workers"] = engine.io_workers
@@ -230,6 +217,83 @@ def trace(mode: str, block_size: int, directory: str) -> dict[str, Any]:
         sys.setprofile(None)
         threading.setprofile(None)  # type: ignore[arg-type]
         engine.shutdown()
+    return report
+
+
+def _engine(mode: str, block_size: int, directory: str) -> tuple[Any, mmap.mmap]:
+    from llmkv_fs.config import TierSettings
+    from llmkv_fs.engine import FsEngine
+    from llmkv_fs.layout.paths import CacheLayout
+
+    settings = TierSettings(
+        root_dir=directory,
+        io_workers=2 if mode == "workers" else 0,
+        n_read_threads=1,
+        n_write_threads=1,
+        lookup_threads=1,
+    )
+    layout = CacheLayout(directory, {"model_name": "trace/block", "block_size": block_size}, 0)
+    primary = _primary(4 * block_size)
+    primary[:] = os.urandom(4 * block_size)
+    return FsEngine(settings, layout, primary, block_size), primary
+
+
+def bare(mode: str, block_size: int, directory: str, n: int, phases: str) -> None:
+    """No tracing: ``n`` one-block store jobs, then (``phases`` "store,load")
+    as many loads of them, each job waited for, after a warm-up; for
+    counting system calls from outside (``--syscalls``)."""
+    engine, _primary_buffer = _engine(mode, block_size, directory)
+    try:
+        _store_and_load(engine, os.urandom(32) + bytes(4), 1 << 30)
+        keys = [os.urandom(32) + bytes(4) for _ in range(n)]
+        for phase in phases.split(","):
+            for i, key in enumerate(keys):
+                if phase == "store":
+                    assert engine.submit_store(i, [key], [0])
+                elif phase == "load":
+                    assert engine.submit_load(i, [key], [1])
+                else:
+                    continue
+                engine.drain()
+                (job,) = engine.take_finished()
+                assert job.success, job
+    finally:
+        engine.shutdown()
+
+
+_STRACE_ROW = re.compile(r"^\s*[\d.]+\s+[\d.]+\s+\d+\s+(\d+)\s+(?:\d+\s+)?(\w+)\s*$")
+
+
+def syscalls(mode: str, block_size: int, n: int) -> dict[str, Any]:
+    """System calls per one-block store job and per load job, every process
+    of the engine (``strace -f``: its threads and worker processes), as the
+    difference of runs with and without the phase."""
+
+    def count(phases: str) -> dict[str, int]:
+        with (
+            tempfile.TemporaryDirectory() as directory,
+            tempfile.NamedTemporaryFile("r", suffix=".strace") as out,
+        ):
+            argv = ["strace", "-f", "-c", "-o", out.name, sys.executable, "-m"]
+            argv += ["tools.trace_block", "--bare", phases, "--mode", mode]
+            argv += ["--block-size", str(block_size), "--blocks", str(n), "--dir", directory]
+            done = subprocess.run(argv, capture_output=True, text=True, check=False)
+            if done.returncode:
+                raise SystemExit(f"strace: {done.stderr[-2000:]}")
+            calls: dict[str, int] = {}
+            for line in out.read().splitlines():
+                match = _STRACE_ROW.match(line)
+                if match and match.group(2) != "total":
+                    calls[match.group(2)] = int(match.group(1))
+            return calls
+
+    none, stored, both = count("none"), count("store"), count("store,load")
+    report: dict[str, Any] = {}
+    for phase, base, top in (("store", none, stored), ("load", stored, both)):
+        names = set(base) | set(top)
+        delta = {name: (top.get(name, 0) - base.get(name, 0)) / n for name in names}
+        report[phase] = round(sum(delta.values()), 1)
+        report[f"{phase}_calls"] = {k: round(v, 2) for k, v in sorted(delta.items()) if v >= 0.05}
     return report
 
 
@@ -295,16 +359,33 @@ def main() -> None:
     parser.add_argument("--block-size", default="64K", help="e.g. 64K, 2M")
     parser.add_argument("--dir", help="a directory to use (default: a fresh temporary one)")
     parser.add_argument("--json", metavar="PATH", help="also write the reports as JSON")
+    parser.add_argument(
+        "--syscalls",
+        type=int,
+        metavar="N",
+        default=0,
+        help="also count system calls per one-block store and load job (strace -f, N jobs)",
+    )
+    parser.add_argument("--blocks", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--bare", metavar="PHASES", help=argparse.SUPPRESS)
     args = parser.parse_args()
     text = args.block_size.strip().upper()
     unit = {"K": KiB, "M": MiB}.get(text[-1:], 1)
     block_size = int(text[:-1] if unit != 1 else text) * unit
     modes = ("threads", "workers") if args.mode == "both" else (args.mode,)
+    if args.bare:
+        bare(modes[0], block_size, args.dir, args.blocks, args.bare)
+        return
     reports = []
     for mode in modes:
         with tempfile.TemporaryDirectory(dir=args.dir) as directory:
             reports.append(trace(mode, block_size, directory))
         _print(reports[-1])
+        if args.syscalls:
+            calls = syscalls(mode, block_size, args.syscalls)
+            reports[-1]["syscalls"] = calls
+            for phase in ("store", "load"):
+                print(f"  syscalls per {phase} job: {calls[phase]}  {calls[phase + '_calls']}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(reports, f, indent=1)

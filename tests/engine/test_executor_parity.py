@@ -41,7 +41,9 @@ def test_a_failed_volume_stops_queued_stores_without_io(disk_root, engines, gate
     # The volume goes; a directory holding the same layout takes its place.
     os.rename(disk_root, disk_root + ".gone")
     os.makedirs(os.path.dirname(layout.block_path(keys[0])))
-    wait_until(engine.recheck_volume_failed, "the housekeeping thread to see the root replaced")
+    wait_until(
+        inside(engine).recheck_volume_failed, "the housekeeping thread to see the root replaced"
+    )
     gate.open()
     done = wait_jobs(engine, [100 + s for s in range(0, n, 8)])
     assert sum(len(job.failed) for job in done.values()) == n

@@ -199,7 +199,9 @@ def test_an_unmounted_volume_fires_volume_failed(tmp_path, replicas):
     os.rename(root, root + ".gone")  # unmounted; an empty directory in its place
     os.makedirs(root)
     engine = replica.tier.engine
-    wait_until(engine.recheck_volume_failed, "the housekeeping thread to see the root replaced")
+    wait_until(
+        inside(engine).recheck_volume_failed, "the housekeeping thread to see the root replaced"
+    )
     assert firing(ALERTS, before, scraper.scrape()) == {"LlmkvFsVolumeFailed"}
 
 

@@ -176,10 +176,6 @@ class BlockIO:
         flags = base | os.O_NOFOLLOW | os.O_CLOEXEC
         return flags | O_DIRECT if self.options.use_o_direct else flags
 
-    def _place(self, key: bytes) -> tuple[str, str]:
-        """The block's directory relative to the root, and its name."""
-        return block_place(self._rank, key)
-
     def release(self) -> None:
         """Close the calling thread's descriptor of the root (see
         Beneath.release)."""
@@ -190,7 +186,7 @@ class BlockIO:
     def exists(self, key: bytes) -> bool:
         """A regular file of a size our reader accepts is at the block's path
         (see BlockPresence)."""
-        return self._presence.at(*self._place(key))
+        return self._presence.at(*block_place(self._rank, key))
 
     def exists_many(self, keys: list[bytes], budget_s: float = 0.0) -> list[bool]:
         """``exists`` for each key, in order: in one compiled call without
@@ -226,7 +222,7 @@ class BlockIO:
         not be published (Abandoned). ``pause``: the "publish" pause point,
         reached right before that read (tests).
         """
-        rel_dir, name = self._place(key)
+        rel_dir, name = block_place(self._rank, key)
         attempts = SHARED_FS_ATTEMPTS
         after_race = False
         while True:
@@ -385,7 +381,7 @@ class BlockIO:
         a directory of the tree belongs: never followed) or OSError. On any
         raise the row holds garbage and must not be reported as loaded.
         """
-        rel_dir, name = self._place(key)
+        rel_dir, name = block_place(self._rank, key)
         scratch = self._scratch()
         below = self._below
         if below.one_call:  # the common case in one call; any failure takes the walk
@@ -453,8 +449,11 @@ class BlockIO:
             # A read-only descriptor: closing it can lose nothing, and a
             # GlusterFS client answers the close of a file removed through
             # another client with ESTALE (which would hide the outcome).
-            with contextlib.suppress(OSError):
+            # (try, not contextlib.suppress: three Python calls per block.)
+            try:
                 os.close(fd)
+            except OSError:
+                pass
         if dir_fd >= 0:
             self._set_aside(dir_fd, name, bad, ident)
             raise bad
