@@ -285,10 +285,13 @@ class AsyncExistence:
                     self.remember_misses(result.unreadable)
                 if result.foreign:
                     self.remember_misses(result.foreign, why=MissReason.FOREIGN_KEY)
-                self.set_verdict(result.failed, False)
+                if self._states and result.failed:
+                    self.set_verdict(result.failed, False)
             else:
-                self.forget_misses(result.replaced)
-                self.set_verdict(result.succeeded, True)
+                if self._misses and result.replaced:
+                    self.forget_misses(result.replaced)
+                if self._states:
+                    self.set_verdict(result.succeeded, True)
 
     def forget_misses(self, keys: Iterable[bytes]) -> None:
         """These keys' files were written over (Outcome.REPLACED): probe

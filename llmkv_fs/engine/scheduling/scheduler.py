@@ -320,7 +320,7 @@ class BlockScheduler:
             self._finished.append(job)
             return job
         if not is_load:
-            queued = self.queued_store_blocks()
+            queued = self._blocks_in[False] - self._blocks_out[False]
             # A store job bigger than the bound alone still gets an empty
             # queue, or a long prompt could never be stored at all.
             if queued and queued + n > self._max_queued_stores:
@@ -330,7 +330,9 @@ class BlockScheduler:
         if job.deadline is not None:
             self._watched.append(job)
         self._incoming.append(job)
-        self.executor.work_arrived(n)
+        executor = self._executor
+        assert executor is not None, "start() first"
+        executor.work_arrived(n)
         return job
 
     def queued_store_blocks(self) -> int:
