@@ -215,7 +215,7 @@ def trace(mode: str, block_size: int, directory: str) -> dict[str, Any]:
         report["lookup"] = _lookup(engine, key, "req", tracer)
     finally:
         sys.setprofile(None)
-        threading.setprofile(None)  # type: ignore[arg-type]
+        threading.setprofile(None)
         engine.shutdown()
     return report
 

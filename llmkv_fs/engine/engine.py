@@ -263,9 +263,8 @@ class FsEngine:
         if report is None:
             if not self._rejected:
                 return []
-            expired, results = 0, []
-        else:
-            expired, results = report
+            report = (0, [])
+        expired, results = report
         if expired:
             self._recheck_stalled()
         if self._rejected:
