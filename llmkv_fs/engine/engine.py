@@ -147,6 +147,7 @@ class FsEngine:
         self._stalled = False  # as of the last _recheck_stalled() (lookups read this)
         # Lost roots by index, as of the last end_step() (lookups read this).
         self._lost_roots: frozenset[int] = frozenset()
+        self._stores_refused = False  # every root's guard, as of the same recheck
         self._slice_blocks = slice_blocks(block_size)
         accountant = JobAccountant(
             self._counters, block_size, self._error_log, settings.failed_load_miss_s
@@ -211,7 +212,7 @@ class FsEngine:
             return self._refuse(job_id, Direction.STORE, keys, Failure.VOLUME_FAILED)
         if self._recheck_stalled():
             return self._refuse(job_id, Direction.STORE, keys, Failure.STALLED)
-        if all(signals.stores_refused for signals in self._signals):
+        if self._stores_refused:
             # Each root's guard also refuses its own blocks in the step.
             return self._refuse(job_id, Direction.STORE, keys, Failure.SPACE)
         try:
@@ -251,9 +252,13 @@ class FsEngine:
         last check; never touches the filesystem), remember them for
         lookups and return whether every root is: none is the directory the
         engine started on. With several roots, the blocks of a lost root fail one
-        by one in the step, and lookups of its keys answer miss."""
-        lost = [index for index, signals in enumerate(self._signals) if signals.root_lost]
+        by one in the step, and lookups of its keys answer miss. Each root's
+        page is read once: whether every root refuses stores (its space
+        guard) is remembered too, for the next store submitted."""
+        flags = [signals.store_flags() for signals in self._signals]
+        lost = [index for index, (root_lost, _refused) in enumerate(flags) if root_lost]
         self._lost_roots = frozenset(lost)
+        self._stores_refused = all(refused for _lost, refused in flags)
         return len(lost) == len(self.roots)
 
     def take_finished(self) -> list[FinishedJob]:
