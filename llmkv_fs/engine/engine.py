@@ -255,11 +255,17 @@ class FsEngine:
         by one in the step, and lookups of its keys answer miss. Each root's
         page is read once: whether every root refuses stores (its space
         guard) is remembered too, for the next store submitted."""
-        flags = [signals.store_flags() for signals in self._signals]
-        lost = [index for index, (root_lost, _refused) in enumerate(flags) if root_lost]
+        lost: list[int] = []
+        refusing = 0
+        for index, signals in enumerate(self._signals):  # a loop: no frame per root
+            root_lost, refused = signals.store_flags()
+            if root_lost:
+                lost.append(index)
+            if refused:
+                refusing += 1
         self._lost_roots = frozenset(lost)
-        self._stores_refused = all(refused for _lost, refused in flags)
-        return len(lost) == len(self.roots)
+        self._stores_refused = refusing == len(self._signals)
+        return len(lost) == len(self._signals)
 
     def take_finished(self) -> list[FinishedJob]:
         # One scheduler call per poll; None (the common case: vLLM polls
