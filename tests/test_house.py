@@ -231,7 +231,6 @@ def test_a_planted_bad_reference_is_caught():
 # ``tests/<its folder>/test_<module>.py`` (``test_package.py`` for an
 # ``__init__.py``), so a newcomer finds them by name. A module tested somewhere
 # else is listed here with where and why; an entry that no longer applies fails.
-_REFOLDED = "engine layout being refolded: its tests are named after the fold"
 _BENCH_BY_HAND = "untested: llmkv-fs bench is run by hand (docs/benchmarks.md)"
 _GC_PASS = "driven through whole gc passes by tests/ops/gc/test_rules.py and test_command.py"
 TESTED_ELSEWHERE = {
@@ -253,7 +252,7 @@ TESTED_ELSEWHERE = {
         "tier's start-up line (tests/tier/test_startup_line.py)"
     ),
     "llmkv_fs/layout/sealed.py": (
-        "with the sealed byte path (tests/engine/block/test_sealing.py) and "
+        "with the sealed byte path (tests/engine/block/test_sealed.py) and "
         "tests/layout/test_judgement.py, tests/ops/test_sealed_ops.py"
     ),
     "llmkv_fs/ops/blockcheck.py": "verify's per-block check: tests/ops/test_verify.py",
@@ -282,29 +281,59 @@ TESTED_ELSEWHERE = {
         "test_beneath_mounts.py"
     ),
     "llmkv_fs/volume/openat2.py": "the one-call walk: tests/volume/test_beneath.py",
-    "llmkv_fs/engine/block/blockio.py": _REFOLDED,
-    "llmkv_fs/engine/block/contents.py": _REFOLDED,
-    "llmkv_fs/engine/block/options.py": _REFOLDED,
-    "llmkv_fs/engine/block/sealed.py": _REFOLDED,
-    "llmkv_fs/engine/block/spec.py": _REFOLDED,
-    "llmkv_fs/engine/block/stamps.py": _REFOLDED,
-    "llmkv_fs/engine/block/tempfiles.py": _REFOLDED,
-    "llmkv_fs/engine/engine.py": _REFOLDED,
-    "llmkv_fs/engine/launch.py": _REFOLDED,
-    "llmkv_fs/engine/lookup_checks.py": _REFOLDED,
-    "llmkv_fs/engine/outcomes.py": _REFOLDED,
-    "llmkv_fs/engine/scheduling/accounting.py": _REFOLDED,
-    "llmkv_fs/engine/scheduling/executor.py": _REFOLDED,
-    "llmkv_fs/engine/scheduling/jobs.py": _REFOLDED,
-    "llmkv_fs/engine/startup/io_setup.py": _REFOLDED,
-    "llmkv_fs/engine/startup/neighbours.py": _REFOLDED,
-    "llmkv_fs/engine/startup/probe.py": _REFOLDED,
-    "llmkv_fs/engine/upkeep/prepare.py": _REFOLDED,
-    "llmkv_fs/engine/upkeep/signals.py": _REFOLDED,
-    "llmkv_fs/engine/workers/child.py": _REFOLDED,
-    "llmkv_fs/engine/workers/crew.py": _REFOLDED,
-    "llmkv_fs/engine/workers/process_executor.py": _REFOLDED,
-    "llmkv_fs/engine/workers/region.py": _REFOLDED,
+    "llmkv_fs/engine/block/contents.py": (
+        "the block codec (plain and sealed) through its callers: "
+        "tests/engine/block/test_blockio.py, test_checksum_policy.py, test_sealed.py"
+    ),
+    "llmkv_fs/engine/block/options.py": (
+        "the I/O options a place is built with: tests/engine/block/test_piecewise.py, "
+        "tests/engine/startup/test_hash_path.py"
+    ),
+    "llmkv_fs/engine/block/spec.py": (
+        "how a step is built in a thread or a worker: tests/engine/test_executor_parity.py"
+    ),
+    "llmkv_fs/engine/block/stamps.py": (
+        "the atime stamps of a load: tests/engine/test_access_and_modes.py"
+    ),
+    "llmkv_fs/engine/launch.py": (
+        "the engine's start-up decisions through FsEngine: tests/engine/test_engine.py, "
+        "tests/engine/test_engine_pool.py"
+    ),
+    "llmkv_fs/engine/lookup_checks.py": "the lookups' batched checks: tests/engine/test_lookup.py",
+    "llmkv_fs/engine/outcomes.py": (
+        "every outcome and failure through the engine: tests/engine/test_engine.py, "
+        "tests/engine/scheduling/test_scheduler.py"
+    ),
+    "llmkv_fs/engine/startup/io_setup.py": (
+        "which I/O path and options start-up picks: "
+        "tests/engine/startup/test_hash_path.py, tests/engine/block/test_piecewise.py"
+    ),
+    "llmkv_fs/engine/startup/neighbours.py": (
+        "the start-up line about other deployments: tests/tier/test_startup_line.py, "
+        "tests/system/test_e2e_serve.py"
+    ),
+    "llmkv_fs/engine/startup/probe.py": "the O_DIRECT probe: tests/engine/test_access_and_modes.py",
+    "llmkv_fs/engine/upkeep/prepare.py": (
+        "the volume's preparation at start-up: tests/engine/test_roots.py, "
+        "tests/volume/test_pinned_root.py"
+    ),
+    "llmkv_fs/engine/upkeep/signals.py": (
+        "the roots' shared signal pages: tests/engine/upkeep/test_housekeeping.py, test_space.py"
+    ),
+    "llmkv_fs/engine/workers/child.py": (
+        "a worker process's loop: tests/engine/workers/test_workers.py"
+    ),
+    "llmkv_fs/engine/workers/crew.py": (
+        "the worker processes' start, death and respawn: tests/engine/workers/test_workers.py"
+    ),
+    "llmkv_fs/engine/workers/process_executor.py": (
+        "the worker-process executor: tests/engine/workers/test_workers.py, "
+        "tests/engine/test_executor_parity.py"
+    ),
+    "llmkv_fs/engine/workers/region.py": (
+        "the primary handed to worker processes: tests/engine/workers/test_workers.py, "
+        "test_prefault.py"
+    ),
 }
 
 

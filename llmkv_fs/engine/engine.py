@@ -3,7 +3,7 @@ I/O threads or I/O worker processes (io_workers), batched off-thread lookups,
 NUMA pinning, counters.
 
 It speaks in plain terms (keys are bytes, chunks are row indices into one
-flat buffer of ``num_chunks * block_size`` bytes), so it can be driven by the
+flat buffer of whole rows of ``block_size`` bytes), so it can be driven by the
 vLLM adapter, by benchmarks or by tests alike.
 
 Threading rules
@@ -22,7 +22,6 @@ back to the scheduler; counters are updated by the owner in
 from __future__ import annotations
 
 import collections
-import functools
 import logging
 import time
 from collections.abc import Sequence
@@ -40,7 +39,6 @@ from llmkv_fs.engine.launch import (
     start_executor,
 )
 from llmkv_fs.engine.lookup import AsyncExistence
-from llmkv_fs.engine.lookup_checks import Found
 from llmkv_fs.engine.outcomes import (
     CounterKey,
     Direction,
@@ -49,12 +47,15 @@ from llmkv_fs.engine.outcomes import (
     MissReason,
     Tally,
 )
-from llmkv_fs.engine.root_presence import at_once, each_key, on_their_roots
-from llmkv_fs.engine.roots import EngineRoot, close_roots, open_roots
-from llmkv_fs.engine.scheduling.accounting import FinishedJob, JobAccountant, ThrottledErrorLog
-from llmkv_fs.engine.scheduling.executor import Executor
-from llmkv_fs.engine.scheduling.jobs import IoJob, QueueFull
-from llmkv_fs.engine.scheduling.scheduler import BlockScheduler
+from llmkv_fs.engine.roots import EngineRoot, RootsPresence, close_roots, open_roots
+from llmkv_fs.engine.scheduling.scheduler import (
+    BlockScheduler,
+    Executor,
+    FinishedJob,
+    JobAccountant,
+    QueueFull,
+    ThrottledErrorLog,
+)
 from llmkv_fs.engine.startup.io_setup import rows_view
 from llmkv_fs.engine.startup.neighbours import log_other_deployments
 from llmkv_fs.engine.startup.numa import PinningPlan, plan_pinning, read_topology
@@ -96,7 +97,7 @@ class FsEngine:
 
     ``byte_path`` moves a block's bytes once its file is open (the seam for
     another implementation, block/bytepath.py); it reaches I/O threads and
-    worker processes alike through the step spec (``step_spec``).
+    worker processes alike through the step spec (``StepSpec``).
 
     ``pause``: pause points for a test to hold blocks and lookup checks at
     known places (block/pause.py); they reach I/O threads, lookup threads
@@ -113,22 +114,24 @@ class FsEngine:
         byte_path: BytePathKind = VectoredBytes,
         pause: PausePoints | None = None,
     ):
-        self.settings = settings
+        self._settings = settings
         self.block_size = block_size
         self._flat = rows_view(primary, block_size)
-        self.num_chunks = self._flat.nbytes // block_size
         keyring, layouts = sealing(settings, layouts)
+        self.keyring = keyring  # the sealing keys (None: blocks are not sealed)
         # Every root prepared (and its housekeeping started) before any I/O
         # thread or worker exists.
         self.roots: list[EngineRoot] = open_roots(
             settings, layouts, self._flat, block_size, byte_path, keyring
         )
-        self.placement = RootPlacement([root.root_dir for root in self.roots])
+        self._placement = RootPlacement([root.root_dir for root in self.roots])
+        # Each root's page its housekeeping writes (lost? stores refused?).
+        self._signals = tuple(root.signals for root in self.roots)
         # What every block step is built from, in threads and workers alike.
-        self.step_spec = StepSpec(
-            tuple(r.spec for r in self.roots), self.placement, byte_path, keyring
+        self._step_spec = StepSpec(
+            tuple(r.spec for r in self.roots), self._placement, byte_path, keyring
         )
-        self.pause = pause
+        self._pause = pause
         self.pinning: PinningPlan = plan_pinning(read_topology(), settings.numa_node, self._flat)
         # Cumulative, updated by the owner only; tier/metrics.py publishes them.
         self._counters: collections.Counter[CounterKey] = collections.Counter()
@@ -141,26 +144,25 @@ class FsEngine:
         self.root_counters: collections.Counter[tuple[int, Direction, bool]] = collections.Counter()
         self._error_log = ThrottledErrorLog()
         self._rejected: list[FinishedJob] = []
-        self._stalled = False  # as of the last recheck_stalled() (lookups read this)
+        self._stalled = False  # as of the last _recheck_stalled() (lookups read this)
         # Lost roots by index, as of the last end_step() (lookups read this).
         self._lost_roots: frozenset[int] = frozenset()
-        self.slice_blocks = slice_blocks(block_size)
+        self._stores_refused = False  # every root's guard, as of the same recheck
+        self._slice_blocks = slice_blocks(block_size)
+        accountant = JobAccountant(
+            self._counters, block_size, self._error_log, settings.failed_load_miss_s
+        )
+        self.job_latencies = accountant.job_latencies
         self._scheduler = BlockScheduler(
-            store_queue_blocks(settings, block_size), self.slice_blocks
+            store_queue_blocks(settings, block_size), self._slice_blocks, accountant
         )
         self._started = self._start_io()
         self.io_workers = self._started.io_workers  # worker processes in use (0: I/O threads)
         self._executor: Executor = self._scheduler.executor
         self._lookups = self._start_lookups()
-        self._accountant = JobAccountant(
-            self._counters,
-            block_size,
-            self._error_log,
-            self._lookups.remember_misses,
-            settings.failed_load_miss_s,
+        log_start(
+            settings, self._started, self.pinning, self._presence_check(), keyring, self.roots
         )
-        self.job_latencies = self._accountant.job_latencies
-        log_start(settings, self._started, self.pinning, self._presence(), keyring, self.roots)
         for root in self.roots:  # config.json files and leases only: no block walk
             log_other_deployments(root.layout)
 
@@ -169,58 +171,36 @@ class FsEngine:
         can hold may start a store the moment the guard lifts after ENOSPC."""
         started = start_executor(
             self._scheduler,
-            self.settings,
-            self.step_spec,
+            self._settings,
+            self._step_spec,
             self.roots,
             self._flat,
             self.pinning,
-            self.pause,
+            self._pause,
         )
-        held = self._scheduler.executor.capacity() * self.slice_blocks
+        held = self._scheduler.executor.capacity() * self._slice_blocks
         for root in self.roots:
             root.guard.headroom_bytes = self.block_size * (held + 1)
         return started
 
     def _start_lookups(self) -> AsyncExistence:
-        settings = self.settings
+        """The lookups, given what they check keys against: the roots (they
+        never call back into the engine)."""
+        settings = self._settings
+        self._presence = RootsPresence(self.roots, self._placement, self._pause)
         return AsyncExistence(
-            self._exists_on_its_roots,
+            self._presence,
             settings.lookup_threads,
             timeout=min(settings.job_timeout_s, _LOOKUP_TIMEOUT_CAP_S),
             miss_for_s=settings.failed_load_miss_s,
-            exist_many=self._exist_on_their_roots if self._checks_in_batches() else None,
         )
 
-    def _exists_on_its_roots(self, key: bytes) -> Found:
-        """A lookup thread's check: the key's home root, then (several
-        roots) its second choice (see ``RootPlacement``); a lost root is
-        not touched (root_presence.py: a key it may hold answers None)."""
-        if self.pause is not None:  # a check held as in a stalled mount
-            self.pause.reached("exists", "lookup", key)
-        return on_their_roots(self.roots, self.placement, [key], each_key)[0]
-
-    def _exist_on_their_roots(self, keys: list[bytes], budget_s: float) -> list[Found]:
-        """A lookup thread's check of a chunk of keys at once (the compiled
-        presence check; same roots and rules as ``_exists_on_its_roots``),
-        of the first keys only if ``budget_s`` is spent first. Pause points
-        stop at each key before the chunk's one call."""
-        if self.pause is not None:  # a check held as in a stalled mount
-            for key in keys:
-                self.pause.reached("exists", "lookup", key)
-        return on_their_roots(
-            self.roots, self.placement, keys, functools.partial(at_once, budget_s=budget_s)
-        )
-
-    def _presence(self) -> str:
+    def _presence_check(self) -> str:
         """Which presence check the lookups run, for the start-up line."""
         presence = presence_path()
-        if presence == COMPILED_PRESENCE and not self._checks_in_batches():
+        if presence == COMPILED_PRESENCE and not self._presence.batched:
             presence = "python (a root without openat2)"
         return presence
-
-    def _checks_in_batches(self) -> bool:
-        """Lookups check chunks in one compiled call: every root can."""
-        return all(r.blockio.checks_in_batches for r in self.roots)
 
     # -- owner side --------------------------------------------------------------------
 
@@ -228,15 +208,15 @@ class FsEngine:
         """Queue a store; False if it was refused -- the bounded queue is
         full, the space guard is tripped, the volume is stalled or failed. A
         refused job is reported failed by the next take_finished, without I/O."""
-        if self.recheck_volume_failed():
+        if self._recheck_volume_failed():
             return self._refuse(job_id, Direction.STORE, keys, Failure.VOLUME_FAILED)
-        if self.recheck_stalled():
+        if self._recheck_stalled():
             return self._refuse(job_id, Direction.STORE, keys, Failure.STALLED)
-        if not any(root.guard.allows_store() for root in self.roots):
+        if self._stores_refused:
             # Each root's guard also refuses its own blocks in the step.
             return self._refuse(job_id, Direction.STORE, keys, Failure.SPACE)
         try:
-            self._scheduler.submit(IoJob(job_id, False, keys, chunks, self.settings.job_timeout_s))
+            self._scheduler.submit(job_id, False, keys, chunks, self._settings.job_timeout_s)
             return True
         except QueueFull:
             return self._refuse(job_id, Direction.STORE, keys, Failure.QUEUE_FULL)
@@ -244,11 +224,11 @@ class FsEngine:
     def submit_load(self, job_id: int, keys: Sequence[bytes], chunks: Sequence[int]) -> bool:
         """Queue a load; False (reported failed at the next take_finished) if
         the volume is stalled or failed."""
-        if self.recheck_volume_failed():
+        if self._recheck_volume_failed():
             return self._refuse(job_id, Direction.LOAD, keys, Failure.VOLUME_FAILED)
-        if self.recheck_stalled():
+        if self._recheck_stalled():
             return self._refuse(job_id, Direction.LOAD, keys, Failure.STALLED)
-        self._scheduler.submit(IoJob(job_id, True, keys, chunks, self.settings.job_timeout_s))
+        self._scheduler.submit(job_id, True, keys, chunks, self._settings.job_timeout_s)
         return True
 
     def _refuse(
@@ -259,44 +239,49 @@ class FsEngine:
         self._rejected.append(FinishedJob(job_id, is_load, [], list(keys), 0.0, 0))
         return False
 
-    def recheck_stalled(self) -> bool:
+    def _recheck_stalled(self) -> bool:
         """Look again whether the volume stopped answering (an expired job
         still has a block inside a syscall, or no lookup check answered for
         the lookup timeout), remember the verdict for lookups and return it.
         Clears by itself when the calls return."""
-        self._stalled = self._scheduler.stuck_blocks() > 0 or self._lookups.stuck()
+        self._stalled = self._scheduler.stuck_blocks > 0 or self._lookups.stuck()
         return self._stalled
 
-    def recheck_volume_failed(self) -> bool:
+    def _recheck_volume_failed(self) -> bool:
         """Look again which roots are lost (as of each housekeeping thread's
         last check; never touches the filesystem), remember them for
         lookups and return whether every root is: none is the directory the
         engine started on. With several roots, the blocks of a lost root fail one
-        by one in the step, and lookups of its keys answer miss."""
-        lost = [index for index, root in enumerate(self.roots) if root.lost]
+        by one in the step, and lookups of its keys answer miss. Each root's
+        page is read once: whether every root refuses stores (its space
+        guard) is remembered too, for the next store submitted."""
+        lost: list[int] = []
+        refusing = 0
+        for index, signals in enumerate(self._signals):  # a loop: no frame per root
+            root_lost, refused = signals.store_flags()
+            if root_lost:
+                lost.append(index)
+            if refused:
+                refusing += 1
         self._lost_roots = frozenset(lost)
-        return len(lost) == len(self.roots)
+        self._stores_refused = refusing == len(self._signals)
+        return len(lost) == len(self._signals)
 
     def take_finished(self) -> list[FinishedJob]:
-        if not self._rejected and not self._scheduler.has_news():
-            return []  # vLLM polls every millisecond: keep the empty case cheap
-        expired = self._scheduler.expire_overdue()
+        # One scheduler call per poll; None (the common case: vLLM polls
+        # every millisecond) when it has nothing to report.
+        report = self._scheduler.report()
+        if report is None:
+            if not self._rejected:
+                return []
+            report = (0, [])
+        expired, results = report
         if expired:
-            self.recheck_stalled()
-            self.counters[Tally.DEADLINE_EXPIRED] += expired
-            self._error_log.report("deadline", f"{expired} block(s) passed job_timeout_s")
-        results, self._rejected = self._rejected, []
-        for job in self._scheduler.take_finished():
-            results.append(self._accountant.account(job))
+            self._recheck_stalled()
+        if self._rejected:
+            results, self._rejected = self._rejected + results, []
         self._count_by_root(results)
-        for result in results:
-            if result.is_load:
-                self._lookups.set_verdict(result.failed, False)
-            else:
-                # A file remembered as unloadable that the store wrote over
-                # is a good block now.
-                self._lookups.forget_misses(result.replaced)
-                self._lookups.set_verdict(result.succeeded, True)
+        self._lookups.jobs_finished(results)
         return results
 
     def _count_by_root(self, results: list[FinishedJob]) -> None:
@@ -307,7 +292,7 @@ class FsEngine:
                 counts[0, direction, True] += len(result.succeeded)
                 counts[0, direction, False] += len(result.failed)
                 continue
-            home = self.placement.home
+            home = self._placement.home
             for key in result.succeeded:
                 counts[home(key), direction, True] += 1
             for key in result.failed:
@@ -322,7 +307,7 @@ class FsEngine:
         if self._stalled or self._lost_roots:
             if self._stalled:
                 refused: MissReason | None = MissReason.STALLED
-            elif self.placement.home(key) in self._lost_roots:
+            elif self._placement.home(key) in self._lost_roots:
                 refused = MissReason.LOST_ROOT
             else:
                 refused = None
@@ -342,7 +327,7 @@ class FsEngine:
         refused while stalled or while its home root is lost, the lookup
         deadline passed, the check failed (EIO), or a load of it failed.
         Removal announcements trust only the former."""
-        if self._stalled or (self._lost_roots and self.placement.home(key) in self._lost_roots):
+        if self._stalled or (self._lost_roots and self._placement.home(key) in self._lost_roots):
             return False
         return not self._lookups.guessed_miss(key)
 
@@ -365,8 +350,8 @@ class FsEngine:
         # Cumulative in the executor; copied here so that only the owner
         # writes counters.
         self.counters[Tally.WORKER_DEATHS] = self._executor.deaths()
-        self.recheck_stalled()
-        self.recheck_volume_failed()
+        self._recheck_stalled()
+        self._recheck_volume_failed()
         expired = self._lookups.expire_overdue()
         if expired:
             self.counters[LookupAnswer.DEADLINE_MISS] += expired
@@ -391,7 +376,7 @@ class FsEngine:
             "io_places": scheduler.places,
             "held_blocks": scheduler.blocks_in_flight(),
             "io_workers": len(self._executor.worker_pids()),
-            "stuck_blocks": scheduler.stuck_blocks(),
+            "stuck_blocks": scheduler.stuck_blocks,
         }
 
     def root_gauges(self) -> dict[str, dict[str, float]]:
@@ -408,25 +393,11 @@ class FsEngine:
             }
         return gauges
 
-    @property
-    def lookups(self) -> AsyncExistence:
-        """The existence checks behind lookup(): tests read how many keys
-        it tracks and drive its deadlines with an explicit clock."""
-        return self._lookups
-
     def forget_request(self, request_id: str) -> None:
         self._lookups.forget_request(request_id)
 
     def has_pending_work(self) -> bool:
         return self._scheduler.busy() or bool(self._rejected)
-
-    def queued_store_blocks(self) -> int:
-        return self._scheduler.queued_store_blocks()
-
-    @property
-    def executor(self) -> Executor:
-        """What runs the blocks (tests ask it for worker pids and deaths)."""
-        return self._executor
 
     def drain(self) -> None:
         self._scheduler.drain()
@@ -445,7 +416,7 @@ class FsEngine:
         self._scheduler.shutdown()
         if self._started.handover is not None:
             self._started.handover.close()
-        close_roots(self.roots, min(self.settings.job_timeout_s, _LOOKUP_TIMEOUT_CAP_S))
+        close_roots(self.roots, min(self._settings.job_timeout_s, _LOOKUP_TIMEOUT_CAP_S))
         # Our view pins the primary mmap; vLLM unmaps it right after us.
         self._flat.release()
         logger.info("llmkv_fs engine stopped in %.3fs", time.monotonic() - started)

@@ -51,11 +51,12 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
-from llmkv_fs.engine.lookup_checks import BatchChecks, CheckMany, Found
+from llmkv_fs.engine.lookup_checks import Answers, BatchChecks, Found, Presence
 from llmkv_fs.engine.outcomes import MissReason
+from llmkv_fs.engine.scheduling.scheduler import FinishedJob
 
 __all__ = ["AsyncExistence"]
 
@@ -109,16 +110,18 @@ def _settle(state: _State, found: Found, unknown: MissReason) -> None:
 
 
 class AsyncExistence:
+    """The lookups of one engine (the module doc), checking keys against
+    ``presence`` (the engine's roots: ``RootsPresence``) on a lookup thread
+    and up to ``n_threads - 1`` helpers."""
+
     def __init__(
         self,
-        exists: Callable[[bytes], Found],
+        presence: Presence,
         n_threads: int,
         name: str = "llmkv_fs",
         timeout: float = 5.0,
         miss_for_s: float = 60.0,
-        exist_many: CheckMany | None = None,
     ):
-        self._exists = exists
         self._timeout = timeout
         self._miss_for_s = miss_for_s
         # key -> (monotonic time its remembered miss ends, why); insertion
@@ -137,10 +140,8 @@ class AsyncExistence:
         self._to_worker: queue.SimpleQueue[tuple[int, list[tuple[bytes, int]]] | None] = (
             queue.SimpleQueue()
         )
-        self._answers: queue.SimpleQueue[tuple[int, list[tuple[bytes, int, Found]], bool]] = (
-            queue.SimpleQueue()
-        )
-        self._checks = BatchChecks(self._check, n_threads - 1, self._post, name, exist_many)
+        self._answers: Answers = queue.SimpleQueue()
+        self._checks = BatchChecks(presence, n_threads - 1, self._answers, name)
         self._thread = threading.Thread(target=self._worker, name=f"{name}_lookup", daemon=True)
         self._thread.start()
 
@@ -272,6 +273,26 @@ class AsyncExistence:
         while len(misses) > _MAX_REMEMBERED_MISSES:
             misses.popitem(last=False)
 
+    def jobs_finished(self, results: Iterable[FinishedJob]) -> None:
+        """What finished jobs teach the lookups (owner, once per
+        ``take_finished``): a failed load answers miss; a load that would
+        fail again is remembered as a miss for a while (``remember_misses``);
+        a stored block is there -- and a file remembered as unloadable that
+        a store wrote over is a good block now."""
+        for result in results:
+            if result.is_load:
+                if result.unreadable:
+                    self.remember_misses(result.unreadable)
+                if result.foreign:
+                    self.remember_misses(result.foreign, why=MissReason.FOREIGN_KEY)
+                if self._states and result.failed:
+                    self.set_verdict(result.failed, False)
+            else:
+                if self._misses and result.replaced:
+                    self.forget_misses(result.replaced)
+                if self._states:
+                    self.set_verdict(result.succeeded, True)
+
     def forget_misses(self, keys: Iterable[bytes]) -> None:
         """These keys' files were written over (Outcome.REPLACED): probe
         them again."""
@@ -294,9 +315,6 @@ class AsyncExistence:
                 break
             del misses[oldest]
         return False
-
-    def remembered_misses(self) -> int:
-        return len(self._misses)
 
     def set_verdict(self, keys: Iterable[bytes], verdict: bool) -> None:
         """Force what the next lookups of these keys say (a load failed: False,
@@ -331,9 +349,6 @@ class AsyncExistence:
             state.requests.discard(request_id)
             if not state.requests and not state.in_flight:
                 del self._states[key]
-
-    def tracked_keys(self) -> int:
-        return len(self._states)
 
     def shutdown(self) -> None:
         """Stop the lookup thread and its helpers, waiting at most the
@@ -387,18 +402,6 @@ class AsyncExistence:
                 _settle(state, found, MissReason.CHECK_FAILED)
 
     # -- lookup thread ---------------------------------------------------------------
-
-    def _check(self, key: bytes) -> Found:
-        try:
-            return self._exists(key)
-        except OSError as exc:
-            # An unreachable volume is a miss, not a crash and not a stall,
-            # and not a finding that the file is gone.
-            logger.warning("llmkv_fs: existence check failed (%s); treating as a miss", exc)
-            return None
-
-    def _post(self, batch_id: int, answers: list[tuple[bytes, int, Found]], final: bool) -> None:
-        self._answers.put((batch_id, answers, final))
 
     def _worker(self) -> None:
         while True:

@@ -12,31 +12,36 @@ thread. The decision is taken again at every chunk, never from a batch's
 first checks alone: a batch whose first names are cached and whose later
 ones wait on the volume recruits the helpers when they start waiting.
 
-A chunk is checked in one call where the engine has a batch check
-(``check_many``: the compiled presence check, engine/block/presence.py,
-which runs without the GIL); then the chunk is timed whole, and it waited on
-the volume when its time per key did. A batch check that raises (a key's
-own failure: the volume, a replaced root) has its chunk checked again key
-by key, each failure an unknown of its own key. A chunk stops itself once
-CHUNK_BUDGET_S is spent, in the compiled call or key by key, and gives the
-keys it did not check back to the batch: on a volume that answers a
-prompt's known head from cache and turns slow for its tail, nobody's
-verdicts wait on one thread's long chunk for longer than that.
+What is checked is the ``Presence`` the lookups are given (the engine's:
+``RootsPresence``, engine/roots.py). A chunk is checked in one call where it
+checks in batches (``Presence.many``: the compiled presence check,
+engine/block/presence.py, which runs without the GIL); then the chunk is
+timed whole, and it waited on the volume when its time per key did. A batch
+check that raises (a key's own failure: the volume, a replaced root) has its
+chunk checked again key by key, each failure an unknown of its own key. A
+chunk stops itself once CHUNK_BUDGET_S is spent, in the compiled call or key
+by key, and gives the keys it did not check back to the batch: on a volume
+that answers a prompt's known head from cache and turns slow for its tail,
+nobody's verdicts wait on one thread's long chunk for longer than that.
 
 An answer is True (the block is there), False (a check looked and found
 none) or None (nothing was learned: the check failed, or the key's root is
 lost). None is a miss to the scheduler but not proof that the file is gone,
 so removal announcements never trust it (engine/lookup.py ``guessed_miss``).
 
-Answers go out when a batch is decided, or earlier for the prefix decided
-so far when it holds a miss: vLLM's prefix lookup stops at the first miss,
-and answering hits piecemeal would only make its scheduler record more of
-them per step (the batch's order is the lookup order: each request's keys
-in prefix order).
+Answers go out -- onto the answer queue the lookups read -- when a batch is
+decided, or earlier for the prefix decided so far when it holds a miss:
+vLLM's prefix lookup stops at the first miss, and answering hits piecemeal
+would only make its scheduler record more of them per step (the batch's
+order is the lookup order: each request's keys in prefix order).
 
 Progress: ``progress_at`` is the monotonic time any chunk was last decided;
 a volume that answers, however slowly, keeps moving it, so the owner calls
 it stalled only when no check has answered for the whole timeout.
+
+A check that raises OSError (an unreachable volume) answers None for its key
+and is logged: a miss, not a crash, not a stall, and not a finding that the
+file is gone.
 
 Threading: ``check`` runs on the lookup thread, one batch at a time; the
 helpers are daemon threads (a check held inside a stalled mount must not
@@ -51,9 +56,9 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from typing import Protocol
 
-__all__ = ["BatchChecks", "CheckMany", "Found", "Post"]
+__all__ = ["Answers", "BatchChecks", "Found", "Presence"]
 
 logger = logging.getLogger("vllm.llmkv_fs.lookup")
 
@@ -73,11 +78,28 @@ WAITS_ON_THE_VOLUME_S = 100e-6
 
 # One key's answer: there, checked and not there, or unknown (the module doc).
 Found = bool | None
-# (batch id, [(key, generation, found)], final): one publication of a batch.
-Post = Callable[[int, list[tuple[bytes, int, Found]], bool], None]
-# Keys' answers in one call, in order; given a time budget (seconds) it may
-# answer the first keys only, one at least.
-CheckMany = Callable[[list[bytes], float], list[Found]]
+# Where a batch's answers go, each (batch id, [(key, generation, found)],
+# final): one publication of a batch.
+Answers = queue.SimpleQueue[tuple[int, list[tuple[bytes, int, Found]], bool]]
+
+
+class Presence(Protocol):
+    """What the lookups check keys with (the engine's ``RootsPresence``)."""
+
+    @property
+    def batched(self) -> bool:
+        """``many`` checks a chunk in one call (else it is asked ``one`` key
+        at a time)."""
+        ...
+
+    def one(self, key: bytes) -> Found:
+        """One key's answer; raises OSError when the volume fails it."""
+        ...
+
+    def many(self, keys: list[bytes], budget_s: float) -> list[Found]:
+        """Keys' answers in one call, in order; given a time budget (seconds)
+        it may answer the first keys only, one at least."""
+        ...
 
 
 class _Run:
@@ -141,23 +163,21 @@ class _Run:
 
 
 class BatchChecks:
-    """Checks posted batches with ``check_one`` (a key's ``Found``; it
-    answers OSError itself) -- or a chunk at once with ``check_many`` where
-    given -- on the calling thread and up to ``n_helpers`` helper threads;
-    answers through ``post``."""
+    """Checks posted batches against ``presence`` -- a chunk at once where
+    it checks in batches -- on the calling thread and up to ``n_helpers``
+    helper threads; puts the answers on ``answers``."""
 
     def __init__(
         self,
-        check_one: Callable[[bytes], Found],
+        presence: Presence,
         n_helpers: int,
-        post: Post,
+        answers: Answers,
         name: str = "llmkv_fs",
-        check_many: CheckMany | None = None,
     ):
-        self._check_one = check_one
-        self._check_many = check_many
+        self._presence = presence
+        self._batched = presence.batched
         self._n_helpers = n_helpers
-        self._post = post
+        self._answers = answers
         self._name = name
         self._help: queue.SimpleQueue[_Run | None] = queue.SimpleQueue()
         self._helpers: list[threading.Thread] = []
@@ -168,7 +188,7 @@ class BatchChecks:
         the answers; returns when the batch is decided."""
         run = _Run(batch_id, batch)
         if not batch:
-            self._post(batch_id, [], True)
+            self._answers.put((batch_id, [], True))
             return
         self._take_chunks(run)
         run.finished.wait()  # helpers still on their last chunks
@@ -205,10 +225,10 @@ class BatchChecks:
         """The answers of the chunk's first keys (all, unless its budget was
         spent first; one at least), and how many of them waited on the volume."""
         found: list[Found]
-        if self._check_many is not None:
+        if self._batched:
             started = time.perf_counter()
             try:
-                found = self._check_many([key for key, _generation in pairs], CHUNK_BUDGET_S)
+                found = self._presence.many([key for key, _generation in pairs], CHUNK_BUDGET_S)
             except Exception:  # each key again on its own: its failure is its miss
                 logger.debug("llmkv_fs: a batch of existence checks failed", exc_info=True)
             else:
@@ -228,6 +248,15 @@ class BatchChecks:
             if done - chunk_started >= CHUNK_BUDGET_S:
                 break
         return found, waited
+
+    def _check_one(self, key: bytes) -> Found:
+        try:
+            return self._presence.one(key)
+        except OSError as exc:
+            # An unreachable volume is a miss, not a crash and not a stall,
+            # and not a finding that the file is gone.
+            logger.warning("llmkv_fs: existence check failed (%s); treating as a miss", exc)
+            return None
 
     def _recruit(self, run: _Run) -> None:
         run.recruited = True
@@ -269,6 +298,6 @@ class BatchChecks:
                     (key, generation, hit)
                     for (key, generation), hit in zip(run.batch[start:stop], run.found[start:stop])
                 ]
-                self._post(run.batch_id, answers, final)
+                self._answers.put((run.batch_id, answers, final))
             if final:
                 run.finished.set()

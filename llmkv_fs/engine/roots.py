@@ -4,34 +4,62 @@
 thread (root check, free space, lease, access stamps). A tier with one root
 has one of each, exactly as before roots could be several; with several
 (``path_sharding: by_block_hash``) one root lost or full costs only the
-blocks placed on it (block/step.py, ``RootPlacement``).
+blocks placed on it (block/blockio.py, ``RootPlacement``).
+
+Presence: whether a key's block is on the roots, for the lookups
+(engine/lookup.py), is ``RootsPresence``, given to them at start-up: on its
+home root, else -- with several roots -- on its second choice, where it was
+written before its home was added (layout/placement.py). A lost root is not
+touched; one found gone meanwhile (RootGone: lost since its housekeeping
+last looked) is as if lost. A key not found on its other roots then
+answers None, not False: nobody looked where its file may be
+(engine/lookup_checks.py, ``Found``). ``on_their_roots`` is the one
+answer, for one key or a batch: each root is asked once for all the keys
+it is first asked about (``BlockIO.exists_many``: the compiled check where
+it runs), the second choices only for the keys their home did not have.
 
 Threading: built on the constructing thread before any I/O thread or worker
 exists; afterwards immutable apart from what each part documents (the
 housekeeping thread writes its root's signals, the guard its verdict).
+``RootsPresence`` runs on lookup threads: it reads each root's ``lost``
+flag and calls its BlockIO, whose descriptors are per thread.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import functools
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from llmkv_fs.config import TierSettings
 from llmkv_fs.engine.block.blockio import BlockIO
 from llmkv_fs.engine.block.bytepath import BytePathKind
+from llmkv_fs.engine.block.pause import PausePoints
 from llmkv_fs.engine.block.spec import RootSpec
+from llmkv_fs.engine.lookup_checks import Found
 from llmkv_fs.engine.startup.io_setup import choose_o_direct, io_options
 from llmkv_fs.engine.upkeep.housekeeping import STOP_WAIT_S, Housekeeping
 from llmkv_fs.engine.upkeep.prepare import check_root, prepare_volume
 from llmkv_fs.engine.upkeep.signals import VolumeSignals
 from llmkv_fs.engine.upkeep.space import SpaceGuard
 from llmkv_fs.layout.paths import CacheLayout
+from llmkv_fs.layout.placement import RootPlacement
 from llmkv_fs.layout.sealed import Keyring
 from llmkv_fs.rootlist import check_roots_distinct
 from llmkv_fs.volume.fsinfo import filesystem_type
+from llmkv_fs.volume.pinned_root import RootGone
 
-__all__ = ["EngineRoot", "close_roots", "open_roots"]
+__all__ = [
+    "EngineRoot",
+    "RootsPresence",
+    "at_once",
+    "close_roots",
+    "each_key",
+    "on_their_roots",
+    "open_roots",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,3 +187,102 @@ def _open_root(
         guard,
         housekeeping,
     )
+
+
+# -- presence ------------------------------------------------------------------------------
+
+
+class RootsPresence:
+    """Whether keys' blocks are on ``roots`` (the module doc), as the lookup
+    threads ask it: ``one`` key, or ``many`` in one compiled call per root
+    where every root can (``batched``). ``pause``: the lookups' pause points
+    ("exists", reached per key before it is checked; tests)."""
+
+    def __init__(
+        self,
+        roots: Sequence[EngineRoot],
+        placement: RootPlacement,
+        pause: PausePoints | None = None,
+    ):
+        self._roots = tuple(roots)
+        self._placement = placement
+        self._pause = pause
+        # Chunks are checked in one compiled call: every root can.
+        self.batched = all(root.blockio.checks_in_batches for root in self._roots)
+
+    def one(self, key: bytes) -> Found:
+        """The key's home root, then (several roots) its second choice."""
+        if self._pause is not None:  # a check held as in a stalled mount
+            self._pause.reached("exists", "lookup", key)
+        return on_their_roots(self._roots, self._placement, [key], each_key)[0]
+
+    def many(self, keys: list[bytes], budget_s: float) -> list[Found]:
+        """``one`` for each key, at once (the compiled check), of the first
+        keys only if ``budget_s`` is spent first. Pause points stop at each
+        key before the chunk's one call."""
+        if self._pause is not None:  # a check held as in a stalled mount
+            for key in keys:
+                self._pause.reached("exists", "lookup", key)
+        check = functools.partial(at_once, budget_s=budget_s)
+        return on_their_roots(self._roots, self._placement, keys, check)
+
+
+def each_key(blockio: BlockIO, keys: list[bytes]) -> list[bool]:
+    """A root's check of ``keys`` one ``exists`` at a time."""
+    return [blockio.exists(key) for key in keys]
+
+
+def at_once(blockio: BlockIO, keys: list[bytes], budget_s: float = 0.0) -> list[bool]:
+    """A root's check of ``keys`` in one call (compiled where it runs);
+    with ``budget_s``, possibly of the first keys only."""
+    return blockio.exists_many(keys, budget_s)
+
+
+def on_their_roots(
+    roots: Sequence[EngineRoot],
+    placement: RootPlacement,
+    keys: list[bytes],
+    check: Callable[[BlockIO, list[bytes]], list[bool]] = at_once,
+) -> list[Found]:
+    """Whether each key's block is on its roots (the module doc), in order,
+    each root asked through ``check``; raises what a root's check raises
+    other than RootGone. A check that answers fewer keys than asked (its
+    time budget spent) makes this answer the keys before the first one it
+    left, one at least."""
+    if len(roots) == 1:  # every key's only choice: no per-key placement (8,192-key prompts)
+        answers = _asked(roots[0], keys, check)
+        return [None] * len(keys) if answers is None else list(answers)
+    found: list[Found] = [False] * len(keys)
+    unasked: set[int] = set()  # keys one of whose roots was lost
+    answered = len(keys)
+    choices = [placement.choices(key) for key in keys]
+    for rank in range(max(map(len, choices), default=0)):
+        asked: dict[int, list[int]] = collections.defaultdict(list)
+        for at, chosen in enumerate(choices[:answered]):
+            if rank < len(chosen) and not found[at]:
+                asked[chosen[rank]].append(at)
+        for index, members in asked.items():
+            answers = _asked(roots[index], [keys[at] for at in members], check)
+            if answers is None:
+                unasked.update(members)
+                continue
+            for at, hit in zip(members, answers):
+                found[at] = hit
+            if len(answers) < len(members):
+                answered = min(answered, members[len(answers)])
+    for at in unasked:
+        if not found[at]:
+            found[at] = None
+    return found[:answered]
+
+
+def _asked(
+    root: EngineRoot, keys: list[bytes], check: Callable[[BlockIO, list[bytes]], list[bool]]
+) -> list[bool] | None:
+    """``root``'s answers for ``keys``; None where it is lost, or found gone."""
+    if root.lost:
+        return None
+    try:
+        return check(root.blockio, keys)
+    except RootGone:
+        return None

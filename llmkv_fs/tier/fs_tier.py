@@ -169,7 +169,7 @@ class FsTier(SecondaryTierManager):
                     _vllm_version(),
                     __version__,
                     roots=tuple(settings.root_dirs),
-                    seal_keys=_seal_keys(self.engine.step_spec.keyring),
+                    seal_keys=_seal_keys(self.engine.keyring),
                     max_usage_percent=settings.max_usage_percent,
                     min_free_bytes=settings.min_free_bytes,
                 )

@@ -17,6 +17,7 @@ from tests.kits.engine_kit import (
     DEADLINE_S,
     fill,
     held_by_executor,
+    inside,
     make_key,
     pattern,
     row,
@@ -47,13 +48,13 @@ def fill_executor(engine, gate, primary, job_id: int, first_chunk: int) -> list[
     """Store blocks until the executor holds as many as it can (every thread
     or every worker place), all held at the gate: what comes next is queued
     in the scheduler, in either mode. Returns their keys."""
-    n = engine.executor.capacity()
+    n = inside(engine).executor.capacity()
     keys = [make_key(("fill", first_chunk + i)) for i in range(n)]
     for i in range(n):
         fill(primary, first_chunk + i, pattern(("fill", first_chunk + i)))
     assert engine.submit_store(job_id, keys, list(range(first_chunk, first_chunk + n)))
     held_by_executor(engine, n)
-    assert engine.queued_store_blocks() == 0
+    assert inside(engine).queued_store_blocks() == 0
     return keys
 
 
@@ -104,7 +105,7 @@ def test_bounded_store_queue_rejects_without_io(bound, disk_root, engines, gate_
     assert engine.submit_store(2, [make_key(c) for c in (2, 3, 4)], [2, 3, 4]) is True
     rejected_keys = [make_key(c) for c in (5, 6, 7)]
     assert engine.submit_store(3, rejected_keys, [5, 6, 7]) is False
-    assert engine.queued_store_blocks() == 3
+    assert inside(engine).queued_store_blocks() == 3
     assert engine.counters[Direction.STORE, Failure.QUEUE_FULL] == 3
     assert engine.has_pending_work()
 
@@ -142,7 +143,7 @@ def test_a_job_larger_than_the_bound_fits_an_empty_queue_only(bound, disk_root, 
     gate = gate_for(engine)
     big = [make_key(c) for c in range(6)]
     assert engine.submit_store(1, big, list(range(6))) is True  # empty queue: accepted
-    held_by_executor(engine, engine.executor.capacity())  # the rest of it is queued
+    held_by_executor(engine, inside(engine).executor.capacity())  # the rest of it is queued
     assert engine.submit_store(2, [make_key(c) for c in range(6, 12)], list(range(6, 12))) is False
     gate.open()
     done = wait_jobs(engine, [1, 2])
@@ -263,7 +264,7 @@ def test_io_threads_pin_to_the_node_holding_the_primary_buffer(disk_root, engine
     engine, _layout, primary = engines(disk_root, n_blocks=8)
     assert engine.pinning.cpus == node1 and engine.pinning.node == 1
     if engines.mode.workers:  # each worker pins itself to the CPUs it was given
-        pids = engine.executor.worker_pids()
+        pids = inside(engine).executor.worker_pids()
         assert pids and all(frozenset(os.sched_getaffinity(pid)) == node1 for pid in pids)
         store_blocks(engine, primary, 1, range(8), range(8))
         return

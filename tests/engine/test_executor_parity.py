@@ -1,5 +1,5 @@
 """Behaviour that once differed between I/O threads and worker processes,
-now one code path (the scheduler and block/step.py), checked in both modes
+now one code path (the scheduler and block/blockio.py), checked in both modes
 (the io_mode fixture). No vLLM; real files, real processes, real tmpfs."""
 
 from __future__ import annotations
@@ -10,7 +10,15 @@ import threading
 
 from llmkv_fs.engine import Direction, Failure, Outcome
 from llmkv_fs.engine.upkeep import space as space_module
-from tests.kits.engine_kit import fill, held_by_executor, make_key, pattern, wait_jobs, wait_until
+from tests.kits.engine_kit import (
+    fill,
+    held_by_executor,
+    inside,
+    make_key,
+    pattern,
+    wait_jobs,
+    wait_until,
+)
 
 
 def test_a_failed_volume_stops_queued_stores_without_io(disk_root, engines, gate_for):
@@ -23,17 +31,19 @@ def test_a_failed_volume_stops_queued_stores_without_io(disk_root, engines, gate
     assert engine.submit_store(1, [make_key("warm")], [0])
     assert not wait_jobs(engine, [1])[1].failed
     gate = gate_for(engine)
-    n = engine.executor.capacity() + 160
+    n = inside(engine).executor.capacity() + 160
     keys = [make_key(("queued", i)) for i in range(n)]
     for start in range(0, n, 8):
         assert engine.submit_store(
             100 + start, keys[start : start + 8], [c % 32 for c in range(start, start + 8)]
         )
-    held_by_executor(engine, engine.executor.capacity())
+    held_by_executor(engine, inside(engine).executor.capacity())
     # The volume goes; a directory holding the same layout takes its place.
     os.rename(disk_root, disk_root + ".gone")
     os.makedirs(os.path.dirname(layout.block_path(keys[0])))
-    wait_until(engine.recheck_volume_failed, "the housekeeping thread to see the root replaced")
+    wait_until(
+        inside(engine).recheck_volume_failed, "the housekeeping thread to see the root replaced"
+    )
     gate.open()
     done = wait_jobs(engine, [100 + s for s in range(0, n, 8)])
     assert sum(len(job.failed) for job in done.values()) == n

@@ -33,7 +33,16 @@ from llmkv_fs.engine.block.presence import PRESENCE_ENV, compiled_check
 from llmkv_fs.engine.lookup import _MAX_REMEMBERED_MISSES, AsyncExistence
 from llmkv_fs.layout.blockfile import Corruption
 from tests.kits.clock_kit import ManualClock
-from tests.kits.engine_kit import DEADLINE_S, make_key, settle, store_blocks, wait_jobs
+from tests.kits.engine_kit import (
+    DEADLINE_S,
+    Checks,
+    inside,
+    make_key,
+    remembered_misses,
+    settle,
+    store_blocks,
+    wait_jobs,
+)
 from tests.kits.matrix_kit import ext4_shutdown, loop_ext4
 from tests.kits.volume_kit import flip_a_bit
 
@@ -58,7 +67,7 @@ def fails_then_misses(engine, key: bytes, loads) -> None:
         engine.end_step()
         engine.forget_request(f"again-{i}")
     assert [k for _place, _kind, k in loads.entries] == [key]
-    assert engine.lookups.remembered_misses() == 1
+    assert inside(engine).remembered_misses() == 1
 
 
 def test_bad_file_that_cannot_be_quarantined_is_a_miss_for_a_while(disk_root, engines, gate_for):
@@ -105,7 +114,7 @@ def test_remembered_misses_expire_and_are_bounded(tmp_path):
         probes.append(key)
         return True
 
-    lookups = AsyncExistence(exists, 1, miss_for_s=60.0)
+    lookups = AsyncExistence(Checks(exists), 1, miss_for_s=60.0)
     try:
         lookups.remember_misses([b"old"], now=time.monotonic() - 61)
         lookups.remember_misses([b"new"])
@@ -118,9 +127,9 @@ def test_remembered_misses_expire_and_are_bounded(tmp_path):
             lookups.end_step()
             time.sleep(0.002)
         assert probes == [b"old"]
-        assert lookups.remembered_misses() == 1  # the expired entry is gone
+        assert remembered_misses(lookups) == 1  # the expired entry is gone
         lookups.remember_misses(i.to_bytes(4, "big") for i in range(_MAX_REMEMBERED_MISSES + 5))
-        assert lookups.remembered_misses() == _MAX_REMEMBERED_MISSES
+        assert remembered_misses(lookups) == _MAX_REMEMBERED_MISSES
     finally:
         lookups.shutdown()
     doc = next(s.doc for s in SETTINGS if s.key == "failed_load_miss_s")
@@ -179,7 +188,7 @@ def test_a_guessed_miss_is_not_handed_to_a_new_request():
             raise OSError(errno.EIO, "Input/output error")
         return key in there
 
-    lookups = AsyncExistence(exists, 1)
+    lookups = AsyncExistence(Checks(exists), 1)
     try:
         failing.add(b"eio")
         assert step_until_known(lookups, [b"eio", b"gone"], "open") == [False, False]
@@ -213,7 +222,7 @@ def test_checks_go_parallel_once_the_volume_makes_them_wait(monkeypatch):
         checked.append(i)
         return i % 3 != 2
 
-    lookups = AsyncExistence(exists, 8, timeout=60.0, name="slowvol")
+    lookups = AsyncExistence(Checks(exists), 8, timeout=60.0, name="slowvol")
     try:
         keys = [number(i) for i in range(600)]
         verdicts = step_until_known(lookups, keys)
@@ -244,7 +253,7 @@ def test_a_chunk_checked_at_once_is_timed_whole_and_a_failure_checked_key_by_key
         time.sleep(0)
         return [int.from_bytes(k, "big") % 3 != 2 for k in keys]
 
-    lookups = AsyncExistence(exists, 8, timeout=60.0, name="chunkvol", exist_many=exist_many)
+    lookups = AsyncExistence(Checks(exists, exist_many), 8, timeout=60.0, name="chunkvol")
     try:
         verdicts = step_until_known(lookups, [number(i) for i in range(600)])
         helpers = [t for t in threading.enumerate() if t.name.startswith("chunkvol_stat")]
@@ -265,7 +274,7 @@ def test_checks_on_a_volume_answering_in_cpu_time_stay_on_one_thread(monkeypatch
         clock.spend(2e-6)
         return True
 
-    lookups = AsyncExistence(exists, 8, name="fastvol")
+    lookups = AsyncExistence(Checks(exists), 8, name="fastvol")
     try:
         assert step_until_known(lookups, [number(i) for i in range(400)]) == [True] * 400
         assert not [t for t in threading.enumerate() if t.name.startswith("fastvol_stat")]
@@ -301,9 +310,8 @@ def _checked_in_chunks(monkeypatch, name: str, cost_s: Callable[[int], float]):
     clock = ThreadClock()
     monkeypatch.setattr(lookup_checks, "time", clock)
     calls: list[tuple[int, float]] = []
-    lookups = AsyncExistence(
-        lambda key: True, 2, timeout=60.0, name=name, exist_many=_budgeted(clock, cost_s, calls)
-    )
+    checks = Checks(lambda key: True, _budgeted(clock, cost_s, calls))
+    lookups = AsyncExistence(checks, 2, timeout=60.0, name=name)
     try:
         verdicts = step_until_known(lookups, [number(i) for i in range(8192)])
         helpers = [t for t in threading.enumerate() if t.name.startswith(f"{name}_stat")]
@@ -355,7 +363,7 @@ def test_a_volume_that_answers_slowly_is_not_stalled(monkeypatch):
             assert go_on.wait(DEADLINE_S)
         return True
 
-    lookups = AsyncExistence(exists, 1, timeout=5.0)
+    lookups = AsyncExistence(Checks(exists), 1, timeout=5.0)
     try:
         keys = [number(i) for i in range(64)]
         assert lookups.lookup(keys[0], "r") is None
@@ -391,7 +399,7 @@ def test_answers_come_for_the_whole_batch_or_up_to_a_miss(miss_at):
             assert go_on.wait(DEADLINE_S)
         return key != missing
 
-    lookups = AsyncExistence(exists, 1)
+    lookups = AsyncExistence(Checks(exists), 1)
     keys = [number(i) for i in range(100)]
     try:
         assert all(lookups.lookup(k, "r") is None for k in keys)
@@ -493,7 +501,7 @@ def test_each_miss_says_why():
             release.wait(DEADLINE_S)
         return key == b"there"
 
-    lookups = AsyncExistence(exists, 1, timeout=5.0)
+    lookups = AsyncExistence(Checks(exists), 1, timeout=5.0)
     why = lookups.miss_reason
     try:
         for key in (b"gone", b"eio", b"there"):

@@ -20,6 +20,7 @@ from tests.kits import REPO
 from tests.kits.engine_kit import (
     BS,
     fill,
+    inside,
     make_key,
     pattern,
     settle,
@@ -124,7 +125,7 @@ def test_a_jobs_blocks_on_both_roots_move_at_the_same_time(mount_tmpfs, engines,
     store_blocks(engine, primary, 1, ids, range(4))
     # On tmpfs with 2 CPUs the engine runs 1 + 1 I/O threads (startup/io_setup.py,
     # io_thread_counts): as many places as it has, up to the job's four.
-    places = min(4, engine.executor.capacity())
+    places = min(4, inside(engine).executor.capacity())
     gate = gate_for(engine, point="read")  # past every check, at the read of its root
     assert engine.submit_load(2, [make_key(i) for i in ids], [4, 5, 6, 7])
     gate.wait_entered(places)  # one job, both roots, every place at once
@@ -143,7 +144,7 @@ def test_a_reordered_list_finds_every_block(mount_tmpfs, engines):
     engine.shutdown()
     engine, _, primary = engines(",".join(reversed(roots)), n_blocks=N, **SHARDED)
     assert all(settle(engine, make_key(i), "reordered") for i in range(N))
-    assert engine.lookups is not None
+    assert inside(engine).lookups is not None
     job = load_all(engine, primary, range(N), 2)
     assert job.success
 

@@ -11,7 +11,8 @@ import hashlib
 import mmap
 import os
 import time
-from typing import NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import pytest
 
@@ -21,7 +22,7 @@ from llmkv_fs.engine.block.blockio import BlockIO
 from llmkv_fs.engine.block.bytepath import VectoredBytes
 from llmkv_fs.engine.block.options import IoOptions
 from llmkv_fs.engine.block.pause import PausePoints
-from llmkv_fs.engine.scheduling import accounting, jobs, scheduler
+from llmkv_fs.engine.scheduling import scheduler
 from llmkv_fs.layout.paths import CacheLayout, RunIdentity
 from tests.kits.clock_kit import ManualClock
 
@@ -117,6 +118,25 @@ def replace_checks(monkeypatch, check) -> None:
     monkeypatch.setattr(BlockIO, "exists_many", many)
 
 
+class Checks:
+    """What ``AsyncExistence`` checks keys with, for a test that drives the
+    lookups on their own (engine/lookup_checks.py, ``Presence``): ``exists``
+    per key and, when given, ``exist_many`` a chunk at once."""
+
+    def __init__(
+        self,
+        exists: Callable[[bytes], bool | None],
+        exist_many: Callable[[list[bytes], float], list[bool | None]] | None = None,
+    ):
+        self.one = exists
+        self.batched = exist_many is not None
+        self._many = exist_many
+
+    def many(self, keys: list[bytes], budget_s: float) -> list[bool | None]:
+        assert self._many is not None
+        return self._many(keys, budget_s)
+
+
 class PauseMark(NamedTuple):
     """One block stopped at a pause point: its marker's fields."""
 
@@ -156,7 +176,7 @@ class Gate:
         kinds: tuple[str, ...] = (),
         point: str = "enter",
     ):
-        assert engine.pause is not None, "the engine started without a pause directory"
+        assert engine._pause is not None, "the engine started without a pause directory"
         self.dir = pause_dir
         self.point = point
         self.opened = _FileFlag(os.path.join(pause_dir, "open"))
@@ -314,7 +334,74 @@ def engine_clock(monkeypatch) -> ManualClock:
     """The clock of job deadlines, job latencies and lookup deadlines, for
     every engine of the test (they run in this process in both io modes: a
     worker process only sees a cancelled block)."""
-    return ManualClock().install(monkeypatch, scheduler, jobs, accounting, lookup, lookup_checks)
+    return ManualClock().install(monkeypatch, scheduler, lookup, lookup_checks)
+
+
+class Inside:
+    """What a test reads or drives inside an engine beyond what the tier
+    calls -- the one place tests reach the engine's private parts, so the
+    product's public names stay the tier's."""
+
+    def __init__(self, engine: FsEngine):
+        self._engine = engine
+
+    @property
+    def lookups(self) -> lookup.AsyncExistence:
+        return self._engine._lookups
+
+    @property
+    def executor(self) -> Any:
+        return self._engine._executor
+
+    @property
+    def placement(self) -> Any:
+        return self._engine._placement
+
+    @property
+    def pause(self) -> PausePoints | None:
+        return self._engine._pause
+
+    @property
+    def slice_blocks(self) -> int:
+        return self._engine._slice_blocks
+
+    @property
+    def step_spec(self) -> Any:
+        return self._engine._step_spec
+
+    def recheck_stalled(self) -> bool:
+        return self._engine._recheck_stalled()
+
+    def recheck_volume_failed(self) -> bool:
+        return self._engine._recheck_volume_failed()
+
+    def queued_store_blocks(self) -> int:
+        return self._engine.gauges()["queued_store_blocks"]
+
+    def tracked_keys(self) -> int:
+        return tracked_keys(self.lookups)
+
+    def remembered_misses(self) -> int:
+        return remembered_misses(self.lookups)
+
+
+def inside(engine: FsEngine) -> Inside:
+    return Inside(engine)
+
+
+def tracked_keys(lookups: lookup.AsyncExistence) -> int:
+    """Keys the lookups keep a state for."""
+    return len(lookups._states)
+
+
+def remembered_misses(lookups: lookup.AsyncExistence) -> int:
+    """Keys answered miss without a probe for a while (failed loads)."""
+    return len(lookups._misses)
+
+
+def workers_started(executor: Any) -> int:
+    """Worker processes a ProcessExecutor has started, cumulative."""
+    return int(executor._crew.started)
 
 
 def held_by_executor(engine: FsEngine, n: int) -> None:

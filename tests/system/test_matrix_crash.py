@@ -22,7 +22,7 @@ from llmkv_fs.config import TierSettings
 from llmkv_fs.engine import FsEngine, Outcome
 from llmkv_fs.engine.block.pause import PausePoints
 from llmkv_fs.volume.leases import pid_alive
-from tests.kits.engine_kit import IO_WORKERS_ENV, Gate, memfd_primary
+from tests.kits.engine_kit import IO_WORKERS_ENV, Gate, inside, memfd_primary
 from tests.kits.matrix_kit import (
     BLOCK,
     HIT,
@@ -69,7 +69,7 @@ def _write(layout, keys_hex: list[str], ready_fd: int, io_workers: int, pause_di
     )
     engine = FsEngine(settings, layout, primary, BLOCK, pause=PausePoints(pause_dir))
     assert engine.io_workers == io_workers
-    pids = ",".join(str(pid) for pid in engine.executor.worker_pids())
+    pids = ",".join(str(pid) for pid in inside(engine).executor.worker_pids())
     os.write(ready_fd, f"!{pids}\n".encode())
     for start in range(0, len(keys), 2):
         engine.submit_store(

@@ -17,7 +17,7 @@ import pytest
 
 from llmkv_fs.engine import Direction, EngineError, Failure, Outcome, Tally
 from llmkv_fs.layout.blockfile import Corruption
-from tests.kits.engine_kit import Gate
+from tests.kits.engine_kit import Gate, inside
 from tests.kits.matrix_kit import (
     DAMAGES,
     HIT,
@@ -400,7 +400,7 @@ def test_read_only_remount_mid_run_fails_stores_loads_continue(
         # temp file on a read-only volume; it is ours -- this process's or
         # one of its I/O workers' (gc removes it later).
         leftovers = temp_files(root)
-        writers = {os.getpid(), *writer.tier.engine.executor.worker_pids()}
+        writers = {os.getpid(), *inside(writer.tier.engine).executor.worker_pids()}
         assert {temp_owner(p) for p in leftovers} <= writers
 
         remount(root, "rw")  # and it recovers

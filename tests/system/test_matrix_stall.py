@@ -18,9 +18,9 @@ import numpy as np
 import pytest
 
 from llmkv_fs.engine import Direction, Failure, Outcome, lookup, lookup_checks
-from llmkv_fs.engine.scheduling import accounting, jobs, scheduler
+from llmkv_fs.engine.scheduling import scheduler
 from tests.kits.clock_kit import JUST_BEFORE_S, ManualClock
-from tests.kits.engine_kit import Gate, held_by_executor
+from tests.kits.engine_kit import Gate, held_by_executor, inside
 from tests.kits.matrix_kit import (
     HIT,
     HIT_PENDING,
@@ -89,7 +89,7 @@ def test_stalled_brick_never_blocks_the_scheduler(gluster, replicas, monkeypatch
         pytest.skip("brick multiplexing is on: SIGSTOP would stall other volumes")
     # The engine's job and lookup deadlines run on this clock: they pass
     # when the test moves it, however long the steps before took.
-    clock = ManualClock().install(monkeypatch, scheduler, jobs, accounting, lookup, lookup_checks)
+    clock = ManualClock().install(monkeypatch, scheduler, lookup, lookup_checks)
     root_a, root_b = gluster_dirs(gluster, "stall")
     writer = Replica(offloading_config(tiers=[ours(root_a)]))
     replicas.append(writer)
@@ -142,7 +142,7 @@ def test_stalled_brick_never_blocks_the_scheduler(gluster, replicas, monkeypatch
         # failed before its deadline: no failure, no stall. The fresh keys'
         # checks sit in the kernel too (RETRY; a client cache may say MISS).
         assert counters[Direction.STORE, Failure.DEADLINE] == 0, dict(counters)
-        assert not engine.recheck_stalled()
+        assert not inside(engine).recheck_stalled()
         assert set(verdicts) <= {RETRY, MISS} and pending == [HIT_PENDING] * len(loads)
         return loads_submitted
 
@@ -151,7 +151,7 @@ def test_stalled_brick_never_blocks_the_scheduler(gluster, replicas, monkeypatch
         verdicts, pending = steps()
         # Stores failed at their deadline, all of them.
         assert counters[Direction.STORE, Failure.DEADLINE] == len(stores), dict(counters)
-        assert engine.recheck_stalled() and engine.gauges()["stuck_blocks"] >= 1
+        assert inside(engine).recheck_stalled() and engine.gauges()["stuck_blocks"] >= 1
         # Lookups answer MISS; nothing new is promoted, so no load is submitted.
         assert verdicts == [MISS] * len(fresh)
         assert tier_clock.calls["submit_load"] == loads_submitted
@@ -180,7 +180,7 @@ def test_stalled_brick_never_blocks_the_scheduler(gluster, replicas, monkeypatch
 
     def cleared() -> bool:
         reader.step()
-        return not engine.recheck_stalled()
+        return not inside(engine).recheck_stalled()
 
     wait_until(cleared, "the stall to clear after SIGCONT")
     recovered_s = time.monotonic() - resumed
@@ -314,7 +314,9 @@ def test_write_burst_drops_stores_and_loads_stay_fast(volume, replicas, request,
     clock = TierClock(replica.tier)
     engine, counters = replica.tier.engine, replica.tier.engine.counters
     layout = engine.roots[0].layout
-    capacity = engine.executor.capacity()  # blocks the executor holds: threads, or workers x 2
+    capacity = inside(
+        engine
+    ).executor.capacity()  # blocks the executor holds: threads, or workers x 2
     # Places running a block at once: each I/O thread (on tmpfs with 2 CPUs the
     # engine runs 1 + 1 of the 2 + 2 asked: startup/io_setup.io_thread_counts),
     # or each worker process.
@@ -352,7 +354,7 @@ def test_write_burst_drops_stores_and_loads_stay_fast(volume, replicas, request,
             assert gate.entered() <= set(in_executor)
             _complete(replica, pending[fill:])  # the queue fills; the rest is refused
             queued = accepted[capacity:]
-            assert engine.queued_store_blocks() == len(queued) == QUEUE_BOUND
+            assert inside(engine).queued_store_blocks() == len(queued) == QUEUE_BOUND
             replica.step()  # submits the load: behind every queued store
             assert engine.gauges()["queued_load_blocks"] == 1
             written = counters[Outcome.WRITTEN]

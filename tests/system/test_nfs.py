@@ -47,7 +47,7 @@ CI_FILES = {
     "4.2": [
         *_COMMON,
         "tests/ops/gc/test_command.py",
-        "tests/engine/test_engine_io.py",
+        "tests/engine/test_engine.py",
         "tests/ops/gc/test_rules.py",
         "tests/ops/test_stats.py",
         "tests/ops/test_verify.py",

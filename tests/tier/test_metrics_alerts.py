@@ -20,6 +20,7 @@ from collections.abc import Callable
 import pytest
 
 from llmkv_fs.engine.workers import crew
+from tests.kits.engine_kit import inside
 from tests.kits.metrics_kit import Scraper, documented_alerts, firing
 from tests.kits.seal_kit import key_file
 from tests.kits.tier_kit import make_keys, ours, resolve, start, wait_until
@@ -113,7 +114,7 @@ def test_a_saturated_tier_fires_saturation_waiting_loads_and_drops(
     engine = replica.tier.engine
     before = idle_fires_nothing(replica, scraper)
     places = engine.gauges()["io_places"]
-    assert places == engine.executor.capacity()
+    assert places == inside(engine).executor.capacity()
 
     # The volume answers no store: one large store job fills every place
     # (each with a slice of several blocks), the rest of it waits in the
@@ -167,7 +168,7 @@ def test_a_stalled_volume_fires_stalled_then_store_and_load_errors(
     ctx = request_loads(replica, promoted, lambda: any(e[1] == "load" for e in gate.entries))
     wait_until(lambda: engine.gauges()["held_blocks"] == 3, "every block held by the volume")
     engine_clock.advance(1.0)  # the jobs' deadline: their blocks are stuck in the volume
-    wait_until(lambda: replica.step() or engine.recheck_stalled(), "the deadline to pass")
+    wait_until(lambda: replica.step() or inside(engine).recheck_stalled(), "the deadline to pass")
     stalled = scraper.scrape()
     # The store is reported failed at once (its blocks will never publish);
     # the load only when its read is back.
@@ -198,7 +199,9 @@ def test_an_unmounted_volume_fires_volume_failed(tmp_path, replicas):
     os.rename(root, root + ".gone")  # unmounted; an empty directory in its place
     os.makedirs(root)
     engine = replica.tier.engine
-    wait_until(engine.recheck_volume_failed, "the housekeeping thread to see the root replaced")
+    wait_until(
+        inside(engine).recheck_volume_failed, "the housekeeping thread to see the root replaced"
+    )
     assert firing(ALERTS, before, scraper.scrape()) == {"LlmkvFsVolumeFailed"}
 
 
@@ -237,7 +240,7 @@ def test_workers_that_die_and_cannot_restart_fire_deaths_and_missing(
         pytest.skip("I/O threads do not die (the idle and saturated tests: these never fire)")
     replica, scraper, _ = tier(replicas, str(tmp_path))
     before = idle_fires_nothing(replica, scraper)
-    executor = replica.tier.engine.executor
+    executor = inside(replica.tier.engine).executor
     configured = len(executor.worker_pids())
     # A replacement that cannot start (a broken interpreter): it dies
     # before it is ready, again and again.

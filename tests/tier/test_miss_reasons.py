@@ -18,6 +18,7 @@ import pytest
 from vllm.v1.kv_offload.base import LookupResult
 
 from llmkv_fs.tier.metrics import PREFIX
+from tests.kits.engine_kit import inside
 from tests.kits.metrics_kit import Scraper
 from tests.kits.seal_kit import key_file
 from tests.kits.tier_kit import make_keys, ours, resolve, start, wait_until
@@ -151,10 +152,12 @@ def test_a_check_held_past_the_deadline_misses_stalled_then_deadline(
     wait_until(checking, "the check to reach the volume")
     engine_clock.advance(1.0)  # the lookup deadline: min(job_timeout_s, 5 s)
     assert replica.find([held], ctx)[0] == {held: LookupResult.MISS}
-    assert engine.recheck_stalled()
+    assert inside(engine).recheck_stalled()
     assert resolve(replica, [later]) == {later: LookupResult.MISS}
     gate.open()
-    wait_until(lambda: replica.step() or not engine.recheck_stalled(), "the volume to answer")
+    wait_until(
+        lambda: replica.step() or not inside(engine).recheck_stalled(), "the volume to answer"
+    )
     assert replica.find([held], ctx)[0] == {held: LookupResult.MISS}
     replica.finish_request(ctx)
     assert misses(scraper, before) == {"stalled": 2, "deadline": 1}

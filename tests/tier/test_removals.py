@@ -14,6 +14,7 @@ from vllm.v1.kv_offload.base import LookupResult, Medium
 
 from llmkv_fs.tier.removals import RemovalWatch
 from tests.kits.clock_kit import ManualClock
+from tests.kits.engine_kit import inside
 from tests.kits.tier_kit import MiB, make_keys, ours, resolve, start, wait_until
 from tests.kits.volume_kit import BindVolume
 
@@ -63,7 +64,9 @@ def test_a_lookup_that_misses_a_stored_block_announces_it_once(disk_root, replic
 def gone_is_announced_once_the_volume_answers(a, key) -> None:
     """The volume answers again: the key is still known, and a real miss
     (a sweeper removed the file) is what announces it."""
-    wait_until(lambda: a.step() or not a.tier.engine.recheck_stalled(), "the volume to answer")
+    wait_until(
+        lambda: a.step() or not inside(a.tier.engine).recheck_stalled(), "the volume to answer"
+    )
     os.unlink(a.tier.engine.roots[0].layout.block_path(key))
     assert resolve(a, [key]) == {key: MISS}
     assert removed_keys(a) == [key]
@@ -87,7 +90,7 @@ def test_a_miss_answered_by_the_lookup_deadline_announces_nothing(
     engine_clock.advance(1.0)  # the lookup deadline: min(job_timeout_s, 5 s)
     final, _ = a.find([key], ctx)
     assert final == {key: MISS}
-    assert a.tier.engine.recheck_stalled()  # and the volume is stalled: refused after
+    assert inside(a.tier.engine).recheck_stalled()  # and the volume is stalled: refused after
     a.finish_request(ctx)
     assert resolve(a, [key]) == {key: MISS}
     assert removed_keys(a) == []  # the file is still there
@@ -104,7 +107,7 @@ def test_a_stalled_volume_s_refusals_announce_nothing(disk_root, replicas, gate_
     a.store(make_keys(1, seed="removal-stalled-store"), settle=False)
     wait_until(lambda: engine.gauges()["held_blocks"] == 1, "the store held by the volume")
     engine_clock.advance(1.0)  # its deadline: a block inside the volume, stalled
-    wait_until(lambda: a.step() or engine.recheck_stalled(), "the deadline to pass")
+    wait_until(lambda: a.step() or inside(engine).recheck_stalled(), "the deadline to pass")
 
     assert resolve(a, [key]) == {key: MISS}  # refused: lookups never wait on a stall
     assert removed_keys(a) == []

@@ -11,6 +11,7 @@ import pytest
 from vllm.v1.kv_offload.base import LookupResult
 
 from llmkv_fs.rootlist import RootListError
+from tests.kits.engine_kit import inside
 from tests.kits.tier_kit import (
     MiB,
     make_keys,
@@ -102,7 +103,7 @@ def test_a_lost_root_back_serves_what_lookups_missed_while_it_was_lost(tmp_path,
     for i in range(0, len(keys), 3):
         replica.store(keys[i : i + 3])
     # Out of the CPU tier (4 chunks) by now, on the root that will be lost.
-    on_b = [key for key in keys[:24] if engine.placement.home(key) == 1][:3]
+    on_b = [key for key in keys[:24] if inside(engine).placement.home(key) == 1][:3]
     assert len(on_b) == 3
     serving = replica.new_request()
     with replica.manager.lock:

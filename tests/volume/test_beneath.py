@@ -50,6 +50,7 @@ from tests.kits.engine_kit import (
     BS,
     IDENTITY,
     fill,
+    inside,
     make_key,
     pattern,
     row,
@@ -395,7 +396,7 @@ def test_no_descriptor_outlives_its_user(base, mode):
         # whatever the number of blocks and directories.
         threads = 2 + 2 + 1 + 2 + 1  # read, write, lookup, its pool, housekeeping
         assert _dir_fds_below("self", root) <= (threads if mode == 0 else 4)
-        for pid in engine.executor.worker_pids() if mode else ():
+        for pid in inside(engine).executor.worker_pids() if mode else ():
             assert _dir_fds_below(pid, root) <= 1
     finally:
         engine.shutdown()

@@ -25,6 +25,7 @@ from tests.kits.engine_kit import (
     BS,
     IDENTITY,
     fill,
+    inside,
     make_key,
     pattern,
     settle,
@@ -342,7 +343,7 @@ def test_a_load_that_meets_a_replaced_root_is_a_lost_root_not_a_bad_file(
     os.rmdir(root_path)
     os.rename(tmp_path / "old", root_path)
     wait_until(lambda: _failed_gauge(engine) == 0, "the original root to be back")
-    assert engine.lookups.remembered_misses() == 0
+    assert inside(engine).remembered_misses() == 0
     assert settle(engine, make_key(0), "after")
 
 

@@ -16,11 +16,14 @@ passes, hash pieces on tmpfs, checksum on, durability none). Reported: the
 median over rounds per block, the load average before and after.
 ``--strace``: each phase's calls per block, counted by ``strace -f -c`` over
 runs of 0 and ``--blocks`` blocks (the difference, so start-up is left out).
+``--calls``: each phase's Python function calls per block (a profile
+function counting them, in a run of its own so the timings are left alone).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import mmap
 import os
@@ -73,8 +76,15 @@ def _blockio(directory: str, block_size: int) -> Any:
     return BlockIO(layout, options)
 
 
-def child(directory: str, block_size: int, n_blocks: int, phases: tuple[str, ...]) -> dict:
-    """One measurement, inside the checkout's interpreter."""
+def child(
+    directory: str,
+    block_size: int,
+    n_blocks: int,
+    phases: tuple[str, ...],
+    count_calls: bool = False,
+) -> dict:
+    """One measurement, inside the checkout's interpreter (``count_calls``:
+    Python function calls per block of each phase, instead of times)."""
     blockio = _blockio(directory, block_size)
     rows = mmap.mmap(-1, block_size)
     rows[:] = os.urandom(block_size)
@@ -93,15 +103,28 @@ def child(directory: str, block_size: int, n_blocks: int, phases: tuple[str, ...
     result: dict[str, Any] = {"o_direct": blockio.options.use_o_direct}
     for phase in phases:
         op, which = ops[phase]
+        calls = [0]
+        if count_calls:
+            sys.setprofile(functools.partial(_count, calls))
         wall, cpu = time.perf_counter(), time.process_time()
         answers = [op(key) for key in which]
         result[f"{phase}_us"] = (time.perf_counter() - wall) / max(1, n_blocks) * 1e6
         result[f"{phase}_cpu_us"] = (time.process_time() - cpu) / max(1, n_blocks) * 1e6
+        sys.setprofile(None)
+        # The list comprehension, and for a store or load its lambda per
+        # block, are the harness's.
+        harness = 1 if phase in ("store", "load") else 0
+        result[f"{phase}_calls"] = (calls[0] - 1) / max(1, n_blocks) - harness
         if phase in ("hit", "miss"):
             assert all(answers) if phase == "hit" else not any(answers), phase
     if "load" in phases and n_blocks:
         assert back[:] == rows[:], "loaded bytes differ"
     return result
+
+
+def _count(calls: list[int], _frame: object, event: str, _arg: object) -> None:
+    if event == "call":
+        calls[0] += 1
 
 
 def _argv(directory: str, size: int, blocks: int, phases: tuple[str, ...]) -> list[str]:
@@ -127,11 +150,13 @@ def _env(checkout: str) -> dict[str, str]:
     return dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in path if p))
 
 
-def run_one(checkout: str, directory: str, size: int, blocks: int) -> dict:
+def run_one(
+    checkout: str, directory: str, size: int, blocks: int, count_calls: bool = False
+) -> dict:
     shutil.rmtree(directory, ignore_errors=True)
     os.makedirs(directory)
     done = subprocess.run(
-        _argv(directory, size, blocks, PHASES),
+        _argv(directory, size, blocks, PHASES) + (["--count-calls"] if count_calls else []),
         env=_env(checkout),
         capture_output=True,
         text=True,
@@ -192,14 +217,16 @@ def main() -> None:
     p.add_argument("--blocks", type=int, default=400)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--strace", action="store_true", help="also count system calls per block")
+    p.add_argument("--calls", action="store_true", help="also count Python calls per block")
     p.add_argument("--json", metavar="PATH", help="write the medians (and calls) as JSON")
+    p.add_argument("--count-calls", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--child", metavar="DIR", help=argparse.SUPPRESS)
     p.add_argument("--phases", default=",".join(PHASES), help=argparse.SUPPRESS)
     args = parser.parse_args()
     sizes = [parse_size(s) for s in args.sizes.split(",")]
     if args.child:
         phases = tuple(x for x in args.phases.split(",") if x)
-        print(json.dumps(child(args.child, sizes[0], args.blocks, phases)))
+        print(json.dumps(child(args.child, sizes[0], args.blocks, phases, args.count_calls)))
         return
     checkouts = [c.split("=", 1) for c in args.checkout] or [["this", "."]]
     load_before = os.getloadavg()
@@ -216,6 +243,12 @@ def main() -> None:
         for size in sizes:
             for label, path in checkouts:
                 calls[f"{label} {size // KiB}K"] = strace_calls(path, args.dir, size, args.blocks)
+    python_calls = {}
+    if args.calls:
+        for size in sizes:
+            for label, path in checkouts:
+                got = run_one(path, args.dir, size, args.blocks, count_calls=True)
+                python_calls[f"{label} {size // KiB}K"] = {ph: got[f"{ph}_calls"] for ph in PHASES}
     shutil.rmtree(args.dir, ignore_errors=True)
     load_after = os.getloadavg()
     print(f"load average before: {' '.join(f'{x:.2f}' for x in load_before)}")
@@ -238,10 +271,14 @@ def main() -> None:
         print(f"syscalls/block {name}: {cells}")
         for phase in PHASES:
             print(f"    {phase}: {per_phase[f'{phase}_calls']}")
+    for name, per_phase in python_calls.items():
+        cells = ", ".join(f"{phase} {per_phase[phase]:.1f}" for phase in PHASES)
+        print(f"python calls/block {name}: {cells}")
     print(f"load average after:  {' '.join(f'{x:.2f}' for x in load_after)}")
     if args.json:
         report = {"load_before": load_before, "load_after": load_after, "us_per_block": medians}
         with open(args.json, "w") as f:
+            report["python_calls_per_block"] = python_calls
             json.dump({**report, "syscalls_per_block": calls}, f, indent=1)
 
 

@@ -1,4 +1,21 @@
-"""Moving one block between a primary-tier row and its file.
+"""One block, start to end: every check it passes before and while it moves
+(``BlockStep``), and moving it between a primary-tier row and its file
+(``BlockIO``). An I/O thread of the engine and an I/O worker process call
+the same ``BlockStep.run``, so the two modes cannot drift apart.
+
+The step's checks, in order: the job still wants the block (its cancel byte,
+set once the deadline failed the job); the chunk index lies inside the
+primary buffer (a memoryview slice would clamp silently and copy the wrong
+bytes); root_dir is still the directory the tier started on (shared
+``VolumeSignals``, one page per root); for a store, the space guard admits
+it (both read from the root's ``VolumeSignals``, the page the engine's
+housekeeping writes). Then the block moves (``BlockIO``) on the root its key
+is placed on (a load also tries the key's second choice, see
+``RootPlacement``). A store or load that finds the root gone underneath it
+(pinned root, ``RootGone``: unmounted or replaced since the last
+housekeeping check) fails VOLUME_FAILED -- never remembered as a bad file,
+and a load then tries the key's next choice; ENOSPC trips the space guard
+right there, with the free space of that moment.
 
 Threading: a ``BlockIO`` is shared by every I/O thread. It holds only
 immutable settings; the per-thread scratch pages and root descriptors live
@@ -31,6 +48,9 @@ here, whatever the byte path. Sealed blocks (``options.sealed``) move
 through ``SealedBytes`` instead (block/sealed.py: AES-256-GCM where the
 checksum would be); a sealed block of a key this reader does not hold is a
 ``ForeignKey`` miss, never moved.
+
+A BlockStep is shared by the I/O threads of one process; it holds no
+mutable state of its own. ``run`` blocks on the filesystem and never raises.
 """
 
 from __future__ import annotations
@@ -42,26 +62,51 @@ import os
 import socket
 import stat
 import threading
-from collections.abc import Callable
+from collections.abc import Sequence
+from typing import NamedTuple, TypeVar
 
 from llmkv_fs.engine.block.bytepath import BytePath
 from llmkv_fs.engine.block.contents import BlockContents
 from llmkv_fs.engine.block.options import O_DIRECT, IoOptions
+from llmkv_fs.engine.block.pause import PausePoints
 from llmkv_fs.engine.block.presence import BlockPresence
 from llmkv_fs.engine.block.stamps import AccessStamps
-from llmkv_fs.engine.block.tempfiles import DirectoryGone, TempFiles
-from llmkv_fs.engine.outcomes import Abandoned, BlockMissing, Outcome
+from llmkv_fs.engine.outcomes import (
+    DEADLINE,
+    SKIPPED,
+    Abandoned,
+    BlockMissing,
+    BlockNotMoved,
+    BlockResult,
+    Outcome,
+    StoreRefused,
+    VolumeFailed,
+    failed,
+)
+from llmkv_fs.engine.upkeep.signals import VolumeSignals
+from llmkv_fs.engine.upkeep.space import trip_on_enospc
 from llmkv_fs.layout.blockfile import TRAILER_SIZE, BlockFileError, Corruption
 from llmkv_fs.layout.judgement import Judgement
 from llmkv_fs.layout.names import block_place, temp_name
 from llmkv_fs.layout.paths import CacheLayout
+from llmkv_fs.layout.placement import RootPlacement
 from llmkv_fs.layout.sealed import Keyring
 from llmkv_fs.volume.beneath import Beneath
-from llmkv_fs.volume.files import SHARED_FS_ATTEMPTS, missing_or_stale
+from llmkv_fs.volume.files import (
+    SHARED_FS_ATTEMPTS,
+    create_exclusive,
+    missing_or_stale,
+    needs_chmod,
+)
 from llmkv_fs.volume.nofollow import MountInTree
+from llmkv_fs.volume.pinned_root import RootGone
 from llmkv_fs.volume.quarantine import file_ident, quarantine_at
 
-__all__ = ["BlockIO"]
+__all__ = ["BlockIO", "BlockStep", "Cancel", "DirectoryGone", "StepRoot"]
+
+# A job's cancel byte: nonzero once its deadline failed the job (the
+# scheduler's ``IoJob.cancelled``, or a worker's byte of the cancel board).
+Cancel = bytearray | memoryview
 
 _PAGE = mmap.PAGESIZE
 # A file a store finds is opened to read its trailer page: never through a
@@ -69,6 +114,14 @@ _PAGE = mmap.PAGESIZE
 _PROBE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 # What a load refuses without calling the file bad (left in place).
 _REFUSED = frozenset((Judgement.NO_CHECKSUM, Judgement.FOREIGN_KEY))
+_SPACE_ERRNOS = frozenset((errno.ENOSPC, errno.EDQUOT))
+_E = TypeVar("_E", bound=BaseException)
+
+
+class DirectoryGone(OSError):
+    """The block's directory was removed (gc pruned it, another client
+    removed it: ENOENT/ESTALE) between resolving it and creating the temp
+    file in it. Nothing was written: the store resolves it again."""
 
 
 class BlockIO:
@@ -95,7 +148,8 @@ class BlockIO:
         # Each process that builds a BlockIO opens its own descriptors.
         self._below = Beneath(layout.root_dir, options.root)
         self._rank = layout.rank_dir_rel
-        self._temps = TempFiles(options, self._open_flags(os.O_WRONLY | os.O_CREAT | os.O_EXCL))
+        self._temp_flags = self._open_flags(os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+        self._chmod_files = needs_chmod(options.file_mode)
         # O_NONBLOCK: a FIFO planted at a block path must not hang an I/O
         # thread in open(); it fails in preadv instead (no effect on files).
         self._read_flags = self._open_flags(os.O_RDONLY | os.O_NONBLOCK)
@@ -122,10 +176,6 @@ class BlockIO:
         flags = base | os.O_NOFOLLOW | os.O_CLOEXEC
         return flags | O_DIRECT if self.options.use_o_direct else flags
 
-    def _place(self, key: bytes) -> tuple[str, str]:
-        """The block's directory relative to the root, and its name."""
-        return block_place(self._rank, key)
-
     def release(self) -> None:
         """Close the calling thread's descriptor of the root (see
         Beneath.release)."""
@@ -136,7 +186,7 @@ class BlockIO:
     def exists(self, key: bytes) -> bool:
         """A regular file of a size our reader accepts is at the block's path
         (see BlockPresence)."""
-        return self._presence.at(*self._place(key))
+        return self._presence.at(*block_place(self._rank, key))
 
     def exists_many(self, keys: list[bytes], budget_s: float = 0.0) -> list[bool]:
         """``exists`` for each key, in order: in one compiled call without
@@ -152,7 +202,11 @@ class BlockIO:
     # -- store -----------------------------------------------------------------
 
     def store(
-        self, key: bytes, row: memoryview, still_wanted: Callable[[], bool] | None = None
+        self,
+        key: bytes,
+        row: memoryview,
+        cancelled: Cancel | None = None,
+        pause: PausePoints | None = None,
     ) -> Outcome:
         """Publish ``row`` as the block file of ``key``: temp file named after
         this writer, optional fsync, rename -- all relative to the block's
@@ -162,16 +216,18 @@ class BlockIO:
         PRESENT when a block file this replica would load is there already;
         REPLACED when it wrote over a file it would not (``_found``).
 
-        ``still_wanted`` is asked right before the rename: a job that passed
-        its deadline meanwhile was already reported failed, and vLLM may have
-        reused ``row``, so what was written must not be published (Abandoned).
+        ``cancelled`` (the job's cancel byte) is read right before the
+        rename: a job that passed its deadline meanwhile was already reported
+        failed, and vLLM may have reused ``row``, so what was written must
+        not be published (Abandoned). ``pause``: the "publish" pause point,
+        reached right before that read (tests).
         """
-        rel_dir, name = self._place(key)
+        rel_dir, name = block_place(self._rank, key)
         attempts = SHARED_FS_ATTEMPTS
         after_race = False
         while True:
             try:
-                return self._store_in(rel_dir, name, key, row, still_wanted, after_race)
+                return self._store_in(rel_dir, name, key, row, cancelled, pause, after_race)
             except DirectoryGone:
                 # gc removed the directory between our walk and the create
                 # (nothing written yet): walk, and make it, again, opening
@@ -188,7 +244,8 @@ class BlockIO:
         name: str,
         key: bytes,
         row: memoryview,
-        still_wanted: Callable[[], bool] | None,
+        cancelled: Cancel | None,
+        pause: PausePoints | None,
         after_race: bool,
     ) -> Outcome:
         opts = self.options
@@ -205,13 +262,15 @@ class BlockIO:
                     return Outcome.PRESENT
             trailer = self._scratch()[:TRAILER_SIZE]
             tmp = temp_name(name, self._host, self._pid, self._local.nonce)
-            fd = self._temps.create(dir_fd, tmp)
+            fd = self._create_temp(dir_fd, tmp)
             try:
                 try:
                     self._contents.write(fd, key, row, trailer)
                 finally:
                     os.close(fd)
-                if still_wanted is not None and not still_wanted():
+                if pause is not None:  # tests: a store written, not published yet
+                    pause.reached("publish", "store", key)
+                if cancelled is not None and cancelled[0]:
                     raise Abandoned(self.layout.block_path(key))
                 try:
                     os.rename(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
@@ -229,6 +288,30 @@ class BlockIO:
             return Outcome.REPLACED if there else Outcome.WRITTEN
         finally:
             os.close(dir_fd)
+
+    def _create_temp(self, dir_fd: int, tmp: str) -> int:
+        """A new temp file ``tmp`` in the directory open as ``dir_fd``
+        (O_EXCL: never an existing name, never through a link), with exactly
+        ``file_mode``. A leftover under our own temp name (a dead
+        predecessor with our pid, or a link planted there) is unlinked
+        itself and the create tried once more. DirectoryGone when the
+        directory no longer exists: a descriptor of a removed directory
+        creates nothing (the kernel answers ENOENT), so a store never lands
+        in a directory gc took away."""
+        mode = self.options.file_mode
+        try:
+            fd = create_exclusive(tmp, self._temp_flags, mode, True, dir_fd)
+        except OSError as exc:
+            if missing_or_stale(exc):
+                raise DirectoryGone(exc.errno, exc.strerror, tmp) from exc
+            raise
+        if self._chmod_files:
+            try:
+                os.fchmod(fd, mode)
+            except BaseException:
+                os.close(fd)
+                raise
+        return fd
 
     def _found(self, dir_fd: int, name: str, key: bytes) -> tuple[bool, bool]:
         """What a store finds at the block's name: (a block file this
@@ -298,7 +381,7 @@ class BlockIO:
         a directory of the tree belongs: never followed) or OSError. On any
         raise the row holds garbage and must not be reported as loaded.
         """
-        rel_dir, name = self._place(key)
+        rel_dir, name = block_place(self._rank, key)
         scratch = self._scratch()
         below = self._below
         if below.one_call:  # the common case in one call; any failure takes the walk
@@ -366,8 +449,11 @@ class BlockIO:
             # A read-only descriptor: closing it can lose nothing, and a
             # GlusterFS client answers the close of a file removed through
             # another client with ESTALE (which would hide the outcome).
-            with contextlib.suppress(OSError):
+            # (try, not contextlib.suppress: three Python calls per block.)
+            try:
                 os.close(fd)
+            except OSError:
+                pass
         if dir_fd >= 0:
             self._set_aside(dir_fd, name, bad, ident)
             raise bad
@@ -432,3 +518,131 @@ class BlockIO:
             )
         except FileNotFoundError:
             return None
+
+
+# -- the step ------------------------------------------------------------------------------
+
+
+def without_tracebacks(exc: _E) -> _E:
+    """Drop the frames an exception holds: they reference the primary-buffer
+    row being copied, and a result keeping that alive stops vLLM from
+    unmapping the region at shutdown."""
+    seen: set[int] = set()
+    link: BaseException | None = exc
+    while link is not None and id(link) not in seen:
+        seen.add(id(link))
+        link.__traceback__ = None
+        link = link.__cause__ or link.__context__
+    return exc
+
+
+class StepRoot(NamedTuple):
+    """One root as a block step sees it: how blocks move there, and its
+    shared signals (lost? stores refused?)."""
+
+    blockio: BlockIO
+    signals: VolumeSignals
+
+
+class BlockStep:
+    """See the module doc. ``rows`` is the primary buffer as one flat view
+    of ``rows.nbytes // block_size`` rows; ``roots`` the engine's roots in
+    list order and ``placement`` where a key lives among them. Built by
+    ``block.spec.build_step`` in I/O threads and worker processes alike."""
+
+    def __init__(
+        self,
+        roots: Sequence[StepRoot],
+        rows: memoryview,
+        placement: RootPlacement,
+        pause: PausePoints | None = None,
+    ):
+        self.roots = tuple(roots)
+        self.block_size = self.roots[0].blockio.options.block_size
+        self.num_chunks = rows.nbytes // self.block_size
+        self._rows = rows
+        self._placement = placement
+        self._one_root = len(self.roots) == 1  # every key's only choice: no placement
+        self._pause = pause
+
+    def run(self, is_load: bool, key: bytes, chunk: int, cancelled: Cancel) -> BlockResult:
+        """Move one block; its result (an Outcome, or a Failed naming why).
+        ``cancelled``: the job's cancel byte (nonzero: not wanted any more)."""
+        if self._pause is not None:  # tests: before every check, so a held block re-checks
+            self._pause.reached("enter", "load" if is_load else "store", key)
+        if cancelled[0]:
+            return DEADLINE
+        if not 0 <= chunk < self.num_chunks:
+            message = f"chunk {chunk} outside the primary buffer (0..{self.num_chunks - 1})"
+            return failed(IndexError(message))
+        start = chunk * self.block_size
+        row = self._rows[start : start + self.block_size]
+        try:
+            if is_load:
+                return self._load(key, row)
+            return self._store(key, row, cancelled)
+        except Exception as exc:  # recorded per block; never ends a thread or worker
+            return failed(without_tracebacks(exc))
+        finally:
+            try:
+                row.release()
+            except BufferError:  # a view still exported: freed with it
+                pass
+
+    def run_slice(
+        self,
+        is_load: bool,
+        keys: Sequence[bytes],
+        chunks: Sequence[int],
+        cancelled: Cancel,
+    ) -> list[BlockResult]:
+        """``run`` for consecutive blocks of one job, in order. After a load
+        fails the rest are SKIPPED without I/O: vLLM can use only the blocks
+        before the first failure (the load prefix rule: scheduling/scheduler.py).
+        Never raises."""
+        results: list[BlockResult] = []
+        for key, chunk in zip(keys, chunks):
+            result = self.run(is_load, key, chunk, cancelled)
+            results.append(result)
+            if is_load and not isinstance(result, Outcome):
+                results += [SKIPPED] * (len(keys) - len(results))
+                break
+        return results
+
+    def _load(self, key: bytes, row: memoryview) -> BlockResult:
+        """From the block's home root, else its second choice (where it was
+        written before the home root was added); a lost root is skipped."""
+        first_error: BlockNotMoved | None = None
+        for index in (0,) if self._one_root else self._placement.choices(key):
+            blockio, signals = self.roots[index]
+            if signals.root_lost:
+                first_error = first_error or VolumeFailed(blockio.layout.root_dir)
+                continue
+            if self._pause is not None:  # tests: a read the volume has not answered yet
+                self._pause.reached("read", "load", key)
+            try:
+                return blockio.load(key, row)
+            except BlockMissing as exc:
+                first_error = first_error or exc
+            except RootGone as exc:  # lost since the last housekeeping check
+                lost = VolumeFailed(blockio.layout.root_dir)
+                lost.__cause__ = exc
+                first_error = first_error or lost
+        assert first_error is not None
+        raise first_error
+
+    def _store(self, key: bytes, row: memoryview, cancelled: Cancel) -> BlockResult:
+        blockio, signals = self.roots[0 if self._one_root else self._placement.home(key)]
+        lost, refused = signals.store_flags()
+        if lost:
+            raise VolumeFailed(blockio.layout.root_dir)
+        if refused:
+            raise StoreRefused(signals.refusal)
+        try:
+            return blockio.store(key, row, cancelled, self._pause)
+        except RootGone as exc:
+            raise VolumeFailed(blockio.layout.root_dir) from exc
+        except OSError as exc:
+            if exc.errno in _SPACE_ERRNOS:
+                trip_on_enospc(signals, blockio.layout.root_dir)
+            raise

@@ -83,36 +83,28 @@ class BlockContents:
         """Fill the temp file ``fd`` with ``row`` and its trailer (packed in
         ``trailer``, the thread's page), fsync it if the options say so, and
         check its length. BytePathFault for a file that is no block file."""
-        self._write(fd, key, row, trailer)
-        self._check_written(fd, row.nbytes + TRAILER_SIZE, key)
-
-    def _write(self, fd: int, key: bytes, row: memoryview, trailer: memoryview) -> None:
         if self._sealed is not None:
             self._sealed.write(fd, key, row, trailer)
-            if self.options.fsync_file:
-                os.fsync(fd)
-            return
-        checksum = self.options.checksum
-        sealed = False
+        else:
+            checksum = self.options.checksum
+            sealed = False
 
-        def seal(digest: int | None) -> None:
-            nonlocal sealed
-            if checksum and digest is None:
-                digest = payload_checksum(row)
-            pack_trailer(trailer, key, row.nbytes, digest if checksum else None, time.time_ns())
-            sealed = True
+            def seal(digest: int | None) -> None:
+                nonlocal sealed
+                if checksum and digest is None:
+                    digest = payload_checksum(row)
+                pack_trailer(trailer, key, row.nbytes, digest if checksum else None, time.time_ns())
+                sealed = True
 
-        self._bytes.write(fd, row, trailer, seal)
-        if not sealed:  # the trailer page holds another block's trailer, or nothing
-            raise BytePathFault(f"the byte path never sealed the trailer of {key.hex()}")
+            self._bytes.write(fd, row, trailer, seal)
+            if not sealed:  # the trailer page holds another block's trailer, or nothing
+                raise BytePathFault(f"the byte path never sealed the trailer of {key.hex()}")
         if self.options.fsync_file:
             os.fsync(fd)
-
-    @staticmethod
-    def _check_written(fd: int, size: int, key: bytes) -> None:
-        """The temp file is as long as a block file (one fstat): a byte path
-        that returned normally after a short write must not get its file
-        published and counted written (it would only be caught on load)."""
+        # The temp file is as long as a block file (one fstat): a byte path
+        # that returned normally after a short write must not get its file
+        # published and counted written (it would only be caught on load).
+        size = row.nbytes + TRAILER_SIZE
         got = os.fstat(fd).st_size
         if got != size:
             raise BytePathFault(f"the byte path left {got} bytes of {size} for {key.hex()}")

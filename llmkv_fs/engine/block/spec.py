@@ -14,11 +14,10 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from llmkv_fs.engine.block.blockio import BlockIO
+from llmkv_fs.engine.block.blockio import BlockIO, BlockStep, StepRoot
 from llmkv_fs.engine.block.bytepath import BytePathKind, VectoredBytes
 from llmkv_fs.engine.block.options import IoOptions
 from llmkv_fs.engine.block.pause import PausePoints
-from llmkv_fs.engine.block.step import BlockStep, StepRoot
 from llmkv_fs.engine.upkeep.signals import VolumeSignals
 from llmkv_fs.layout.paths import CacheLayout
 from llmkv_fs.layout.placement import RootPlacement

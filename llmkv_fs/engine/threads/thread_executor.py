@@ -1,6 +1,6 @@
 """The I/O-thread executor: threads of the engine's own process take blocks
 from the scheduler and run each through the one per-block function
-(block/step.py).
+(block/blockio.py).
 
 Read-priority threads ask for loads first, write-priority threads for stores
 first (scheduling/scheduler.py decides what that means). While blocks are
@@ -23,16 +23,15 @@ from __future__ import annotations
 
 import threading
 
-from llmkv_fs.engine.block.step import BlockStep
-from llmkv_fs.engine.scheduling.executor import BlockSource
-from llmkv_fs.engine.scheduling.jobs import BlockSlice, IoJob
+from llmkv_fs.engine.block.blockio import BlockStep
+from llmkv_fs.engine.scheduling.scheduler import BlockSlice, BlockSource, IoJob
 from llmkv_fs.engine.startup.numa import pin_current_thread
 
 __all__ = ["ThreadExecutor"]
 
 
 class ThreadExecutor:
-    """Implements scheduling.executor.Executor with I/O threads."""
+    """Implements scheduling.scheduler.Executor with I/O threads."""
 
     def __init__(
         self,
@@ -68,7 +67,7 @@ class ThreadExecutor:
             self._idle.notify(blocks)
 
     def job_expired(self, job: IoJob) -> None:
-        """Nothing to do: a thread's block asks ``job.still_wanted()``."""
+        """Nothing to do: a thread's block reads ``job.cancelled``."""
 
     def stop(self) -> None:
         with self._idle:  # the scheduler is stopping: every sleeper must see it
@@ -96,7 +95,7 @@ class ThreadExecutor:
             if taken is None:
                 return  # stopping, nothing left to take
             job = taken.job
-            results = step.run_slice(job.is_load, taken.keys, taken.chunks, job.still_wanted)
+            results = step.run_slice(job.is_load, taken.keys, taken.chunks, job.cancelled)
             source.slice_done(taken, results)
             # Drop the references before sleeping: an idle thread must not
             # keep a job (and through it the primary rows) alive.

@@ -3,7 +3,7 @@ and its worker processes share: whether root_dir is lost, whether stores are
 refused (the space guard), and the free space measured at the last ENOSPC.
 
 The page is a memfd mapped by the engine and, through an inherited fd, by
-each I/O worker, so the per-block checks (block/step.py) read the same
+each I/O worker, so the per-block checks (block/blockio.py) read the same
 answer in a thread of the engine and in a worker: a worker never stores to a
 volume the engine has declared failed (found as a drift between the two
 modes: after the root was replaced, queued stores went on in workers).
@@ -92,6 +92,12 @@ class VolumeSignals:
     @property
     def stores_refused(self) -> bool:
         return bool(self._page[_REFUSED])
+
+    def store_flags(self) -> tuple[int, int]:
+        """``root_lost`` and ``stores_refused`` in one read (nonzero: set),
+        as a block about to be stored asks them."""
+        page = self._page
+        return page[_ROOT_LOST], page[_REFUSED]
 
     @property
     def enospc(self) -> bool:

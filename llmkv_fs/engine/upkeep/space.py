@@ -1,10 +1,11 @@
 """The space guard: stop storing before the shared volume is full.
 
 Threading and processes: ``sample`` runs on the housekeeping thread (statvfs
-can block on a network filesystem); ``allows_store`` is read by the owner
-when a store is submitted and by every block before it is stored;
+can block on a network filesystem); its verdict (``stores_refused`` of the
+root's signals page) is read by the owner when a store is submitted and by
+every block before it is stored;
 ``trip_on_enospc`` is called by whichever I/O thread or worker process hit
-ENOSPC (block/step.py). The verdict lives in the shared ``VolumeSignals`` page, so a worker
+ENOSPC (block/blockio.py). The verdict lives in the shared ``VolumeSignals`` page, so a worker
 process reads and trips the same guard (signals.py says how its one race
 settles). A decision one sample old is fine.
 """

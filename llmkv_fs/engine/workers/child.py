@@ -28,9 +28,9 @@ vLLM or torch. Its life:
   the byte path, the shared volume signals, the pause points its launch
   carries)
   and answers with a result record (records.RESULT) on its result pipe. The
-  block's cancel byte in the shared cancel board is its ``still_wanted``: the
-  owner sets it when the job's deadline passed, so an abandoned store is
-  never published;
+  slice's cancel byte in the shared cancel board is what the step reads as
+  its job's ``cancelled`` byte: the owner sets it when the job's deadline
+  passed, so an abandoned store is never published;
 * the region's page tables are filled ahead of the I/O (prefault.py): a
   row before its first block here, the rest while the job pipe is idle;
 * access stamps for LRU eviction are applied here, when the job pipe is idle
@@ -50,11 +50,9 @@ import select
 import signal
 import sys
 import time
-from collections.abc import Callable
 
-from llmkv_fs.engine.block.blockio import BlockIO
+from llmkv_fs.engine.block.blockio import BlockIO, BlockStep
 from llmkv_fs.engine.block.spec import build_step
-from llmkv_fs.engine.block.step import BlockStep
 from llmkv_fs.engine.upkeep.signals import VolumeSignals
 from llmkv_fs.engine.workers.crew import WorkerLaunch
 from llmkv_fs.engine.workers.prefault import RowPrefault
@@ -121,10 +119,6 @@ class _AccessStamps:
             blockio.apply_access_stamps()
 
 
-def _cancel_byte_clear(board: mmap.mmap, slot: int) -> Callable[[], bool]:
-    return lambda: not board[slot]
-
-
 def serve(launch: WorkerLaunch) -> None:
     _die_with_parent(launch.parent)
     if launch.cpus:
@@ -137,6 +131,9 @@ def serve(launch: WorkerLaunch) -> None:
     stamps = _AccessStamps([root.blockio for root in step.roots])
     board = mmap.mmap(launch.board_fd, launch.board_size)
     os.close(launch.board_fd)
+    # One byte of the board per slot, as the step reads a job's cancel byte
+    # (the views pin the mapping for the worker's life, which it lasts anyway).
+    cancel_bytes = [memoryview(board)[slot : slot + 1] for slot in range(launch.board_size)]
     os.write(results_fd, hello_record(os.getpid()))
     buf = bytearray()
     slices: collections.deque[tuple[int, int, list[int], list[bytes]]] = collections.deque()
@@ -171,9 +168,9 @@ def serve(launch: WorkerLaunch) -> None:
             break
         for chunk in chunks:
             prefault.before_block(chunk)
-        # The cancel byte is the slice's still_wanted: set when its job
+        # The slot's cancel byte: set when its job
         # passed the deadline, read before each block and before a rename.
-        results = step.run_slice(op == OP_LOAD, keys, chunks, _cancel_byte_clear(board, slot))
+        results = step.run_slice(op == OP_LOAD, keys, chunks, cancel_bytes[slot])
         _write_all(results_fd, b"".join(encode_result(slot, result) for result in results))
     stamps.apply()
 

@@ -35,7 +35,7 @@ from collections.abc import Callable
 from llmkv_fs.engine.block.pause import PausePoints
 from llmkv_fs.engine.block.spec import StepSpec
 from llmkv_fs.engine.outcomes import BlockResult
-from llmkv_fs.engine.scheduling.jobs import BlockSlice
+from llmkv_fs.engine.scheduling.scheduler import BlockSlice
 from llmkv_fs.engine.upkeep.signals import VolumeSignals
 from llmkv_fs.engine.workers.records import stop_record
 from llmkv_fs.engine.workers.region import RegionHandover, Segment

@@ -1,7 +1,7 @@
 """The worker-process executor: blocks run in I/O worker processes
 (workers/child.py) that map the primary region themselves, so the per-block
 Python does not share vLLM's GIL. What a block passes through in a worker
-is the same BlockStep an I/O thread runs (block/step.py).
+is the same BlockStep an I/O thread runs (block/blockio.py).
 
 Roles
 -----
@@ -51,8 +51,7 @@ import time
 from collections.abc import Sequence
 
 from llmkv_fs.engine.outcomes import BlockResult, Failed, Failure
-from llmkv_fs.engine.scheduling.executor import BlockSource
-from llmkv_fs.engine.scheduling.jobs import BlockSlice, IoJob
+from llmkv_fs.engine.scheduling.scheduler import BlockSlice, BlockSource, IoJob
 from llmkv_fs.engine.workers import crew as crew_module
 from llmkv_fs.engine.workers.crew import DEPTH, START_TIMEOUT_S, Crew, WorkerHandle, WorkerSpec
 from llmkv_fs.engine.workers.records import HELLO, OP_LOAD, OP_STORE, job_record, take_results
@@ -72,7 +71,7 @@ _ONE = ctypes.byref(ctypes.c_uint64(1))
 
 
 class ProcessExecutor:
-    """Implements scheduling.executor.Executor with worker processes.
+    """Implements scheduling.scheduler.Executor with worker processes.
     ``start`` blocks until every worker mapped the region and said hello; it
     raises OSError/RuntimeError if they cannot (the engine then uses threads)."""
 
@@ -139,10 +138,6 @@ class ProcessExecutor:
 
     def deaths(self) -> int:
         return self._crew.died
-
-    @property
-    def workers_started(self) -> int:
-        return self._crew.started
 
     # -- the conductor thread ----------------------------------------------------
 

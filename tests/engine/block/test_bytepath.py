@@ -19,7 +19,7 @@ from tests.kits.bytepath_kit import (
     ShortBytes,
     UnsealedBytes,
 )
-from tests.kits.engine_kit import BS, fill, make_key, pattern, row, wait_jobs, wait_until
+from tests.kits.engine_kit import BS, fill, inside, make_key, pattern, row, wait_jobs, wait_until
 
 
 @pytest.fixture
@@ -58,7 +58,7 @@ def test_a_second_byte_path_moves_every_block_in_both_modes(engines, volume, tra
     assert len(data) == BS + TRAILER_SIZE
     assert verify_block(data[:BS], data[BS:], keys[3], verify_checksum=True).has_checksum
     # Who moved the bytes: the worker processes, or this process's threads.
-    workers = set(engine.executor.worker_pids())
+    workers = set(inside(engine).executor.worker_pids())
     for op in ("write", "read"):
         if engines.mode.workers:
             assert _movers(trace, op) and _movers(trace, op) <= workers
@@ -123,7 +123,7 @@ def test_checks_before_the_byte_path_are_the_engines(engines, volume, trace):
         fill(primary, i, pattern(i))
     assert engine.submit_store(2, keys, list(range(16)))
     job = wait_jobs(engine, [2])[2]
-    homed_on_lost = {k for k in keys if engine.placement.home(k) == 1}
+    homed_on_lost = {k for k in keys if inside(engine).placement.home(k) == 1}
     assert homed_on_lost and set(job.failed) == homed_on_lost
     assert engine.counters[Direction.STORE, Failure.VOLUME_FAILED] == len(homed_on_lost)
     written = sum(

@@ -17,6 +17,7 @@ from llmkv_fs.layout.paths import CacheLayout
 from tests.kits.engine_kit import (
     BS,
     IDENTITY,
+    inside,
     make_key,
     memfd_primary,
     settle,
@@ -41,7 +42,7 @@ def test_the_environment_turns_no_pause_point_on(tmp_path, monkeypatch, io_worke
     primary = memfd_primary(4 * BS)
     engine = FsEngine(settings, CacheLayout.for_identity(root, IDENTITY), primary, BS)
     try:
-        assert engine.pause is None
+        assert inside(engine).pause is None
         assert engine.io_workers == io_workers
         store_blocks(engine, primary, 1, [0, 1], [0, 1])  # waits for the jobs: none held
         assert not [name for name in os.listdir(armed) if name.startswith("at.")]
@@ -57,7 +58,7 @@ def test_a_paused_engine_runs_the_compiled_check(tmp_path, engines, gate_for, ca
         pytest.skip("the compiled presence check is not built here (or no openat2)")
     with caplog.at_level(logging.INFO, logger="vllm.llmkv_fs.engine"):
         engine, _layout, primary = engines(str(tmp_path / "kv"), n_blocks=4, lookup_threads=1)
-    assert engine.pause is not None
+    assert inside(engine).pause is not None
     started = [r.getMessage() for r in caplog.records if "presence check" in r.getMessage()]
     assert len(started) == 1 and started[0].split("presence check ")[1].startswith("compiled")
 

@@ -27,7 +27,7 @@ from llmkv_fs.engine.block.bytepath import VectoredBytes
 from llmkv_fs.engine.block.options import IoOptions
 from llmkv_fs.engine.workers.crew import WorkerLaunch
 from llmkv_fs.layout.blockfile import TRAILER_SIZE, file_sizes, pack_trailer, verify_block
-from tests.kits.engine_kit import round_trip, worker_engine
+from tests.kits.engine_kit import inside, round_trip, worker_engine
 
 KEY = bytes(range(36))
 
@@ -138,16 +138,16 @@ def test_workers_hash_and_seal_in_smaller_pieces_than_threads(medium, mount_tmpf
     engine, primary = worker_engine(f"{base}/kv", 8, 2 << 20)
     try:
         threads_piece = engine.roots[0].blockio.options.hash_chunk
-        pieces = [worker_options(pid).hash_chunk for pid in engine.executor.worker_pids()]
+        pieces = [worker_options(pid).hash_chunk for pid in inside(engine).executor.worker_pids()]
         if medium == "tmpfs":
             assert threads_piece == 1 << 20
             assert pieces == [256 << 10, 256 << 10]
         else:  # a disk: one large read matters more than the cache
             assert threads_piece == 0 and pieces == [0, 0]
         assert engine.roots[0].blockio.options.seal_piece == 4 << 20
-        assert [worker_options(pid).seal_piece for pid in engine.executor.worker_pids()] == [
-            256 << 10
-        ] * 2
+        assert [
+            worker_options(pid).seal_piece for pid in inside(engine).executor.worker_pids()
+        ] == [256 << 10] * 2
         round_trip(engine, primary, 8)
     finally:
         engine.shutdown()

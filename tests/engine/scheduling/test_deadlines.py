@@ -28,6 +28,7 @@ from tests.kits.engine_kit import (
     Gate,
     fill,
     held_by_executor,
+    inside,
     make_key,
     pattern,
     replace_checks,
@@ -50,7 +51,9 @@ def up_to_the_deadline(engine, engine_clock: ManualClock, timeout_s: float = TIM
     expired = engine.counters[Tally.DEADLINE_EXPIRED]
     assert engine.take_finished() == []
     engine.end_step()
-    assert engine.counters[Tally.DEADLINE_EXPIRED] == expired and not engine.recheck_stalled()
+    assert (
+        engine.counters[Tally.DEADLINE_EXPIRED] == expired and not inside(engine).recheck_stalled()
+    )
     engine_clock.advance(JUST_BEFORE_S)
 
 
@@ -98,10 +101,10 @@ def test_stuck_store_fails_at_deadline_and_is_never_published(
     assert engine.submit_store(2, second, [3, 4])  # queued behind it, never started
     # Out of the queues: two threads' blocks, or with workers also the
     # blocks next in each worker's pipe (two each).
-    out = min(5, engine.executor.capacity())
+    out = min(5, inside(engine).executor.capacity())
     held_by_executor(engine, out)
-    assert engine.queued_store_blocks() == 5 - out
-    assert not engine.recheck_stalled()  # nobody is overdue yet
+    assert inside(engine).queued_store_blocks() == 5 - out
+    assert not inside(engine).recheck_stalled()  # nobody is overdue yet
     held_temps = temp_files(disk_root)
     assert len(held_temps) == 2, held_temps
 
@@ -122,10 +125,10 @@ def test_stuck_store_fails_at_deadline_and_is_never_published(
     assert c[Outcome.WRITTEN] == 0
     assert engine.job_latencies[Direction.STORE] == [TIMEOUT_S, TIMEOUT_S]  # by the clock
     assert [kind for _t, kind, _k in gate.entries] == ["store", "store"]  # the others never ran
-    assert engine.queued_store_blocks() == 0
+    assert inside(engine).queued_store_blocks() == 0
 
     # Stalled: the volume is not answering.
-    assert engine.recheck_stalled()
+    assert inside(engine).recheck_stalled()
     assert engine.gauges()["stuck_blocks"] == out
     fill(primary, 5, pattern("late"))
     assert engine.submit_store(3, [make_key("late")], [5]) is False
@@ -141,7 +144,7 @@ def test_stuck_store_fails_at_deadline_and_is_never_published(
 
     # The volume answers again: the held writes go on but must not publish.
     gate.open()
-    wait_until(lambda: not engine.recheck_stalled(), "the stuck blocks to return")
+    wait_until(lambda: not inside(engine).recheck_stalled(), "the stuck blocks to return")
     assert engine.gauges()["stuck_blocks"] == 0
     for tmp in held_temps:
         assert not os.path.lexists(tmp)  # the held blocks removed their temp files
@@ -193,7 +196,7 @@ def test_store_that_finishes_in_time_is_unaffected(disk_root, engines, engine_cl
     engine.end_step()
     assert engine.counters[Tally.DEADLINE_EXPIRED] == 0
     assert engine.counters[Direction.STORE, Failure.DEADLINE] == 0
-    assert not engine.recheck_stalled()
+    assert not inside(engine).recheck_stalled()
 
 
 # -- loads ----------------------------------------------------------------------------------
@@ -221,7 +224,7 @@ def test_stuck_load_is_reported_only_when_its_reads_return(
     gate.hold(keys[0])
     gate.hold(keys[1])
     gate.open()
-    out = min(4, engine.executor.capacity())
+    out = min(4, inside(engine).executor.capacity())
     assert engine.submit_load(7, keys, [4, 5, 6, 7])
     held_by_executor(engine, out)
     gate.wait_entered(2)
@@ -234,7 +237,7 @@ def test_stuck_load_is_reported_only_when_its_reads_return(
 
     def overdue():
         early.extend(engine.take_finished())
-        return engine.recheck_stalled()
+        return inside(engine).recheck_stalled()
 
     wait_until(overdue, "the load to pass its deadline")
     assert early == []  # not reported while a read is in flight
@@ -245,13 +248,13 @@ def test_stuck_load_is_reported_only_when_its_reads_return(
     gate.release(keys[0])  # one read returns (with workers, the block behind it fails unread)
     left = 1 if out == 2 else 2
     wait_until(lambda: engine.gauges()["stuck_blocks"] == left, "the first read to return")
-    assert engine.recheck_stalled()
+    assert inside(engine).recheck_stalled()
     assert engine.take_finished() == []  # still one read in flight
     assert row(primary, 4) == pattern(0)  # the real read did land
 
     gate.release(keys[1])
     job = wait_jobs(engine, [7])[7]
-    assert not engine.recheck_stalled()
+    assert not inside(engine).recheck_stalled()
     assert job.is_load and not job.success
     assert job.succeeded == keys[:2]  # completed reads keep their real result
     assert job.failed == keys[2:]
@@ -300,12 +303,15 @@ def test_overdue_lookups_miss_and_a_late_answer_keeps_the_failed_load_verdict(
 
         engine_clock.advance(TIMEOUT_S - JUST_BEFORE_S)  # the lookups' deadline: min(job's, 5 s)
         engine.end_step()
-        assert engine.counters[LookupAnswer.DEADLINE_MISS] == 0 and not engine.recheck_stalled()
+        assert (
+            engine.counters[LookupAnswer.DEADLINE_MISS] == 0
+            and not inside(engine).recheck_stalled()
+        )
         assert engine.lookup(plain, "r1") is None  # still waiting for its check
         engine_clock.advance(JUST_BEFORE_S)
         engine.end_step()
         assert engine.counters[LookupAnswer.DEADLINE_MISS] == 2
-        assert engine.recheck_stalled()
+        assert inside(engine).recheck_stalled()
         assert engine.lookup(plain, "r1") is False
         assert engine.lookup(doomed, "r1") is False
         assert engine.lookup(newcomer, "r2") is False  # answered at once while stalled
@@ -318,7 +324,7 @@ def test_overdue_lookups_miss_and_a_late_answer_keeps_the_failed_load_verdict(
 
     def answered():
         engine.end_step()
-        return not engine.recheck_stalled()
+        return not inside(engine).recheck_stalled()
 
     wait_until(answered, "the late answer")
     # The late "found" must not turn the failed load's MISS into a HIT.
@@ -340,7 +346,7 @@ def test_lookup_deadline_is_job_timeout_capped_at_5s(
     release = threading.Event()
     replace_checks(monkeypatch, lambda self, key: release.wait(GATE_TIMEOUT_S))
     engine, _, _ = engines(disk_root, n_blocks=4, job_timeout_s=job_timeout_s)
-    lookups = engine.lookups  # driven with an explicit clock instead of waiting 5 s
+    lookups = inside(engine).lookups  # driven with an explicit clock instead of waiting 5 s
     try:
         assert engine.lookup(make_key("k"), "r") is None
         before = time.monotonic()
@@ -395,7 +401,7 @@ def test_stuck_store_through_vllm_fails_cleanly_and_reset_completes(
         assert not gate.opened.is_set()
         assert [(r.success, r.transfer_bytes) for r in results] == [(False, 0)]
         assert engine.counters[Direction.STORE, Failure.DEADLINE] == 3
-        assert engine.recheck_stalled()
+        assert inside(engine).recheck_stalled()
         # The chunks stay in the CPU tier: still a hit there.
         final, _ = replica.find(keys)
         assert final == dict.fromkeys(keys, LookupResult.HIT)
@@ -419,7 +425,7 @@ def test_stuck_store_through_vllm_fails_cleanly_and_reset_completes(
 
     def recovered():
         replica.step()
-        return not engine.recheck_stalled()
+        return not inside(engine).recheck_stalled()
 
     wait_until(recovered, "the stuck writes to return")
     assert all(not os.path.lexists(replica.tier.engine.roots[0].layout.block_path(k)) for k in keys)

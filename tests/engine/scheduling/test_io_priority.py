@@ -13,7 +13,7 @@ import threading
 import xxhash
 
 from llmkv_fs.engine import xxh3_path
-from tests.kits.engine_kit import round_trip, wait_until
+from tests.kits.engine_kit import inside, round_trip, wait_until
 
 NICER_BY = 7
 
@@ -40,7 +40,7 @@ def test_io_workers_nice_lowers_worker_processes_and_spares_io_threads(engines, 
     round_trip(engine, primary, 8)
     if engines.mode.workers:
         assert f"4 worker processes (nice +{NICER_BY})" in started[0]
-        pids = engine.executor.worker_pids()
+        pids = inside(engine).executor.worker_pids()
         assert len(pids) == 4
 
         def all_nicer() -> bool:

@@ -9,14 +9,13 @@ from __future__ import annotations
 import pytest
 
 from llmkv_fs.engine.outcomes import CANCELLED, DEADLINE, SKIPPED, Failed, Failure, Outcome
-from llmkv_fs.engine.scheduling.jobs import BlockSlice, IoJob, QueueFull
-from llmkv_fs.engine.scheduling.scheduler import BlockScheduler
+from llmkv_fs.engine.scheduling.scheduler import BlockScheduler, BlockSlice, IoJob, QueueFull
 
 MISSING = Failed(Failure.MISSING)
 
 
 class FakeExecutor:
-    """Implements the executor protocol (scheduling/executor.py) and moves
+    """Implements the executor protocol (scheduling/scheduler.py) and moves
     nothing: it records what the scheduler told it."""
 
     def __init__(self, places: int):
@@ -55,9 +54,10 @@ def scheduler(places: int = 2, slice_blocks: int = 1, max_stores: int = 100):
     return sched, executor
 
 
-def job(job_id: int, is_load: bool, n: int, timeout: float | None = None) -> IoJob:
+def job(job_id: int, is_load: bool, n: int, timeout: float | None = None) -> tuple:
+    """What ``BlockScheduler.submit`` takes for a job of ``n`` blocks."""
     keys = [bytes([job_id, i]) * 18 for i in range(n)]
-    return IoJob(job_id, is_load, keys, list(range(n)), timeout)
+    return job_id, is_load, keys, list(range(n)), timeout
 
 
 def done(sched: BlockScheduler, taken: BlockSlice, result=None) -> None:
@@ -68,16 +68,16 @@ def done(sched: BlockScheduler, taken: BlockSlice, result=None) -> None:
 def test_the_executor_is_started_and_told_of_every_block_queued():
     sched, executor = scheduler(places=3)
     assert executor.source is sched and sched.places == 3
-    sched.submit(job(1, False, 4))
-    sched.submit(job(2, True, 2))
+    sched.submit(*job(1, False, 4))
+    sched.submit(*job(2, True, 2))
     assert executor.arrived == [4, 2]
     assert sched.queued_store_blocks() == 4 and sched.queued_load_blocks() == 2
 
 
 def test_a_place_asking_loads_first_gets_loads_before_older_stores_and_vice_versa():
     sched, _ = scheduler()
-    sched.submit(job(1, False, 1))
-    sched.submit(job(2, True, 1))
+    sched.submit(*job(1, False, 1))
+    sched.submit(*job(2, True, 1))
     first = sched.take(load_first=True)
     assert first is not None and first.job.job_id == 2
     second = sched.take(load_first=True)
@@ -87,8 +87,7 @@ def test_a_place_asking_loads_first_gets_loads_before_older_stores_and_vice_vers
 
 def test_a_job_is_reported_once_when_its_last_block_is_back():
     sched, _ = scheduler()
-    stored = job(1, False, 2)
-    sched.submit(stored)
+    stored = sched.submit(*job(1, False, 2))
     a, b = sched.take(False), sched.take(False)
     assert a is not None and b is not None
     done(sched, b)
@@ -101,11 +100,11 @@ def test_a_job_is_reported_once_when_its_last_block_is_back():
 
 def test_slices_grow_only_when_every_place_can_get_as_many_twice_over():
     sched, _ = scheduler(places=2, slice_blocks=16)
-    sched.submit(job(1, True, 3))  # 3 blocks for 2 places: one block each
+    sched.submit(*job(1, True, 3))  # 3 blocks for 2 places: one block each
     taken = sched.take(True)
     assert taken is not None and taken.n_blocks == 1
     sched, _ = scheduler(places=2, slice_blocks=16)
-    sched.submit(job(2, True, 64))  # 64 // (2 * 2) = 16: the cap
+    sched.submit(*job(2, True, 64))  # 64 // (2 * 2) = 16: the cap
     taken = sched.take(True)
     assert taken is not None and taken.n_blocks == 16
     assert sched.blocks_in_flight() == 16 and sched.busy_places() == 1
@@ -113,8 +112,7 @@ def test_slices_grow_only_when_every_place_can_get_as_many_twice_over():
 
 def test_a_failed_load_block_skips_the_blocks_not_handed_out_yet():
     sched, _ = scheduler()
-    load = job(1, True, 4)
-    sched.submit(load)
+    load = sched.submit(*job(1, True, 4))
     first, second = sched.take(True), sched.take(True)
     assert first is not None and second is not None
     done(sched, first, MISSING)
@@ -127,34 +125,32 @@ def test_a_failed_load_block_skips_the_blocks_not_handed_out_yet():
 
 def test_a_store_job_over_the_queue_bound_is_refused_whole_unless_the_queue_is_empty():
     sched, executor = scheduler(max_stores=4)
-    sched.submit(job(1, False, 6))  # alone: a long prompt must still be storable
+    sched.submit(*job(1, False, 6))  # alone: a long prompt must still be storable
     with pytest.raises(QueueFull):
-        sched.submit(job(2, False, 1))
+        sched.submit(*job(2, False, 1))
     assert executor.arrived == [6] and sched.queued_store_blocks() == 6
-    sched.submit(job(3, True, 8))  # loads are never bounded
+    sched.submit(*job(3, True, 8))  # loads are never bounded
 
 
 def test_an_overdue_store_is_reported_at_once_and_its_blocks_out_become_stuck():
     sched, executor = scheduler()
-    store = job(1, False, 3, timeout=5.0)
-    sched.submit(store)
+    store = sched.submit(*job(1, False, 3, timeout=5.0))
     out = sched.take(False)
     assert out is not None and out.n_blocks == 1
     assert sched.expire_overdue(now=store.submitted + 1.0) == 0
     assert sched.expire_overdue(now=store.submitted + 6.0) == 3
-    assert executor.expired == [store] and not store.still_wanted()
+    assert executor.expired == [store] and store.cancelled[0]
     assert sched.take_finished() == [store] and store.outcomes == [DEADLINE] * 3
-    assert sched.stuck_blocks() == 1  # the volume has not answered that block
+    assert sched.stuck_blocks == 1  # the volume has not answered that block
     done(sched, out)  # answered at last: not stuck, not reported twice
-    assert sched.stuck_blocks() == 0 and sched.take_finished() == []
+    assert sched.stuck_blocks == 0 and sched.take_finished() == []
 
 
 def test_an_overdue_load_is_reported_only_when_its_blocks_out_are_back():
     """The kernel may still write into a row of a block out: vLLM must not
     reuse it before the block is back."""
     sched, executor = scheduler()
-    load = job(1, True, 2, timeout=5.0)
-    sched.submit(load)
+    load = sched.submit(*job(1, True, 2, timeout=5.0))
     out = sched.take(True)
     assert out is not None
     assert sched.expire_overdue(now=load.submitted + 6.0) == 1  # the queued one
@@ -166,26 +162,24 @@ def test_an_overdue_load_is_reported_only_when_its_blocks_out_are_back():
 
 def test_shutdown_cancels_what_is_queued_and_stops_the_executor():
     sched, executor = scheduler()
-    queued = job(1, False, 2)
-    sched.submit(queued)
+    queued = sched.submit(*job(1, False, 2))
     sched.shutdown()
     assert executor.stopped and sched.stopping
     assert sched.take(False) is None
     assert sched.take_finished() == [queued] and queued.outcomes == [CANCELLED] * 2
     with pytest.raises(RuntimeError):
-        sched.submit(job(2, True, 1))
+        sched.submit(*job(2, True, 1))
 
 
 def test_an_empty_job_is_finished_at_once():
     sched, executor = scheduler()
-    empty = job(1, True, 0)
-    sched.submit(empty)
+    empty = sched.submit(*job(1, True, 0))
     assert executor.arrived == [] and sched.take_finished() == [empty]
 
 
 def test_a_slice_given_back_with_the_wrong_number_of_results_is_refused():
     sched, _ = scheduler()
-    sched.submit(job(1, False, 1))
+    sched.submit(*job(1, False, 1))
     taken = sched.take(False)
     assert taken is not None
     with pytest.raises(ValueError):

@@ -8,7 +8,6 @@ from __future__ import annotations
 import threading
 
 from llmkv_fs.engine.outcomes import Outcome
-from llmkv_fs.engine.scheduling.jobs import IoJob
 from llmkv_fs.engine.scheduling.scheduler import BlockScheduler
 from llmkv_fs.engine.threads.thread_executor import ThreadExecutor
 
@@ -26,15 +25,16 @@ class RecordingStep:
         if not hold:
             self.release.set()
 
-    def run_slice(self, is_load, keys, chunks, still_wanted):
+    def run_slice(self, is_load, keys, chunks, cancelled):
         self.runs.append((is_load, tuple(keys)))
         self.inside.set()
         assert self.release.wait(BOUND_S)
         return [Outcome.VERIFIED if is_load else Outcome.WRITTEN] * len(keys)
 
 
-def job(job_id: int, is_load: bool, n: int) -> IoJob:
-    return IoJob(job_id, is_load, [bytes([job_id, i]) * 18 for i in range(n)], list(range(n)))
+def job(job_id: int, is_load: bool, n: int) -> tuple:
+    """What ``BlockScheduler.submit`` takes for a job of ``n`` blocks."""
+    return job_id, is_load, [bytes([job_id, i]) * 18 for i in range(n)], list(range(n))
 
 
 def started(step: RecordingStep, reads: int, writes: int) -> tuple[BlockScheduler, ThreadExecutor]:
@@ -47,9 +47,7 @@ def started(step: RecordingStep, reads: int, writes: int) -> tuple[BlockSchedule
 def test_every_block_runs_once_and_every_thread_ends_at_shutdown():
     step = RecordingStep()
     sched, _ = started(step, reads=2, writes=2)
-    jobs = [job(i, i % 2 == 0, 5) for i in range(1, 9)]
-    for j in jobs:
-        sched.submit(j)
+    jobs = [sched.submit(*job(i, i % 2 == 0, 5)) for i in range(1, 9)]
     sched.drain()
     finished = sched.take_finished()
     assert sorted(j.job_id for j in finished) == [j.job_id for j in jobs]
@@ -64,10 +62,10 @@ def test_every_block_runs_once_and_every_thread_ends_at_shutdown():
 def test_a_read_priority_thread_takes_a_later_load_before_an_earlier_store():
     step = RecordingStep(hold=True)
     sched, _ = started(step, reads=1, writes=0)
-    sched.submit(job(1, False, 1))  # the thread's first slice, held inside
+    sched.submit(*job(1, False, 1))  # the thread's first slice, held inside
     assert step.inside.wait(BOUND_S)
-    sched.submit(job(2, False, 1))
-    sched.submit(job(3, True, 1))
+    sched.submit(*job(2, False, 1))
+    sched.submit(*job(3, True, 1))
     step.release.set()
     sched.drain()
     assert [is_load for is_load, _ in step.runs] == [False, True, False]
@@ -77,10 +75,10 @@ def test_a_read_priority_thread_takes_a_later_load_before_an_earlier_store():
 def test_a_write_priority_thread_takes_a_later_store_before_an_earlier_load():
     step = RecordingStep(hold=True)
     sched, _ = started(step, reads=0, writes=1)
-    sched.submit(job(1, True, 1))
+    sched.submit(*job(1, True, 1))
     assert step.inside.wait(BOUND_S)
-    sched.submit(job(2, True, 1))
-    sched.submit(job(3, False, 1))
+    sched.submit(*job(2, True, 1))
+    sched.submit(*job(3, False, 1))
     step.release.set()
     sched.drain()
     assert [is_load for is_load, _ in step.runs] == [True, False, True]
@@ -94,7 +92,7 @@ def test_an_idle_thread_wakes_for_work_that_arrives_later():
     sched, executor = started(step, reads=1, writes=1)
     assert executor.capacity() == 2
     for round_ in range(50):
-        sched.submit(job(round_ % 200 + 1, round_ % 2 == 0, 1))
+        sched.submit(*job(round_ % 200 + 1, round_ % 2 == 0, 1))
         sched.drain()
     assert len(sched.take_finished()) == 50
     sched.shutdown()

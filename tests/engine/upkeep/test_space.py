@@ -24,6 +24,7 @@ from llmkv_fs.volume.fsinfo import VolumeUsage, volume_usage
 from tests.kits.engine_kit import (
     BS,
     fill,
+    inside,
     make_key,
     pattern,
     row,
@@ -308,7 +309,7 @@ def test_enospc_trips_the_guard_until_gc_frees_more_than_the_headroom(small_tmpf
     headroom = engine.roots[0].guard.headroom_bytes
     # One block per place the executor has (both kinds store), plus one:
     # 2 threads, or 2 workers holding 2 blocks each.
-    assert headroom == (engine.executor.capacity() + 1) * bs
+    assert headroom == (inside(engine).executor.capacity() + 1) * bs
     assert headroom == (3 if not engines.mode.workers else 5) * bs
     for c in range(4):
         fill(primary, c, pattern(c, bs), bs)

@@ -23,7 +23,7 @@ from llmkv_fs.engine import Direction, Failure
 from llmkv_fs.engine.workers.crew import WorkerLaunch
 from llmkv_fs.engine.workers.process_executor import ProcessExecutor
 from tests.kits import REPO
-from tests.kits.engine_kit import make_key, round_trip, wait_jobs, worker_engine
+from tests.kits.engine_kit import inside, make_key, round_trip, wait_jobs, worker_engine
 
 HIGH = 1100  # past select()'s FD_SETSIZE of 1024
 
@@ -61,7 +61,7 @@ def launch_of(pid: int) -> WorkerLaunch:
 
 
 def pipes_past_the_limit(engine) -> bool:
-    launches = [launch_of(pid) for pid in engine.executor.worker_pids()]
+    launches = [launch_of(pid) for pid in inside(engine).executor.worker_pids()]
     return all(launch.jobs_fd > 1024 and launch.results_fd > 1024 for launch in launches)
 
 
@@ -76,7 +76,7 @@ def test_workers_with_pipes_past_fd_1024_serve_and_idle(tmp_path, take_low_fds):
         pytest.fail("the engine's pipes never got numbers past 1024")
     try:
         round_trip(engine, primary, 8)
-        assert engine.executor.deaths() == 0
+        assert inside(engine).executor.deaths() == 0
     finally:
         engine.shutdown()
 
@@ -94,7 +94,7 @@ def test_a_failed_conductor_past_fd_1024_fails_blocks_instead_of_dying(
     take_low_fds()
     engine, _primary = worker_engine(str(tmp_path / "kv"), 8)
     try:
-        assert engine.executor._wake > 1024
+        assert inside(engine).executor._wake > 1024
         for job_id in (1, 2):  # the second arrives while it waits on the eventfd
             assert engine.submit_store(job_id, [make_key(job_id)], [job_id])
             job = wait_jobs(engine, [job_id])[job_id]

@@ -18,7 +18,7 @@ import pytest
 
 from llmkv_fs.engine.workers import prefault as prefault_module
 from llmkv_fs.engine.workers.prefault import RowPrefault
-from tests.kits.engine_kit import BS, round_trip, wait_until, worker_engine
+from tests.kits.engine_kit import BS, inside, round_trip, wait_until, worker_engine
 
 PAGE = mmap.PAGESIZE
 ROWS = 8
@@ -122,7 +122,7 @@ def test_idle_workers_map_the_whole_region_and_serve_the_right_bytes(tmp_path):
     n_blocks = 32
     engine, primary = worker_engine(str(tmp_path / "kv"), n_blocks)
     try:
-        for pid in engine.executor.worker_pids():
+        for pid in inside(engine).executor.worker_pids():
             wait_until(
                 lambda pid=pid: _region_rss_kib(pid, n_blocks * BS) * 1024 == n_blocks * BS,
                 what=f"worker {pid} to map the whole region while idle",

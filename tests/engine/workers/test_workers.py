@@ -36,6 +36,7 @@ from tests.kits.engine_kit import (
     IDENTITY,
     Gate,
     fill,
+    inside,
     make_key,
     pattern,
     round_trip,
@@ -44,6 +45,7 @@ from tests.kits.engine_kit import (
     wait_jobs,
     wait_until,
     worker_engine,
+    workers_started,
     write_blocks,
 )
 from tests.kits.seal_kit import key_file
@@ -75,8 +77,8 @@ def start(root, primary, workers=2, pause_dir: str | None = None, **extra) -> Fs
 
 
 def executor(engine: FsEngine) -> ProcessExecutor:
-    assert isinstance(engine.executor, ProcessExecutor)
-    return engine.executor
+    assert isinstance(inside(engine).executor, ProcessExecutor)
+    return inside(engine).executor
 
 
 def in_flight(engine: FsEngine) -> int:
@@ -214,7 +216,7 @@ def test_sigkill_fails_exactly_the_killed_workers_blocks_and_is_replaced(root):
         assert engine.counters[Tally.WORKER_DEATHS] == 1
         assert engine.gauges()["io_workers"] == 2
         # ENOSPC's headroom covers every block the workers can hold.
-        held_most = 2 * DEPTH * engine.slice_blocks
+        held_most = 2 * DEPTH * inside(engine).slice_blocks
         assert engine.roots[0].guard.headroom_bytes == (held_most + 1) * BS
         # The tier keeps serving.
         engine.submit_load(3, keys, list(range(4)))
@@ -340,10 +342,10 @@ def test_a_store_past_its_deadline_is_never_published(root):
         wait_until(lambda: in_flight(engine) == 2, "blocks dispatched")
         job = wait_jobs(engine, [1])[1]  # reported at the deadline, workers still stopped
         assert set(job.failed) == set(keys)
-        assert engine.recheck_stalled()
+        assert inside(engine).recheck_stalled()
         _resume(pids)
         wait_until(lambda: in_flight(engine) == 0, "the cancelled blocks came back")
-        assert not engine.recheck_stalled()
+        assert not inside(engine).recheck_stalled()
         assert not any(os.path.exists(engine.roots[0].layout.block_path(k)) for k in keys)
         assert not glob.glob(f"{engine.roots[0].layout.rank_dir}/*/*/.*.tmp")
     finally:
@@ -361,7 +363,9 @@ def test_a_load_past_its_deadline_waits_for_its_held_blocks(root):
         pids = _hold_all(engine, 2)
         engine.submit_load(2, [make_key(0), make_key(1)], [0, 1])
         wait_until(lambda: in_flight(engine) == 2, "blocks dispatched")
-        wait_until(lambda: engine.take_finished() == [] and engine.recheck_stalled(), "the stall")
+        wait_until(
+            lambda: engine.take_finished() == [] and inside(engine).recheck_stalled(), "the stall"
+        )
         assert engine.has_pending_work()  # not reported while a worker may still write the rows
         _resume(pids)
         job = wait_jobs(engine, [2])[2]
@@ -395,13 +399,13 @@ def test_workers_die_with_their_engine_process(root):
         from llmkv_fs.config import TierSettings
         from llmkv_fs.engine import FsEngine
         from llmkv_fs.layout.paths import CacheLayout
-        from tests.kits.engine_kit import BS, IDENTITY
+        from tests.kits.engine_kit import BS, IDENTITY, inside
         os.makedirs({root!r}, exist_ok=True)
         fd = os.memfd_create("p"); os.ftruncate(fd, 8 * BS)
         primary = mmap.mmap(fd, 8 * BS)
         settings = TierSettings.from_mapping({{"root_dir": {root!r}, "io_workers": 2}})
         engine = FsEngine(settings, CacheLayout.for_identity({root!r}, IDENTITY), primary, BS)
-        print(*engine.executor.worker_pids(), flush=True)
+        print(*inside(engine).executor.worker_pids(), flush=True)
         sys.stdin.read()
         """
     )
@@ -480,7 +484,7 @@ def test_a_replacement_that_dies_at_start_up_is_counted_and_backs_off(root, monk
     engine = start(root, primary)
     try:
         procs = executor(engine)
-        started = procs.workers_started
+        started = workers_started(procs)
         monkeypatch.setenv("PYTHONHOME", "/nonexistent")  # replacements cannot start
         os.kill(procs.worker_pids()[0], signal.SIGKILL)
         # The pauses, not the deaths: a death is counted (and logged) before
@@ -493,7 +497,7 @@ def test_a_replacement_that_dies_at_start_up_is_counted_and_backs_off(root, monk
         for before, after in itertools.pairwise(pauses[1:]):
             assert after == pytest.approx(min(crew_module._RESPAWN_MAX_PAUSE_S, 2 * before))
         assert early == []  # none started before its pause was over
-        assert procs.workers_started - started <= procs.deaths()  # no start uncounted
+        assert workers_started(procs) - started <= procs.deaths()  # no start uncounted
         engine.end_step()
         assert engine.counters[Tally.WORKER_DEATHS] == procs.deaths()
         monkeypatch.delenv("PYTHONHOME")

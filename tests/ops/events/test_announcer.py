@@ -18,6 +18,7 @@ from llmkv_fs.ops.events.options import EXIT_UNDELIVERED
 from llmkv_fs.ops.events.snapshot import snapshot
 from llmkv_fs.ops.verify import verify_volume
 from tests.kits import gc_kit
+from tests.kits.engine_kit import inside
 from tests.kits.events_kit import (
     Router,
     connect_announcer,
@@ -75,7 +76,7 @@ def test_router_index_equals_the_volume(two_roots, replicas, drop_removals):
         # paths, and a root left with one block lost it to verify --repair
         # below, leaving the snapshot nothing to send (1 run in ~20).
         candidates = make_keys(200, seed="events-gc")
-        home = a.tier.engine.placement.home
+        home = inside(a.tier.engine).placement.home
         keys = [k for k in candidates if home(k) == 0][:6] + [
             k for k in candidates if home(k) == 1
         ][:6]

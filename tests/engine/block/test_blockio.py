@@ -1,4 +1,4 @@
-"""The per-block step (engine/block/step.py) on its own, with stand-in
+"""The per-block step (engine/block/blockio.py) on its own, with stand-in
 ``BlockIO``s and real ``VolumeSignals`` pages: every check a block passes
 before and while it moves, and that a step never raises. The same step runs
 in I/O threads and worker processes (tests/engine/test_executor_parity.py
@@ -10,7 +10,7 @@ import errno
 
 import pytest
 
-from llmkv_fs.engine.block.step import BlockStep, StepRoot
+from llmkv_fs.engine.block.blockio import BlockStep, StepRoot
 from llmkv_fs.engine.outcomes import DEADLINE, SKIPPED, BlockMissing, Failure, Outcome
 from llmkv_fs.engine.upkeep.signals import VolumeSignals
 from llmkv_fs.layout.placement import RootPlacement
@@ -48,7 +48,7 @@ class FakeBlockIO:
         row[:] = self.blocks[key]
         return Outcome.VERIFIED
 
-    def store(self, key: bytes, row: memoryview, still_wanted) -> Outcome:
+    def store(self, key: bytes, row: memoryview, cancelled, pause) -> Outcome:
         self.calls.append(("store", key))
         if self.fail_with is not None:
             raise self.fail_with
@@ -76,8 +76,7 @@ def step_over(ios, signals, n_rows: int = 4) -> tuple[BlockStep, memoryview]:
     return BlockStep(roots, rows, placement), rows
 
 
-def always() -> bool:
-    return True
+WANTED = bytearray(1)  # a job's cancel byte, never set
 
 
 def key_homed_on(placement: RootPlacement, index: int) -> bytes:
@@ -89,7 +88,7 @@ def key_homed_on(placement: RootPlacement, index: int) -> bytes:
 def test_a_block_its_job_no_longer_wants_moves_nothing(signals):
     io = FakeBlockIO("/r0")
     step, _ = step_over([io], signals)
-    assert step.run(False, b"k" * 36, 0, lambda: False) is DEADLINE
+    assert step.run(False, b"k" * 36, 0, bytearray(b"\x01")) is DEADLINE
     assert io.calls == []
 
 
@@ -97,7 +96,7 @@ def test_a_chunk_outside_the_primary_buffer_fails_without_io(signals):
     io = FakeBlockIO("/r0")
     step, _ = step_over([io], signals, n_rows=4)
     for chunk in (-1, 4):
-        result = step.run(True, b"k" * 36, chunk, always)
+        result = step.run(True, b"k" * 36, chunk, WANTED)
         assert result.reason is Failure.ERROR and isinstance(result.error, IndexError)
     assert io.calls == []
 
@@ -106,8 +105,8 @@ def test_a_store_then_a_load_move_the_rows_bytes(signals):
     io = FakeBlockIO("/r0")
     step, rows = step_over([io], signals)
     rows[BS : 2 * BS] = b"\x07" * BS
-    assert step.run(False, b"k" * 36, 1, always) is Outcome.WRITTEN
-    assert step.run(True, b"k" * 36, 3, always) is Outcome.VERIFIED
+    assert step.run(False, b"k" * 36, 1, WANTED) is Outcome.WRITTEN
+    assert step.run(True, b"k" * 36, 3, WANTED) is Outcome.VERIFIED
     assert bytes(rows[3 * BS :]) == b"\x07" * BS
 
 
@@ -115,8 +114,8 @@ def test_a_lost_root_fails_volume_failed_untouched(signals):
     io = FakeBlockIO("/r0")
     step, _ = step_over([io], signals)
     step.roots[0].signals.root_lost = True
-    assert step.run(False, b"k" * 36, 0, always).reason is Failure.VOLUME_FAILED
-    assert step.run(True, b"k" * 36, 0, always).reason is Failure.VOLUME_FAILED
+    assert step.run(False, b"k" * 36, 0, WANTED).reason is Failure.VOLUME_FAILED
+    assert step.run(True, b"k" * 36, 0, WANTED).reason is Failure.VOLUME_FAILED
     assert io.calls == []
 
 
@@ -124,8 +123,8 @@ def test_refused_stores_fail_space_and_loads_still_run(signals):
     io = FakeBlockIO("/r0")
     step, _ = step_over([io], signals)
     step.roots[0].signals.set_refused(over_watermark=True)
-    assert step.run(False, b"k" * 36, 0, always).reason is Failure.SPACE
-    assert step.run(True, b"k" * 36, 0, always).reason is Failure.MISSING
+    assert step.run(False, b"k" * 36, 0, WANTED).reason is Failure.SPACE
+    assert step.run(True, b"k" * 36, 0, WANTED).reason is Failure.MISSING
     assert io.calls == [("load", b"k" * 36)]
 
 
@@ -135,11 +134,11 @@ def test_a_load_tries_the_second_choice_when_home_misses_or_is_gone(signals):
     placement = RootPlacement(["/r0", "/r1"])
     key = key_homed_on(placement, 0)
     second.blocks[key] = b"\x01" * BS
-    assert step.run(True, key, 0, always) is Outcome.VERIFIED  # home missed
+    assert step.run(True, key, 0, WANTED) is Outcome.VERIFIED  # home missed
     home.fail_with = RootGone(errno.ENOENT, "root gone", "/r0")
-    assert step.run(True, key, 0, always) is Outcome.VERIFIED  # home gone since last check
+    assert step.run(True, key, 0, WANTED) is Outcome.VERIFIED  # home gone since last check
     del second.blocks[key]
-    assert step.run(True, key, 0, always).reason is Failure.VOLUME_FAILED  # the first error
+    assert step.run(True, key, 0, WANTED).reason is Failure.VOLUME_FAILED  # the first error
 
 
 def test_enospc_trips_the_space_guard_of_that_root_only(signals, tmp_path):
@@ -148,7 +147,7 @@ def test_enospc_trips_the_space_guard_of_that_root_only(signals, tmp_path):
     step, _ = step_over([full, other], signals)
     placement = RootPlacement([full.layout.root_dir, "/r1"])
     key = key_homed_on(placement, 0)
-    assert step.run(False, key, 0, always).reason is Failure.ERROR
+    assert step.run(False, key, 0, WANTED).reason is Failure.ERROR
     assert step.roots[0].signals.stores_refused and step.roots[0].signals.enospc
     assert not step.roots[1].signals.stores_refused
 
@@ -156,7 +155,7 @@ def test_enospc_trips_the_space_guard_of_that_root_only(signals, tmp_path):
 def test_any_exception_is_the_blocks_result_and_never_escapes(signals):
     io = FakeBlockIO("/r0", fail_with=RuntimeError("a byte path that throws"))
     step, _ = step_over([io], signals)
-    result = step.run(True, b"k" * 36, 0, always)
+    result = step.run(True, b"k" * 36, 0, WANTED)
     assert result.reason is Failure.ERROR and result.error.__traceback__ is None
 
 
@@ -165,7 +164,7 @@ def test_after_a_failed_load_the_rest_of_the_slice_is_skipped_without_io(signals
     step, _ = step_over([io], signals)
     keys = [bytes([i]) * 36 for i in range(3)]
     io.blocks[keys[0]] = b"\x02" * BS
-    results = step.run_slice(True, keys, [0, 1, 2], always)
+    results = step.run_slice(True, keys, [0, 1, 2], WANTED)
     assert results[0] is Outcome.VERIFIED and results[1].reason is Failure.MISSING
     assert results[2] is SKIPPED
     assert [k for _, k in io.calls] == keys[:2]

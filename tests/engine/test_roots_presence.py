@@ -1,4 +1,4 @@
-"""A key's block on the engine's roots (engine/root_presence.py): a batch
+"""A key's block on the engine's roots (engine/roots.py): a batch
 answers exactly what each key answers alone -- home root first, the second
 choice only for keys their home did not have, a lost root never touched, a
 root found gone (RootGone) as if lost -- over three roots placed by the real
@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from llmkv_fs.engine.root_presence import at_once, on_their_roots
+from llmkv_fs.engine.roots import at_once, on_their_roots
 from llmkv_fs.layout.placement import RootPlacement
 from llmkv_fs.volume.pinned_root import RootGone
 from tests.kits.engine_kit import make_key

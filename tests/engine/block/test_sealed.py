@@ -25,7 +25,7 @@ from llmkv_fs.layout.paths import CacheLayout
 from llmkv_fs.layout.sealed import NAMESPACE_FIELD, SCHEME
 from llmkv_fs.volume.keyfiles import load_keyring
 from llmkv_fs.volume.run_config import read_run_config
-from tests.kits.engine_kit import BS, fill, make_key, pattern, row, wait_jobs
+from tests.kits.engine_kit import BS, fill, inside, make_key, pattern, row, wait_jobs
 from tests.kits.seal_kit import flip_bit, forge_plain, key_file, rekey_trailer, sealed_trailer
 
 EVIL = b"\x66" * BS  # what an attacker wants the model to read
@@ -277,9 +277,11 @@ def test_keys_never_travel_pickled_nor_on_a_workers_command_line(engines, tmp_pa
     engine, _, primary = sealed(engines, str(tmp_path / "v"), path)
     store(engine, primary, 0)  # workers (in that mode) are up and sealing
     with pytest.raises(TypeError, match="never pickled"):
-        pickle.dumps(engine.step_spec)
+        pickle.dumps(inside(engine).step_spec)
     secret = load_keyring({1: path}, None).write.secret
-    assert secret.hex() not in repr(engine.step_spec) + repr(engine.step_spec.keyring)
+    assert secret.hex() not in repr(inside(engine).step_spec) + repr(
+        inside(engine).step_spec.keyring
+    )
     launches = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:

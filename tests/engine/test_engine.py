@@ -28,6 +28,7 @@ from tests.kits.engine_kit import (
     BS,
     IDENTITY,
     fill,
+    inside,
     make_key,
     pattern,
     replace_checks,
@@ -276,7 +277,7 @@ def test_lookup_verdicts_follow_loads_and_stores(disk_root, engines):
     assert engine.lookup(here, "req") is None  # not answered before end_step
     assert settle(engine, here, "req") is True
     assert settle(engine, absent, "req") is False
-    assert engine.lookups.tracked_keys() == 2
+    assert inside(engine).tracked_keys() == 2
 
     # The file disappears; a load fails and the held verdict flips to False.
     os.unlink(layout.block_path(here))
@@ -291,12 +292,12 @@ def test_lookup_verdicts_follow_loads_and_stores(disk_root, engines):
     assert engine.lookup(absent, "req") is True
 
     engine.forget_request("req")
-    assert engine.lookups.tracked_keys() == 0
+    assert inside(engine).tracked_keys() == 0
     # A new request asks again from scratch.
     assert engine.lookup(absent, "req2") is None
     assert settle(engine, absent, "req2") is True
     engine.forget_request("req2")
-    assert engine.lookups.tracked_keys() == 0
+    assert inside(engine).tracked_keys() == 0
 
 
 def test_lookup_batch_over_parallel_threshold(disk_root, engines):
@@ -307,7 +308,7 @@ def test_lookup_batch_over_parallel_threshold(disk_root, engines):
     verdicts = [settle(engine, k, "r") for k in keys]
     assert verdicts == [True] * 6 + [False] * 6
     engine.forget_request("r")
-    assert engine.lookups.tracked_keys() == 0
+    assert inside(engine).tracked_keys() == 0
 
 
 def test_key_shared_by_two_requests_survives_one_forget(disk_root, engines):
@@ -316,10 +317,10 @@ def test_key_shared_by_two_requests_survives_one_forget(disk_root, engines):
     assert settle(engine, make_key(0), "a") is True
     assert engine.lookup(make_key(0), "b") is True  # verdict shared
     engine.forget_request("a")
-    assert engine.lookups.tracked_keys() == 1
+    assert inside(engine).tracked_keys() == 1
     assert engine.lookup(make_key(0), "b") is True
     engine.forget_request("b")
-    assert engine.lookups.tracked_keys() == 0
+    assert inside(engine).tracked_keys() == 0
 
 
 def test_planted_symlink_is_not_a_block(disk_root, engines, tmp_path):
@@ -428,7 +429,7 @@ def test_repeated_block_errors_are_logged_once_per_interval(
 ):  # the interval is the test's clock: three jobs on a loaded machine stay inside it
     engine, _, _primary = engines(disk_root, n_blocks=4)
 
-    def failing_store(key, row_view, still_wanted=None):
+    def failing_store(key, row_view, cancelled=None, pause=None):
         raise OSError(5, "Input/output error")  # not ENOSPC: that trips the space guard
 
     engine.roots[0].blockio.store = failing_store
