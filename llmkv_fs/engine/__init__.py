@@ -38,7 +38,7 @@ _WHERE: dict[str, tuple[str, ...]] = {
         "Outcome",
         "StoreRefused",
         "Tally",
-        "VolumeFailed",
+        "BlockOnLostRoot",
         "all_counter_keys",
     ),
     "llmkv_fs.engine.startup.hash_path": ("xxh3_path",),
@@ -60,6 +60,7 @@ if TYPE_CHECKING:
     from llmkv_fs.engine.outcomes import Abandoned as Abandoned
     from llmkv_fs.engine.outcomes import BlockMissing as BlockMissing
     from llmkv_fs.engine.outcomes import BlockNotMoved as BlockNotMoved
+    from llmkv_fs.engine.outcomes import BlockOnLostRoot as BlockOnLostRoot
     from llmkv_fs.engine.outcomes import BlockResult as BlockResult
     from llmkv_fs.engine.outcomes import CounterKey as CounterKey
     from llmkv_fs.engine.outcomes import Direction as Direction
@@ -70,7 +71,6 @@ if TYPE_CHECKING:
     from llmkv_fs.engine.outcomes import Outcome as Outcome
     from llmkv_fs.engine.outcomes import StoreRefused as StoreRefused
     from llmkv_fs.engine.outcomes import Tally as Tally
-    from llmkv_fs.engine.outcomes import VolumeFailed as VolumeFailed
     from llmkv_fs.engine.outcomes import all_counter_keys as all_counter_keys
     from llmkv_fs.engine.startup.hash_path import xxh3_path as xxh3_path
     from llmkv_fs.engine.upkeep.prepare import EngineError as EngineError

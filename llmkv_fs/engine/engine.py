@@ -56,7 +56,7 @@ from llmkv_fs.engine.scheduling.scheduler import (
     QueueFull,
     ThrottledErrorLog,
 )
-from llmkv_fs.engine.startup.io_setup import rows_view
+from llmkv_fs.engine.startup.io_setup import primary_bytes
 from llmkv_fs.engine.startup.neighbours import log_other_deployments
 from llmkv_fs.engine.startup.numa import PinningPlan, plan_pinning, read_topology
 from llmkv_fs.engine.upkeep.prepare import EngineError
@@ -90,7 +90,7 @@ class FsEngine:
 
     Volume failed: while a root is not the directory the engine started on
     (each root's housekeeping thread re-checks it about once a second), the
-    blocks placed on it fail ``Failure.VOLUME_FAILED``, lookups of its keys
+    blocks placed on it fail ``Failure.ROOT_LOST``, lookups of its keys
     answer miss and nothing is created there; once every root is lost, jobs
     are refused at submit. It clears by itself when the directory is back.
     Each root's parts are in ``roots`` (``EngineRoot``).
@@ -116,13 +116,13 @@ class FsEngine:
     ):
         self._settings = settings
         self.block_size = block_size
-        self._flat = rows_view(primary, block_size)
+        self._primary = primary_bytes(primary, block_size)
         keyring, layouts = sealing(settings, layouts)
         self.keyring = keyring  # the sealing keys (None: blocks are not sealed)
         # Every root prepared (and its housekeeping started) before any I/O
         # thread or worker exists.
         self.roots: list[EngineRoot] = open_roots(
-            settings, layouts, self._flat, block_size, byte_path, keyring
+            settings, layouts, self._primary, block_size, byte_path, keyring
         )
         self._placement = RootPlacement([root.root_dir for root in self.roots])
         # Each root's page its housekeeping writes (lost? stores refused?).
@@ -132,7 +132,7 @@ class FsEngine:
             tuple(r.spec for r in self.roots), self._placement, byte_path, keyring
         )
         self._pause = pause
-        self.pinning: PinningPlan = plan_pinning(read_topology(), settings.numa_node, self._flat)
+        self.pinning: PinningPlan = plan_pinning(read_topology(), settings.numa_node, self._primary)
         # Cumulative, updated by the owner only; tier/metrics.py publishes them.
         self._counters: collections.Counter[CounterKey] = collections.Counter()
         # Lookups by verdict, folded into the counters when read: one dict
@@ -174,7 +174,7 @@ class FsEngine:
             self._settings,
             self._step_spec,
             self.roots,
-            self._flat,
+            self._primary,
             self.pinning,
             self._pause,
         )
@@ -209,7 +209,7 @@ class FsEngine:
         full, the space guard is tripped, the volume is stalled or failed. A
         refused job is reported failed by the next take_finished, without I/O."""
         if self._recheck_volume_failed():
-            return self._refuse(job_id, Direction.STORE, keys, Failure.VOLUME_FAILED)
+            return self._refuse(job_id, Direction.STORE, keys, Failure.ROOT_LOST)
         if self._recheck_stalled():
             return self._refuse(job_id, Direction.STORE, keys, Failure.STALLED)
         if self._stores_refused:
@@ -225,7 +225,7 @@ class FsEngine:
         """Queue a load; False (reported failed at the next take_finished) if
         the volume is stalled or failed."""
         if self._recheck_volume_failed():
-            return self._refuse(job_id, Direction.LOAD, keys, Failure.VOLUME_FAILED)
+            return self._refuse(job_id, Direction.LOAD, keys, Failure.ROOT_LOST)
         if self._recheck_stalled():
             return self._refuse(job_id, Direction.LOAD, keys, Failure.STALLED)
         self._scheduler.submit(job_id, True, keys, chunks, self._settings.job_timeout_s)
@@ -418,5 +418,5 @@ class FsEngine:
             self._started.handover.close()
         close_roots(self.roots, min(self._settings.job_timeout_s, _LOOKUP_TIMEOUT_CAP_S))
         # Our view pins the primary mmap; vLLM unmaps it right after us.
-        self._flat.release()
+        self._primary.release()
         logger.info("llmkv_fs engine stopped in %.3fs", time.monotonic() - started)

@@ -77,7 +77,7 @@ def start_executor(
     settings: TierSettings,
     spec: StepSpec,
     roots: Sequence[EngineRoot],
-    flat: memoryview,
+    primary: memoryview,
     pinning: PinningPlan,
     pause: PausePoints | None,
 ) -> Started:
@@ -87,7 +87,7 @@ def start_executor(
     if wanted:
         handover = None
         try:
-            handover = find_handover(flat)
+            handover = find_handover(primary)
             options = [for_worker_processes(r.spec.options) for r in roots]
             signals = tuple(r.signals for r in roots)
             worker_spec = WorkerSpec(
@@ -98,7 +98,7 @@ def start_executor(
                 settings.io_workers_nice,
                 pause,
             )
-            scheduler.start(ProcessExecutor(worker_spec, wanted, flat))
+            scheduler.start(ProcessExecutor(worker_spec, wanted, primary))
             nice = settings.io_workers_nice
             return Started(wanted, handover, f"{wanted} worker processes (nice +{nice})")
         except (NoHandover, OSError, RuntimeError) as exc:
@@ -108,7 +108,7 @@ def start_executor(
     cpus = len(pinning.cpus) if pinning.cpus else len(os.sched_getaffinity(0))
     reads, writes, why = io_thread_counts(settings, [root.fstype for root in roots], cpus)
     blockios, signals_pages = [r.blockio for r in roots], [r.signals for r in roots]
-    step = build_step(spec, flat, blockios, signals_pages, pause)
+    step = build_step(spec, primary, blockios, signals_pages, pause)
     scheduler.start(ThreadExecutor(step, reads, writes, pin_cpus=pinning.cpus))
     threads = f"{reads} read + {writes} write threads{why}"
     if settings.io_workers_nice:

@@ -28,6 +28,7 @@ __all__ = [
     "Abandoned",
     "BlockMissing",
     "BlockNotMoved",
+    "BlockOnLostRoot",
     "BlockResult",
     "CounterKey",
     "Direction",
@@ -39,7 +40,6 @@ __all__ = [
     "Outcome",
     "StoreRefused",
     "Tally",
-    "VolumeFailed",
     "all_counter_keys",
     "failed",
 ]
@@ -88,7 +88,7 @@ class Failure(_CounterKeyEnum):
     QUEUE_FULL = "queue_full"  # store: max_pending_store_bytes were already waiting
     SPACE = "space"  # store: the space guard is tripped
     STALLED = "stalled"  # refused at submit: the volume is not answering
-    VOLUME_FAILED = "volume_failed"  # root_dir is gone or not the directory the tier started on
+    ROOT_LOST = "volume_failed"  # root_dir is gone or not the directory the tier started on
     DEADLINE = "deadline"  # the job passed job_timeout_s
     ERROR = "error"  # any other exception (logged, throttled)
     # the I/O worker process running the block died (crash, SIGKILL, OOM);
@@ -161,11 +161,11 @@ class StoreRefused(BlockNotMoved):
     failure = Failure.SPACE
 
 
-class VolumeFailed(BlockNotMoved):
+class BlockOnLostRoot(BlockNotMoved):
     """The block was not attempted, or stopped short of creating a
     directory: root_dir is not the directory the tier started on."""
 
-    failure = Failure.VOLUME_FAILED
+    failure = Failure.ROOT_LOST
 
 
 def failed(exc: Exception) -> Failed:

@@ -10,7 +10,7 @@ Presence: whether a key's block is on the roots, for the lookups
 (engine/lookup.py), is ``RootsPresence``, given to them at start-up: on its
 home root, else -- with several roots -- on its second choice, where it was
 written before its home was added (layout/placement.py). A lost root is not
-touched; one found gone meanwhile (RootGone: lost since its housekeeping
+touched; one found lost meanwhile (RootLost: lost since its housekeeping
 last looked) is as if lost. A key not found on its other roots then
 answers None, not False: nobody looked where its file may be
 (engine/lookup_checks.py, ``Found``). ``on_their_roots`` is the one
@@ -49,7 +49,7 @@ from llmkv_fs.layout.placement import RootPlacement
 from llmkv_fs.layout.sealed import Keyring
 from llmkv_fs.rootlist import check_roots_distinct
 from llmkv_fs.volume.fsinfo import filesystem_type
-from llmkv_fs.volume.pinned_root import RootGone
+from llmkv_fs.volume.pinned_root import RootLost
 
 __all__ = [
     "EngineRoot",
@@ -120,7 +120,7 @@ def close_roots(roots: Sequence[EngineRoot], wait_s: float) -> None:
 def open_roots(
     settings: TierSettings,
     layouts: Sequence[CacheLayout],
-    flat: memoryview,
+    primary: memoryview,
     block_size: int,
     byte_path: BytePathKind,
     keyring: Keyring | None = None,
@@ -138,7 +138,7 @@ def open_roots(
     roots: list[EngineRoot] = []
     try:
         for layout in layouts:
-            roots.append(_open_root(settings, layout, flat, block_size, byte_path, keyring))
+            roots.append(_open_root(settings, layout, primary, block_size, byte_path, keyring))
     except BaseException:
         close_roots(roots, STOP_WAIT_S)
         raise
@@ -148,7 +148,7 @@ def open_roots(
 def _open_root(
     settings: TierSettings,
     layout: CacheLayout,
-    flat: memoryview,
+    primary: memoryview,
     block_size: int,
     byte_path: BytePathKind,
     keyring: Keyring | None,
@@ -156,7 +156,7 @@ def _open_root(
     prepared = prepare_volume(
         layout, settings.file_mode, settings.dir_mode, settings.require_mounted_root
     )
-    use_o_direct = choose_o_direct(settings.io_mode, flat, block_size, layout.rank_dir)
+    use_o_direct = choose_o_direct(settings.io_mode, primary, block_size, layout.rank_dir)
     fstype = filesystem_type(layout.root_dir)
     options = io_options(settings, block_size, use_o_direct, fstype, prepared.root)
     spec = RootSpec(layout, options)
@@ -246,7 +246,7 @@ def on_their_roots(
 ) -> list[Found]:
     """Whether each key's block is on its roots (the module doc), in order,
     each root asked through ``check``; raises what a root's check raises
-    other than RootGone. A check that answers fewer keys than asked (its
+    other than RootLost. A check that answers fewer keys than asked (its
     time budget spent) makes this answer the keys before the first one it
     left, one at least."""
     if len(roots) == 1:  # every key's only choice: no per-key placement (8,192-key prompts)
@@ -279,10 +279,10 @@ def on_their_roots(
 def _asked(
     root: EngineRoot, keys: list[bytes], check: Callable[[BlockIO, list[bytes]], list[bool]]
 ) -> list[bool] | None:
-    """``root``'s answers for ``keys``; None where it is lost, or found gone."""
+    """``root``'s answers for ``keys``; None where it is lost, or found lost during the check."""
     if root.lost:
         return None
     try:
         return check(root.blockio, keys)
-    except RootGone:
+    except RootLost:
         return None

@@ -123,7 +123,7 @@ class Beneath:
     """``root_path`` as a directory descriptor, and the names below it
     resolved from there without following a link. ``pin``: the root the
     tier started on -- a descriptor is only used if it is that directory
-    (RootGone otherwise), and no child of the root is created unless the
+    (RootLost otherwise), and no child of the root is created unless the
     path still names it. None: tools and tests, the path is the root."""
 
     def __init__(self, root_path: str, pin: PinnedRoot | None = None):
@@ -172,7 +172,7 @@ class Beneath:
         except OSError:
             if self.pin is None:
                 raise
-            raise self.pin.gone() from None
+            raise self.pin.lost() from None
         try:
             st = os.fstat(fd)
         except BaseException:
@@ -180,7 +180,7 @@ class Beneath:
             raise
         if self.pin is not None and (st.st_dev, st.st_ino) != self.pin.ident:
             os.close(fd)
-            raise self.pin.gone()
+            raise self.pin.lost()
         return _RootFd(fd, st.st_dev)
 
     def _drop_removed_root(self, exc: OSError | None = None) -> bool:
@@ -221,7 +221,7 @@ class Beneath:
         SHARED_FS_ATTEMPTS); ``after_race``: the caller met such a race
         itself (a directory gone under its descriptor): every level opened
         for real from the first attempt. Raises LinkInTree, NotADirectoryError,
-        FileNotFoundError (without ``create``), RootGone, OSError."""
+        FileNotFoundError (without ``create``), RootLost, OSError."""
         parts = rel.split("/")
         if not _NOT_NAMES.isdisjoint(parts):
             raise ValueError(f"{rel!r} is not a plain relative path")

@@ -8,10 +8,10 @@ import dataclasses
 import errno
 import os
 
-__all__ = ["PinnedRoot", "RootGone", "parts_below"]
+__all__ = ["PinnedRoot", "RootLost", "parts_below"]
 
 
-class RootGone(OSError):
+class RootLost(OSError):
     """The cache root is missing, or is no longer the directory the tier
     started on (the volume was unmounted, or the directory replaced).
     Deliberately not a FileNotFoundError: callers retry those by creating
@@ -57,8 +57,8 @@ class PinnedRoot:
             return False
         return (st.st_dev, st.st_ino) == self.ident
 
-    def gone(self) -> RootGone:
-        return RootGone(
+    def lost(self) -> RootLost:
+        return RootLost(
             errno.ENOENT,
             "root_dir is missing or is no longer the directory the tier started "
             "on (volume unmounted?); not recreated",
@@ -66,9 +66,9 @@ class PinnedRoot:
         )
 
     def check(self) -> None:
-        """Raise RootGone unless ``path`` still names the pinned directory."""
+        """Raise RootLost unless ``path`` still names the pinned directory."""
         if not self.is_current():
-            raise self.gone()
+            raise self.lost()
 
     def levels(self, path: str) -> list[str]:
         """The directories from the root's child down to ``path`` (which must

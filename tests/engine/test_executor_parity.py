@@ -47,7 +47,7 @@ def test_a_failed_volume_stops_queued_stores_without_io(disk_root, engines, gate
     gate.open()
     done = wait_jobs(engine, [100 + s for s in range(0, n, 8)])
     assert sum(len(job.failed) for job in done.values()) == n
-    assert engine.counters[Direction.STORE, Failure.VOLUME_FAILED] == n
+    assert engine.counters[Direction.STORE, Failure.ROOT_LOST] == n
     assert engine.counters[Outcome.WRITTEN] == 1  # the warm-up block only
     assert not glob.glob(f"{disk_root}/**/*.bin", recursive=True)
     assert not glob.glob(f"{disk_root}/**/.*.tmp", recursive=True)

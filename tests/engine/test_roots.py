@@ -175,7 +175,7 @@ def test_a_lost_root_costs_only_its_blocks(tmp_path, mount_tmpfs, engines):
         job = wait_jobs(engine, [2])[2]
         assert sorted(job.succeeded) == sorted(make_key(i) for i in by_home[roots[0]])
         lost_count = len(by_home[roots[1]])
-        assert engine.counters[Direction.STORE, Failure.VOLUME_FAILED] == lost_count
+        assert engine.counters[Direction.STORE, Failure.ROOT_LOST] == lost_count
         assert os.listdir(lost.mountpoint) == []  # nothing created underneath the mount
 
         engine.end_step()

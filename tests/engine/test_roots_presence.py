@@ -1,7 +1,7 @@
 """A key's block on the engine's roots (engine/roots.py): a batch
 answers exactly what each key answers alone -- home root first, the second
 choice only for keys their home did not have, a lost root never touched, a
-root found gone (RootGone) as if lost -- over three roots placed by the real
+root found gone (RootLost) as if lost -- over three roots placed by the real
 RootPlacement. The roots' checks are stand-ins that record what they were
 asked; tests/engine/test_lookup.py runs the same through real files."""
 
@@ -15,13 +15,13 @@ import pytest
 
 from llmkv_fs.engine.roots import at_once, on_their_roots
 from llmkv_fs.layout.placement import RootPlacement
-from llmkv_fs.volume.pinned_root import RootGone
+from llmkv_fs.volume.pinned_root import RootLost
 from tests.kits.engine_kit import make_key
 
 
 class Checks:
     """One root's block checks: ``present`` keys answer yes; ``gone``: every
-    check raises RootGone; records every key asked."""
+    check raises RootLost; records every key asked."""
 
     def __init__(self, present: set[bytes], gone: bool = False, budget_keys: int = 0):
         self.present = present
@@ -37,7 +37,7 @@ class Checks:
             keys = keys[: self.budget_keys]
         self.asked.extend(keys)
         if self.gone:
-            raise RootGone(errno.ENOENT, "gone", "/root")
+            raise RootLost(errno.ENOENT, "gone", "/root")
         return [key in self.present for key in keys]
 
 

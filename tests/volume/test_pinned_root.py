@@ -20,7 +20,7 @@ import pytest
 from llmkv_fs.config import TierConfigError, TierSettings
 from llmkv_fs.engine import Direction, Failure, FsEngine, LookupAnswer, VolumeError, prepare_volume
 from llmkv_fs.layout.paths import CacheLayout
-from llmkv_fs.volume.pinned_root import PinnedRoot, RootGone
+from llmkv_fs.volume.pinned_root import PinnedRoot, RootLost
 from tests.kits.engine_kit import (
     BS,
     IDENTITY,
@@ -156,13 +156,13 @@ def test_creating_beneath_a_pinned_root_makes_directories_below_it_only(tmp_path
     # FileNotFoundError (callers retry those). A fresh Beneath: a thread
     # that has not opened the root yet.
     os.rename(root_path, tmp_path / "moved")
-    with pytest.raises(RootGone) as info:
+    with pytest.raises(RootLost) as info:
         Beneath(root.path, root).open_dir("a/x", create=True, dir_mode=0o770)
     assert not isinstance(info.value, FileNotFoundError)
     assert not root_path.exists()
     # Another directory in its place: not ours either.
     root_path.mkdir()
-    with pytest.raises(RootGone):
+    with pytest.raises(RootLost):
         Beneath(root.path, root).open_dir("a/x", create=True, dir_mode=0o770)
     assert os.listdir(root_path) == []
 
@@ -196,7 +196,7 @@ def test_beneath_refuses_links_and_dotdot_and_a_replaced_root(tmp_path):
     os.rename(root, tmp_path / "moved")
     root.mkdir()
     fresh = Beneath(str(root), below.pin)  # another thread or process: opens the path
-    with pytest.raises(RootGone):
+    with pytest.raises(RootLost):
         fresh.open_dir("a", create=True)
     assert os.listdir(root) == []
 
@@ -261,8 +261,8 @@ def test_unmount_while_running_fails_the_volume_and_recovers(where, bind_volume,
         assert not engine.submit_load(3, [make_key(0)], [3])
         jobs = wait_jobs(engine, [2, 3])
         assert not jobs[2].success and not jobs[3].success
-        assert engine.counters[Direction.STORE, Failure.VOLUME_FAILED] == 1
-        assert engine.counters[Direction.LOAD, Failure.VOLUME_FAILED] == 1
+        assert engine.counters[Direction.STORE, Failure.ROOT_LOST] == 1
+        assert engine.counters[Direction.LOAD, Failure.ROOT_LOST] == 1
         misses = engine.counters[LookupAnswer.MISS]
         engine.end_step()
         assert engine.lookup(make_key(0), "during") is False
@@ -311,7 +311,7 @@ def test_a_replaced_root_is_not_written_to(tmp_path, engines, gate_for):
     gate.open()  # the held store goes on: it must see the volume failed
     jobs = wait_jobs(engine, [1, 2])
     assert not jobs[1].success and not jobs[2].success
-    assert engine.counters[Direction.STORE, Failure.VOLUME_FAILED] == 2
+    assert engine.counters[Direction.STORE, Failure.ROOT_LOST] == 2
     assert os.listdir(root_path) == []
     os.rmdir(root_path)
     os.rename(tmp_path / "old", root_path)
@@ -337,7 +337,7 @@ def test_a_load_that_meets_a_replaced_root_is_a_lost_root_not_a_bad_file(
     gate.open()
     job = wait_jobs(engine, [1])[1]
     assert job.failed == [make_key(0)]
-    assert engine.counters[Direction.LOAD, Failure.VOLUME_FAILED] == 1
+    assert engine.counters[Direction.LOAD, Failure.ROOT_LOST] == 1
     assert engine.counters[Direction.LOAD, Failure.ERROR] == 0
     wait_until(lambda: _failed_gauge(engine) == 1, "the tier to notice the new root")
     os.rmdir(root_path)

@@ -11,9 +11,9 @@ bytes); root_dir is still the directory the tier started on (shared
 it (both read from the root's ``VolumeSignals``, the page the engine's
 housekeeping writes). Then the block moves (``BlockIO``) on the root its key
 is placed on (a load also tries the key's second choice, see
-``RootPlacement``). A store or load that finds the root gone underneath it
-(pinned root, ``RootGone``: unmounted or replaced since the last
-housekeeping check) fails VOLUME_FAILED -- never remembered as a bad file,
+``RootPlacement``). A store or load that finds its root lost underneath it
+(pinned root, ``RootLost``: unmounted or replaced since the last
+housekeeping check) fails ROOT_LOST (reason `volume_failed`) -- never remembered as a bad file,
 and a load then tries the key's next choice; ENOSPC trips the space guard
 right there, with the free space of that moment.
 
@@ -77,10 +77,10 @@ from llmkv_fs.engine.outcomes import (
     Abandoned,
     BlockMissing,
     BlockNotMoved,
+    BlockOnLostRoot,
     BlockResult,
     Outcome,
     StoreRefused,
-    VolumeFailed,
     failed,
 )
 from llmkv_fs.engine.upkeep.signals import VolumeSignals
@@ -99,7 +99,7 @@ from llmkv_fs.volume.files import (
     needs_chmod,
 )
 from llmkv_fs.volume.nofollow import MountInTree
-from llmkv_fs.volume.pinned_root import RootGone
+from llmkv_fs.volume.pinned_root import RootLost
 from llmkv_fs.volume.quarantine import file_ident, quarantine_at
 
 __all__ = ["BlockIO", "BlockStep", "Cancel", "DirectoryGone", "StepRoot"]
@@ -616,7 +616,7 @@ class BlockStep:
         for index in (0,) if self._one_root else self._placement.choices(key):
             blockio, signals = self.roots[index]
             if signals.root_lost:
-                first_error = first_error or VolumeFailed(blockio.layout.root_dir)
+                first_error = first_error or BlockOnLostRoot(blockio.layout.root_dir)
                 continue
             if self._pause is not None:  # tests: a read the volume has not answered yet
                 self._pause.reached("read", "load", key)
@@ -624,8 +624,8 @@ class BlockStep:
                 return blockio.load(key, row)
             except BlockMissing as exc:
                 first_error = first_error or exc
-            except RootGone as exc:  # lost since the last housekeeping check
-                lost = VolumeFailed(blockio.layout.root_dir)
+            except RootLost as exc:  # lost since the last housekeeping check
+                lost = BlockOnLostRoot(blockio.layout.root_dir)
                 lost.__cause__ = exc
                 first_error = first_error or lost
         assert first_error is not None
@@ -635,13 +635,13 @@ class BlockStep:
         blockio, signals = self.roots[0 if self._one_root else self._placement.home(key)]
         lost, refused = signals.store_flags()
         if lost:
-            raise VolumeFailed(blockio.layout.root_dir)
+            raise BlockOnLostRoot(blockio.layout.root_dir)
         if refused:
             raise StoreRefused(signals.refusal)
         try:
             return blockio.store(key, row, cancelled, self._pause)
-        except RootGone as exc:
-            raise VolumeFailed(blockio.layout.root_dir) from exc
+        except RootLost as exc:
+            raise BlockOnLostRoot(blockio.layout.root_dir) from exc
         except OSError as exc:
             if exc.errno in _SPACE_ERRNOS:
                 trip_on_enospc(signals, blockio.layout.root_dir)

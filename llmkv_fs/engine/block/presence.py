@@ -105,7 +105,7 @@ class BlockPresence:
         revalidation, ...) then by ``at`` itself. With ``budget_s`` the
         compiled call stops once that is spent: the answers are then for
         the first keys only (one at least). Raises what ``at`` raises
-        (RootGone, OSError) for such a block."""
+        (RootLost, OSError) for such a block."""
         check = self._compiled
         if check is None or not self._below.one_call:
             return [self.at(*block_place(prefix, key)) for key in keys]

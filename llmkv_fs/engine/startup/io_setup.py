@@ -24,7 +24,7 @@ __all__ = [
     "io_options",
     "io_thread_counts",
     "memory_backed",
-    "rows_view",
+    "primary_bytes",
 ]
 
 # Memory-backed volumes, where a load is a memcpy: hash each piece while it
@@ -99,15 +99,15 @@ def io_options(
     )
 
 
-def rows_view(primary: Buffer, block_size: int) -> memoryview:
+def primary_bytes(primary: Buffer, block_size: int) -> memoryview:
     """The primary buffer as flat bytes, checked to hold whole blocks."""
-    flat = memoryview(primary).cast("B")
-    if block_size <= 0 or flat.nbytes % block_size:
+    view = memoryview(primary).cast("B")
+    if block_size <= 0 or view.nbytes % block_size:
         raise EngineError(
-            f"primary buffer of {flat.nbytes} bytes is not a whole "
+            f"primary buffer of {view.nbytes} bytes is not a whole "
             f"number of {block_size}-byte blocks"
         )
-    return flat
+    return view
 
 
 def _buffer_address(buf: memoryview) -> int | None:
@@ -116,7 +116,7 @@ def _buffer_address(buf: memoryview) -> int | None:
     return ctypes.addressof(ctypes.c_char.from_buffer(buf))
 
 
-def choose_o_direct(mode: str, flat: memoryview, block_size: int, rank_dir: str) -> bool:
+def choose_o_direct(mode: str, primary: memoryview, block_size: int, rank_dir: str) -> bool:
     """Whether blocks move with O_DIRECT: io_mode ``auto`` uses it where the
     buffer and block size are page aligned and the volume takes it (probed
     in ``rank_dir``, resolved beneath its root: a rank directory swapped for a
@@ -124,7 +124,7 @@ def choose_o_direct(mode: str, flat: memoryview, block_size: int, rank_dir: str)
     not)."""
     if mode == "buffered":
         return False
-    address = _buffer_address(flat)
+    address = _buffer_address(primary)
     aligned = (
         address is not None and address % mmap.PAGESIZE == 0 and block_size % mmap.PAGESIZE == 0
     )

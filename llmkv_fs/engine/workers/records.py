@@ -26,13 +26,13 @@ from collections.abc import Sequence
 from llmkv_fs.engine.outcomes import (
     Abandoned,
     BlockMissing,
+    BlockOnLostRoot,
     BlockResult,
     Failed,
     Failure,
     NoChecksum,
     Outcome,
     StoreRefused,
-    VolumeFailed,
 )
 from llmkv_fs.layout.blockfile import BlockFileError, Corruption
 from llmkv_fs.layout.sealed import ForeignKey
@@ -79,7 +79,7 @@ ERROR_TYPES: tuple[type[Exception] | None, ...] = (
     Abandoned,
     NoChecksum,
     StoreRefused,
-    VolumeFailed,
+    BlockOnLostRoot,
     BlockFileError,
     ForeignKey,
     OSError,

@@ -14,7 +14,7 @@ from llmkv_fs.engine.block.blockio import BlockStep, StepRoot
 from llmkv_fs.engine.outcomes import DEADLINE, SKIPPED, BlockMissing, Failure, Outcome
 from llmkv_fs.engine.upkeep.signals import VolumeSignals
 from llmkv_fs.layout.placement import RootPlacement
-from llmkv_fs.volume.pinned_root import RootGone
+from llmkv_fs.volume.pinned_root import RootLost
 
 BS = 4096
 
@@ -114,8 +114,8 @@ def test_a_lost_root_fails_volume_failed_untouched(signals):
     io = FakeBlockIO("/r0")
     step, _ = step_over([io], signals)
     step.roots[0].signals.root_lost = True
-    assert step.run(False, b"k" * 36, 0, WANTED).reason is Failure.VOLUME_FAILED
-    assert step.run(True, b"k" * 36, 0, WANTED).reason is Failure.VOLUME_FAILED
+    assert step.run(False, b"k" * 36, 0, WANTED).reason is Failure.ROOT_LOST
+    assert step.run(True, b"k" * 36, 0, WANTED).reason is Failure.ROOT_LOST
     assert io.calls == []
 
 
@@ -135,10 +135,10 @@ def test_a_load_tries_the_second_choice_when_home_misses_or_is_gone(signals):
     key = key_homed_on(placement, 0)
     second.blocks[key] = b"\x01" * BS
     assert step.run(True, key, 0, WANTED) is Outcome.VERIFIED  # home missed
-    home.fail_with = RootGone(errno.ENOENT, "root gone", "/r0")
+    home.fail_with = RootLost(errno.ENOENT, "root gone", "/r0")
     assert step.run(True, key, 0, WANTED) is Outcome.VERIFIED  # home gone since last check
     del second.blocks[key]
-    assert step.run(True, key, 0, WANTED).reason is Failure.VOLUME_FAILED  # the first error
+    assert step.run(True, key, 0, WANTED).reason is Failure.ROOT_LOST  # the first error
 
 
 def test_enospc_trips_the_space_guard_of_that_root_only(signals, tmp_path):

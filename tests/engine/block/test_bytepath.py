@@ -125,7 +125,7 @@ def test_checks_before_the_byte_path_are_the_engines(engines, volume, trace):
     job = wait_jobs(engine, [2])[2]
     homed_on_lost = {k for k in keys if inside(engine).placement.home(k) == 1}
     assert homed_on_lost and set(job.failed) == homed_on_lost
-    assert engine.counters[Direction.STORE, Failure.VOLUME_FAILED] == len(homed_on_lost)
+    assert engine.counters[Direction.STORE, Failure.ROOT_LOST] == len(homed_on_lost)
     written = sum(
         os.path.getsize(trace / name) for name in os.listdir(trace) if name.startswith("write.")
     )

@@ -15,10 +15,10 @@ from llmkv_fs.engine import Failure, Outcome
 from llmkv_fs.engine.outcomes import (
     Abandoned,
     BlockMissing,
+    BlockOnLostRoot,
     Failed,
     NoChecksum,
     StoreRefused,
-    VolumeFailed,
 )
 from llmkv_fs.engine.workers.records import (
     ERROR_TYPES,
@@ -47,7 +47,7 @@ ERRORS = [
     Abandoned("/v/k.bin"),
     NoChecksum("/v/k.bin"),
     StoreRefused("ENOSPC"),
-    VolumeFailed("/v"),
+    BlockOnLostRoot("/v"),
     *(_bad_file(reason) for reason in Corruption),
     OSError(errno.EIO, "Input/output error", "/v/k.bin"),
     FileNotFoundError(errno.ENOENT, "No such file or directory", "/v/x"),
