@@ -27,7 +27,6 @@ import time
 from collections.abc import Sequence
 
 from llmkv_fs.config import TierSettings, store_queue_blocks
-from llmkv_fs.engine.block.bytepath import BytePathKind, VectoredBytes
 from llmkv_fs.engine.block.pause import PausePoints
 from llmkv_fs.engine.block.presence import COMPILED_PRESENCE, presence_path
 from llmkv_fs.engine.block.spec import StepSpec
@@ -95,10 +94,6 @@ class FsEngine:
     are refused at submit. It clears by itself when the directory is back.
     Each root's parts are in ``roots`` (``EngineRoot``).
 
-    ``byte_path`` moves a block's bytes once its file is open (the seam for
-    another implementation, block/bytepath.py); it reaches I/O threads and
-    worker processes alike through the step spec (``StepSpec``).
-
     ``pause``: pause points for a test to hold blocks and lookup checks at
     known places (block/pause.py); they reach I/O threads, lookup threads
     and worker processes (through their launch). None (the default) runs
@@ -111,7 +106,6 @@ class FsEngine:
         layouts: CacheLayout | Sequence[CacheLayout],
         primary: Buffer,
         block_size: int,
-        byte_path: BytePathKind = VectoredBytes,
         pause: PausePoints | None = None,
     ):
         self._settings = settings
@@ -122,15 +116,13 @@ class FsEngine:
         # Every root prepared (and its housekeeping started) before any I/O
         # thread or worker exists.
         self.roots: list[EngineRoot] = open_roots(
-            settings, layouts, self._primary, block_size, byte_path, keyring
+            settings, layouts, self._primary, block_size, keyring
         )
         self._placement = RootPlacement([root.root_dir for root in self.roots])
         # Each root's page its housekeeping writes (lost? stores refused?).
         self._signals = tuple(root.signals for root in self.roots)
         # What every block step is built from, in threads and workers alike.
-        self._step_spec = StepSpec(
-            tuple(r.spec for r in self.roots), self._placement, byte_path, keyring
-        )
+        self._step_spec = StepSpec(tuple(r.spec for r in self.roots), self._placement, keyring)
         self._pause = pause
         self.pinning: PinningPlan = plan_pinning(read_topology(), settings.numa_node, self._primary)
         # Cumulative, updated by the owner only; tier/metrics.py publishes them.

@@ -35,7 +35,6 @@ from collections.abc import Callable, Sequence
 
 from llmkv_fs.config import TierSettings
 from llmkv_fs.engine.block.blockio import BlockIO
-from llmkv_fs.engine.block.bytepath import BytePathKind
 from llmkv_fs.engine.block.pause import PausePoints
 from llmkv_fs.engine.block.spec import RootSpec
 from llmkv_fs.engine.lookup_checks import Found
@@ -122,7 +121,6 @@ def open_roots(
     layouts: Sequence[CacheLayout],
     primary: memoryview,
     block_size: int,
-    byte_path: BytePathKind,
     keyring: Keyring | None = None,
 ) -> list[EngineRoot]:
     """Prepare every root and start its housekeeping, in list order. Raises
@@ -138,7 +136,7 @@ def open_roots(
     roots: list[EngineRoot] = []
     try:
         for layout in layouts:
-            roots.append(_open_root(settings, layout, primary, block_size, byte_path, keyring))
+            roots.append(_open_root(settings, layout, primary, block_size, keyring))
     except BaseException:
         close_roots(roots, STOP_WAIT_S)
         raise
@@ -150,7 +148,6 @@ def _open_root(
     layout: CacheLayout,
     primary: memoryview,
     block_size: int,
-    byte_path: BytePathKind,
     keyring: Keyring | None,
 ) -> EngineRoot:
     prepared = prepare_volume(
@@ -160,7 +157,7 @@ def _open_root(
     fstype = filesystem_type(layout.root_dir)
     options = io_options(settings, block_size, use_o_direct, fstype, prepared.root)
     spec = RootSpec(layout, options)
-    blockio = spec.blockio(byte_path, keyring)
+    blockio = spec.blockio(keyring)
     signals = VolumeSignals.create()
     guard = SpaceGuard(
         layout.root_dir,

@@ -19,7 +19,6 @@ import pytest
 from llmkv_fs.config import TierSettings
 from llmkv_fs.engine import FinishedJob, FsEngine, lookup, lookup_checks, prepare_volume
 from llmkv_fs.engine.block.blockio import BlockIO
-from llmkv_fs.engine.block.bytepath import VectoredBytes
 from llmkv_fs.engine.block.options import IoOptions
 from llmkv_fs.engine.block.pause import PausePoints
 from llmkv_fs.engine.scheduling import scheduler
@@ -273,10 +272,9 @@ def engines(io_mode):
     made: list[FsEngine] = []
     gates: list[Gate] = []
 
-    def make(root, n_blocks: int = 16, block_size: int = BS, byte_path=VectoredBytes, **settings):
+    def make(root, n_blocks: int = 16, block_size: int = BS, **settings):
         """``root`` may list several roots (with path_sharding="by_block_hash");
-        the layout returned is the first root's. ``byte_path``: what moves
-        the bytes (engine/block/bytepath.py)."""
+        the layout returned is the first root's."""
         primary = memfd_primary(n_blocks * block_size)
         if io_mode.workers:
             settings.setdefault("io_workers", _workers_for(settings))
@@ -287,7 +285,7 @@ def engines(io_mode):
         layouts = [CacheLayout.for_identity(r, IDENTITY) for r in tier_settings.root_dirs]
         layout = layouts[0]
         pause = PausePoints(io_mode.pause_dir)
-        engine = FsEngine(tier_settings, layouts, primary, block_size, byte_path, pause)
+        engine = FsEngine(tier_settings, layouts, primary, block_size, pause)
         made.append(engine)
         if io_mode.workers and settings.get("io_workers", 0):
             assert engine.io_workers == settings["io_workers"], "worker mode fell back to threads"

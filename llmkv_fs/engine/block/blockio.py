@@ -36,15 +36,13 @@ lookup a miss and a store or load fail
 (``LinkInTree``, ``MountInTree``, counted ``link_in_tree``); nothing is
 ever made, written or moved through it.
 
-What the open file holds -- the row and the trailer's contents written,
-the length, key and checksum checked on a load -- is ``BlockContents``'
-(block/contents.py), and how the bytes themselves move is the byte path's
-(block/bytepath.py, the seam for another implementation): by default zero
-copy, the payload straight between the caller's row (a slice of the
-page-aligned primary mmap) and the file with ``pwritev``/``preadv``, the
-trailer in the same syscall from a per-thread aligned page. Everything
-around the file -- resolving, creating, renaming, quarantine, stamps -- is
-here, whatever the byte path. Sealed blocks (``options.sealed``) move
+What the open file holds and how its bytes move -- the row and the
+trailer written, the length, key and checksum checked on a load -- is
+``BlockContents``' (block/contents.py): zero copy, the payload straight
+between the caller's row (a slice of the page-aligned primary mmap) and the
+file with ``pwritev``/``preadv``, the trailer in the same syscall from a
+per-thread aligned page. Everything around the file -- resolving,
+creating, renaming, quarantine, stamps -- is here. Sealed blocks (``options.sealed``) move
 through ``SealedBytes`` instead (block/sealed.py: AES-256-GCM where the
 checksum would be); a sealed block of a key this reader does not hold is a
 ``ForeignKey`` miss, never moved.
@@ -65,7 +63,6 @@ import threading
 from collections.abc import Sequence
 from typing import NamedTuple, TypeVar
 
-from llmkv_fs.engine.block.bytepath import BytePath
 from llmkv_fs.engine.block.contents import BlockContents
 from llmkv_fs.engine.block.options import O_DIRECT, IoOptions
 from llmkv_fs.engine.block.pause import PausePoints
@@ -125,21 +122,14 @@ class DirectoryGone(OSError):
 
 
 class BlockIO:
-    """One root's blocks, moved by ``byte_path`` (default: ``VectoredBytes``
-    of the options)."""
+    """One root's blocks: plain, or sealed with ``keyring``."""
 
-    def __init__(
-        self,
-        layout: CacheLayout,
-        options: IoOptions,
-        byte_path: BytePath | None = None,
-        keyring: Keyring | None = None,
-    ):
+    def __init__(self, layout: CacheLayout, options: IoOptions, keyring: Keyring | None = None):
         self.layout = layout
         self.options = options
         # What the file holds, written and checked (block/contents.py);
         # refuses a keyring that does not match options.sealed.
-        self._contents = BlockContents(layout, options, byte_path, keyring)
+        self._contents = BlockContents(layout, options, keyring)
         self._host = socket.gethostname()
         self._pid = os.getpid()
         self._local = threading.local()

@@ -1,26 +1,34 @@
 """What one block file holds, once ``BlockIO`` has it open: the row written
-with its trailer (key, length, checksum) and checked for length before it
-may be published; on a load, the row read back and checked against its
-trailer (key, length, the payload's xxh3). The bytes move through the byte
-path (block/bytepath.py) or, for sealed blocks (``options.sealed``),
-through ``SealedBytes`` (block/sealed.py: AES-256-GCM where the checksum
-would be). Where the file lives -- resolving beneath the root, the temp
-file and its rename, quarantine, stamps -- is ``BlockIO``'s
-(block/blockio.py).
+with its trailer (key, length, checksum); on a load, the row read back and
+checked against its trailer (key, length, the payload's xxh3) by the rule
+``llmkv-fs verify`` applies too (layout/judgement.py). Plain blocks move
+here; sealed ones (``options.sealed``) through ``SealedBytes``
+(block/sealed.py: AES-256-GCM where the checksum would be). Where the file
+lives -- resolving beneath the root, the temp file and its rename,
+quarantine, stamps -- is ``BlockIO``'s (block/blockio.py).
+
+How the bytes move: one ``pwritev``/``preadv`` of row and trailer, or, on
+memory filesystems (``IoOptions.hash_chunk``), the payload in pieces, each
+hashed right after it lands: the kernel's copy has just pulled it into this
+CPU's cache, so the hash reads it from there and the memory read is left to
+the kernel's copy, which has far more reads in flight (docs/benchmarks.md).
+The descriptor may be open with O_DIRECT (``options.use_o_direct``, a
+disk): bytes move straight between the file and the page-aligned row or
+trailer, never through a buffer of our own.
 
 Threading: one ``BlockContents`` per ``BlockIO`` (per root and process),
-shared by every I/O thread of that process. It holds only immutable settings
-and the byte path; the trailer and scratch pages are the calling thread's
-own, passed in. Methods block on the filesystem.
+shared by every I/O thread of that process. It holds only immutable
+settings; the trailer and scratch pages are the calling thread's own,
+passed in. Methods block on the filesystem.
 """
 
 from __future__ import annotations
 
-import errno
 import os
 import time
 
-from llmkv_fs.engine.block.bytepath import BytePath, VectoredBytes
+import xxhash
+
 from llmkv_fs.engine.block.options import IoOptions
 from llmkv_fs.engine.block.sealed import SealedBytes
 from llmkv_fs.engine.outcomes import NoChecksum, Outcome
@@ -28,34 +36,24 @@ from llmkv_fs.layout.blockfile import TRAILER_SIZE, pack_trailer, payload_checks
 from llmkv_fs.layout.judgement import BlockRules, Judgement
 from llmkv_fs.layout.paths import CacheLayout
 from llmkv_fs.layout.sealed import Keyring
+from llmkv_fs.volume.vectored import read_all, write_all
 
-__all__ = ["BlockContents", "BytePathFault"]
-
-
-class BytePathFault(OSError):
-    """A byte path returned normally but left a file that is no block file
-    (short, long, or never sealed): the store fails, nothing is published."""
-
-    def __init__(self, detail: str):
-        super().__init__(errno.EIO, detail)
+__all__ = ["BlockContents"]
 
 
 class BlockContents:
-    """One root's block contents, moved by ``byte_path`` (default:
-    ``VectoredBytes`` of the options), or sealed with ``keyring``."""
+    """One root's block contents: plain, or sealed with ``keyring``."""
 
-    def __init__(
-        self,
-        layout: CacheLayout,
-        options: IoOptions,
-        byte_path: BytePath | None = None,
-        keyring: Keyring | None = None,
-    ):
+    def __init__(self, layout: CacheLayout, options: IoOptions, keyring: Keyring | None = None):
         self.layout = layout
         self.options = options
-        self._bytes = VectoredBytes(options) if byte_path is None else byte_path
-        # Sealed blocks move through SealedBytes instead of the byte path
-        # (block/sealed.py); options and keyring must agree, so no process
+        size, piece = options.block_size, options.hash_chunk
+        pieces = options.checksum and piece and size % piece == 0 and size > piece
+        # 0: the payload and the trailer move in one vectored call; else the
+        # payload moves in pieces of this many bytes, each hashed as it lands.
+        self._piece = piece if pieces else 0
+        # Sealed blocks move through SealedBytes (block/sealed.py); options
+        # and keyring must agree, so no process
         # ever writes a plain block where sealed ones live, nor the reverse.
         if options.sealed != (keyring is not None):
             raise ValueError(f"sealed={options.sealed} with {keyring!r}: a keyring iff sealed")
@@ -81,33 +79,25 @@ class BlockContents:
 
     def write(self, fd: int, key: bytes, row: memoryview, trailer: memoryview) -> None:
         """Fill the temp file ``fd`` with ``row`` and its trailer (packed in
-        ``trailer``, the thread's page), fsync it if the options say so, and
-        check its length. BytePathFault for a file that is no block file."""
+        ``trailer``, the thread's page) and fsync it if the options say so.
+        OSError from the volume; the caller removes the file."""
         if self._sealed is not None:
             self._sealed.write(fd, key, row, trailer)
+        elif not self._piece:
+            digest = payload_checksum(row) if self.options.checksum else None
+            pack_trailer(trailer, key, row.nbytes, digest, time.time_ns())
+            write_all(fd, [row, trailer])
         else:
-            checksum = self.options.checksum
-            sealed = False
-
-            def seal(digest: int | None) -> None:
-                nonlocal sealed
-                if checksum and digest is None:
-                    digest = payload_checksum(row)
-                pack_trailer(trailer, key, row.nbytes, digest if checksum else None, time.time_ns())
-                sealed = True
-
-            self._bytes.write(fd, row, trailer, seal)
-            if not sealed:  # the trailer page holds another block's trailer, or nothing
-                raise BytePathFault(f"the byte path never sealed the trailer of {key.hex()}")
+            piece, size = self._piece, row.nbytes
+            hasher = xxhash.xxh3_64()
+            for done in range(0, size, piece):
+                part = row[done : done + piece]
+                write_all(fd, [part], done)
+                hasher.update(part)
+            pack_trailer(trailer, key, size, hasher.intdigest(), time.time_ns())
+            write_all(fd, [trailer], size)
         if self.options.fsync_file:
             os.fsync(fd)
-        # The temp file is as long as a block file (one fstat): a byte path
-        # that returned normally after a short write must not get its file
-        # published and counted written (it would only be caught on load).
-        size = row.nbytes + TRAILER_SIZE
-        got = os.fstat(fd).st_size
-        if got != size:
-            raise BytePathFault(f"the byte path left {got} bytes of {size} for {key.hex()}")
 
     # -- load ------------------------------------------------------------------
 
@@ -118,8 +108,32 @@ class BlockContents:
         if self._sealed is not None:
             self._sealed.read(fd, key, row, scratch)
             return Outcome.VERIFIED
-        n, digest = self._bytes.read(fd, row, scratch, self.valid_sizes)
+        if not self._piece:
+            n = read_all(fd, [row, scratch], self.valid_sizes)
+            return self._check(key, row, scratch, n, None)
+        n, digest = self._read_pieces(fd, row, scratch)
         return self._check(key, row, scratch, n, digest)
+
+    def _read_pieces(self, fd: int, row: memoryview, tail: memoryview) -> tuple[int, int]:
+        """Each piece hashed right after its read, from cache; the trailer
+        pages ride along with the last piece (one syscall fewer). A short
+        read stops it (the caller judges the length; the digest is then
+        meaningless). Returns the bytes read and the payload's xxh3-64."""
+        piece, size = self._piece, row.nbytes
+        hasher = xxhash.xxh3_64()
+        done = 0
+        while done < size:
+            end = done + piece
+            if end >= size:
+                n = os.preadv(fd, [row[done:], tail], done)
+                hasher.update(row[done : min(size, done + n)])
+                return done + n, hasher.intdigest()
+            n = os.preadv(fd, [row[done:end]], done)
+            if n == 0:
+                break
+            hasher.update(row[done : done + n])
+            done += n
+        return done, hasher.intdigest()
 
     def _check(
         self, key: bytes, row: memoryview, scratch: memoryview, n: int, digest: int | None

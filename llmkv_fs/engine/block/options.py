@@ -29,7 +29,7 @@ class IoOptions:
     dir_mode: int = DEFAULT_DIR_MODE
     stamp_access: bool = True
     # Loads and stores move and hash the payload in pieces of this many
-    # bytes (0: one vectored call, then one hash; block/bytepath.py). On
+    # bytes (0: one vectored call, then one hash; block/contents.py). On
     # memory-backed volumes each move is a memcpy and hashing each piece
     # while it is still in cache saves most of the hash's memory traffic; on
     # disks one large call matters more.

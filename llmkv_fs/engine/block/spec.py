@@ -1,6 +1,6 @@
 """What a block step is built from, declared once for both executors: each
 root's layout and I/O options (``RootSpec``), where a key lives among the
-roots (``RootPlacement``) and the byte path. The engine builds one
+roots (``RootPlacement``) and the sealing keys. The engine builds one
 ``StepSpec``; its I/O threads turn it into their ``BlockStep`` in the
 engine's process, and each worker process receives the same object
 (pickled, in its launch spec: workers/crew.py) and turns it into its own
@@ -15,7 +15,6 @@ import dataclasses
 from collections.abc import Sequence
 
 from llmkv_fs.engine.block.blockio import BlockIO, BlockStep, StepRoot
-from llmkv_fs.engine.block.bytepath import BytePathKind, VectoredBytes
 from llmkv_fs.engine.block.options import IoOptions
 from llmkv_fs.engine.block.pause import PausePoints
 from llmkv_fs.engine.upkeep.signals import VolumeSignals
@@ -34,30 +33,27 @@ class RootSpec:
     layout: CacheLayout
     options: IoOptions
 
-    def blockio(self, byte_path: BytePathKind, keyring: Keyring | None = None) -> BlockIO:
+    def blockio(self, keyring: Keyring | None = None) -> BlockIO:
         """A fresh BlockIO for this root: the owner's (lookups, stamps) and
         each I/O place's are built here alike, each process its own
         (descriptors and per-thread scratch are not shared)."""
-        return BlockIO(self.layout, self.options, byte_path(self.options), keyring)
+        return BlockIO(self.layout, self.options, keyring)
 
 
 @dataclasses.dataclass(frozen=True)
 class StepSpec:
-    """Every root of the engine in list order, the placement over them and
-    the byte path (a class, or any picklable callable, taking a root's
-    ``IoOptions``; see block/bytepath.py), and the sealing keys when blocks
-    are sealed. The keys never travel pickled (``Keyring`` refuses): a
+    """Every root of the engine in list order, the placement over them, and
+    the sealing keys when blocks are sealed. The keys never travel pickled (``Keyring`` refuses): a
     worker's spec goes without them (``without_keys``) and its keys through
     a pipe (workers/crew.py)."""
 
     roots: tuple[RootSpec, ...]
     placement: RootPlacement
-    byte_path: BytePathKind = VectoredBytes
     keyring: Keyring | None = dataclasses.field(default=None, repr=False)
 
     def blockio(self, index: int) -> BlockIO:
         """A fresh BlockIO for root ``index`` (``RootSpec.blockio``)."""
-        return self.roots[index].blockio(self.byte_path, self.keyring)
+        return self.roots[index].blockio(self.keyring)
 
     def without_keys(self) -> StepSpec:
         """The spec to pickle; ``with_keys`` puts them back."""

@@ -1,7 +1,7 @@
-"""Hashing in pieces. On a memory filesystem the default byte path
-(VectoredBytes) writes the payload in pieces and hashes each piece right
-after its write (the kernel's copy has just brought it into cache), then
-seals and writes the trailer. The file is the payload plus a trailer whose
+"""Hashing in pieces. On a memory filesystem a block's contents
+(block/contents.py) are written in pieces, each hashed right after its
+write (the kernel's copy has just brought it into cache), then the trailer
+is packed and written. The file is the payload plus a trailer whose
 checksum is the whole payload's, whatever the piece; a load hashes the same
 way.
 
@@ -16,32 +16,27 @@ processes, bytes checked through both."""
 
 from __future__ import annotations
 
-import dataclasses
 import os
 
 import pytest
 import xxhash
 
-from llmkv_fs.engine.block import bytepath
-from llmkv_fs.engine.block.bytepath import VectoredBytes
+from llmkv_fs.engine.block import contents
+from llmkv_fs.engine.block.contents import BlockContents
 from llmkv_fs.engine.block.options import IoOptions
+from llmkv_fs.engine.outcomes import Outcome
 from llmkv_fs.engine.workers.crew import WorkerLaunch
-from llmkv_fs.layout.blockfile import TRAILER_SIZE, file_sizes, pack_trailer, verify_block
-from tests.kits.engine_kit import inside, round_trip, worker_engine
+from llmkv_fs.layout.blockfile import TRAILER_SIZE, verify_block
+from llmkv_fs.layout.paths import CacheLayout
+from tests.kits.engine_kit import IDENTITY, inside, round_trip, worker_engine
 
 KEY = bytes(range(36))
 
 
-def _options(block: int, piece: int) -> IoOptions:
-    return IoOptions(block, False, False, False, True, hash_chunk=piece)
-
-
-def _seal(trailer: memoryview, row: memoryview, seen: list[int | None]):
-    def seal(digest: int | None) -> None:
-        seen.append(digest)
-        pack_trailer(trailer, KEY, row.nbytes, digest, 123)
-
-    return seal
+def _contents(tmp_path, block: int, piece: int) -> BlockContents:
+    root = str(tmp_path / "kv")
+    layout = CacheLayout(root, CacheLayout.for_identity(root, IDENTITY).run_config, 0)
+    return BlockContents(layout, IoOptions(block, False, False, False, True, hash_chunk=piece))
 
 
 @pytest.mark.parametrize(("block", "piece"), [(64 << 10, 16 << 10), (64 << 10, 32 << 10)])
@@ -50,47 +45,51 @@ def test_file_is_payload_then_trailer_with_the_whole_payload_hash(tmp_path, bloc
     row = memoryview(bytearray(payload))
     trailer = memoryview(bytearray(TRAILER_SIZE))
     path = tmp_path / "b"
-    digests: list[int | None] = []
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     try:
-        VectoredBytes(_options(block, piece)).write(fd, row, trailer, _seal(trailer, row, digests))
+        _contents(tmp_path, block, piece).write(fd, KEY, row, trailer)
     finally:
         os.close(fd)
-    assert digests == [xxhash.xxh3_64_intdigest(payload)]  # sealed once, with the hash
     data = path.read_bytes()
     assert len(data) == block + TRAILER_SIZE
     assert data[:block] == payload
     got = verify_block(data[:block], data[block:], KEY, True)
     assert got.has_checksum and got.payload_xxh3 == xxhash.xxh3_64_intdigest(payload)
-    # Read back in pieces: the same bytes, the digest computed on the way.
-    back, tail = memoryview(bytearray(block)), memoryview(bytearray(2 * TRAILER_SIZE))
+    # Read back in pieces: the same bytes, checked against the hash taken on the way.
+    back, scratch = memoryview(bytearray(block)), memoryview(bytearray(2 * TRAILER_SIZE))
     fd = os.open(path, os.O_RDONLY)
     try:
-        n, digest = VectoredBytes(_options(block, piece)).read(
-            fd, back, tail, file_sizes(block, False)
-        )
+        assert _contents(tmp_path, block, piece).read(fd, KEY, back, scratch) is Outcome.VERIFIED
     finally:
         os.close(fd)
-    assert (n, digest) == (block + TRAILER_SIZE, xxhash.xxh3_64_intdigest(payload))
     assert bytes(back) == payload
 
 
-def test_whole_blocks_move_in_one_call_and_leave_the_hash_to_the_caller(tmp_path):
-    options = dataclasses.replace(_options(64 << 10, 0))
-    row = memoryview(bytearray(os.urandom(64 << 10)))
+def test_a_flipped_bit_read_in_pieces_is_refused(tmp_path):
+    block, piece = 64 << 10, 16 << 10
+    row = memoryview(bytearray(os.urandom(block)))
     trailer = memoryview(bytearray(TRAILER_SIZE))
-    digests: list[int | None] = []
-    fd = os.open(tmp_path / "b", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    path = tmp_path / "b"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     try:
-        VectoredBytes(options).write(fd, row, trailer, _seal(trailer, row, digests))
+        _contents(tmp_path, block, piece).write(fd, KEY, row, trailer)
     finally:
         os.close(fd)
-    assert digests == [None]
+    data = bytearray(path.read_bytes())
+    data[block - 1] ^= 1  # in the last piece, the one read with the trailer
+    path.write_bytes(bytes(data))
+    back, scratch = memoryview(bytearray(block)), memoryview(bytearray(2 * TRAILER_SIZE))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        with pytest.raises(Exception, match="checksum"):
+            _contents(tmp_path, block, piece).read(fd, KEY, back, scratch)
+    finally:
+        os.close(fd)
 
 
 def test_each_piece_is_hashed_after_its_write(tmp_path, monkeypatch):
     events: list[tuple[str, int]] = []
-    real_write_all, real_hasher = bytepath.write_all, xxhash.xxh3_64
+    real_write_all, real_hasher = contents.write_all, xxhash.xxh3_64
 
     def write_all(fd, buffers, offset=0):
         events.append(("write", sum(memoryview(b).nbytes for b in buffers)))
@@ -107,17 +106,36 @@ def test_each_piece_is_hashed_after_its_write(tmp_path, monkeypatch):
         def intdigest(self) -> int:
             return self._h.intdigest()
 
-    monkeypatch.setattr(bytepath, "write_all", write_all)
-    monkeypatch.setattr(bytepath.xxhash, "xxh3_64", Hasher)
+    monkeypatch.setattr(contents, "write_all", write_all)
+    monkeypatch.setattr(contents.xxhash, "xxh3_64", Hasher)
     row = memoryview(bytearray(os.urandom(4 * 4096)))
     trailer = memoryview(bytearray(TRAILER_SIZE))
     fd = os.open(tmp_path / "b", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     try:
-        VectoredBytes(_options(4 * 4096, 8192)).write(fd, row, trailer, _seal(trailer, row, []))
+        _contents(tmp_path, 4 * 4096, 8192).write(fd, KEY, row, trailer)
     finally:
         os.close(fd)
     piece = [("write", 8192), ("hash", 8192)]
     assert events == [*piece, *piece, ("write", TRAILER_SIZE)]
+
+
+def test_whole_blocks_move_in_one_call(tmp_path, monkeypatch):
+    calls: list[int] = []
+    real_write_all = contents.write_all
+
+    def write_all(fd, buffers, offset=0):
+        calls.append(len(buffers))
+        real_write_all(fd, buffers, offset)
+
+    monkeypatch.setattr(contents, "write_all", write_all)
+    row = memoryview(bytearray(os.urandom(64 << 10)))
+    trailer = memoryview(bytearray(TRAILER_SIZE))
+    fd = os.open(tmp_path / "b", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        _contents(tmp_path, 64 << 10, 0).write(fd, KEY, row, trailer)
+    finally:
+        os.close(fd)
+    assert calls == [2]  # row and trailer, one pwritev
 
 
 # -- the piece, by who moves the bytes ---------------------------------------------
