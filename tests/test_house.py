@@ -280,7 +280,6 @@ TESTED_ELSEWHERE = {
         "the steps the walk beneath the root is built from: tests/volume/test_beneath.py, "
         "test_beneath_mounts.py"
     ),
-    "llmkv_fs/volume/openat2.py": "the one-call walk: tests/volume/test_beneath.py",
     "llmkv_fs/engine/block/contents.py": (
         "the block codec (plain and sealed) through its callers: "
         "tests/engine/block/test_blockio.py, test_checksum_policy.py, test_sealed.py"

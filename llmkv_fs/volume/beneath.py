@@ -27,7 +27,7 @@ without it (or where the call cannot answer: EAGAIN, a sandbox's ENOSYS or
 EPERM), only another device is seen.
 
 One call where the kernel can: ``openat2`` with ``RESOLVE_BENEATH |
-RESOLVE_NO_SYMLINKS`` (volume/openat2.py) gives the same guarantee for a
+RESOLVE_NO_SYMLINKS`` (``open_beneath``, below) gives the same guarantee for a
 whole path in one system call instead of an open and a close per level, so
 a directory known to exist and a block's file are opened that way first;
 whatever that call cannot settle (a missing level to make, a link to name,
@@ -51,13 +51,28 @@ the volume tools walk their tops with them directly.
 Threading: one Beneath may be shared by any number of threads; each thread
 opens its own root descriptor (``threading.local``), closed when the thread
 ends or the Beneath is collected. Worker processes build their own.
+
+The one-call form: Linux's ``openat2`` (5.6+) with ``RESOLVE_BENEATH |
+RESOLVE_NO_SYMLINKS | RESOLVE_NO_XDEV``, which Python's ``os`` does not
+wrap, called through ctypes (``open_beneath``). The kernel walks the path
+once, refusing a link anywhere in it (``ELOOP``), a ``..`` that would leave
+the directory or a mount point on the way (``EXDEV``), and resolving
+nothing outside it. Its failure carries no more than an errno, so it serves
+the common case only and the walk, which names what went wrong, takes every
+failure it does not settle. ``OPENAT2`` is False where the kernel or the C
+library lacks it, or a seccomp filter refuses it (then only the walk runs).
+Stateless: any thread may call ``open_beneath``; it releases the GIL for
+the system call, as ``os.open`` does.
 """
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import os
+import platform
 import threading
+from collections.abc import Callable
 
 from llmkv_fs.volume.files import DEFAULT_DIR_MODE, missing_or_stale, retry_transient
 from llmkv_fs.volume.nofollow import (
@@ -69,11 +84,87 @@ from llmkv_fs.volume.nofollow import (
     make_dir_at,
     open_child_dir,
 )
-from llmkv_fs.volume.openat2 import AVAILABLE as OPENAT2
-from llmkv_fs.volume.openat2 import open_beneath
 from llmkv_fs.volume.pinned_root import PinnedRoot, parts_below
 
-__all__ = ["Beneath"]
+__all__ = ["OPENAT2", "Beneath", "open_beneath"]
+
+_RESOLVE_NO_XDEV = 0x01
+_RESOLVE_NO_SYMLINKS = 0x04
+_RESOLVE_BENEATH = 0x08
+# The system call's number: the same on every architecture since it was
+# added (5.6, from the generic table), but only where Linux numbers it so.
+_SYS_OPENAT2 = 437
+_ARCHES = frozenset(("x86_64", "aarch64", "arm64", "riscv64", "ppc64le", "s390x"))
+
+
+class _OpenHow(ctypes.Structure):
+    _fields_ = (
+        ("flags", ctypes.c_uint64),
+        ("mode", ctypes.c_uint64),
+        ("resolve", ctypes.c_uint64),
+    )
+
+
+def _load() -> Callable[..., int] | None:
+    if platform.system() != "Linux" or platform.machine() not in _ARCHES:
+        return None
+    try:
+        call = ctypes.CDLL(None, use_errno=True).syscall
+    except (OSError, AttributeError):
+        return None
+    call.restype = ctypes.c_long
+    call.argtypes = (ctypes.c_long, ctypes.c_int, ctypes.c_char_p, ctypes.c_void_p, ctypes.c_size_t)
+    return call
+
+
+_syscall = _load()
+_HOW_SIZE = ctypes.sizeof(_OpenHow)
+# One open_how per set of flags, made once and kept (read-only to the
+# kernel): none is built per call (docs/benchmarks.md, "Figures behind the
+# code", has what one per call costs).
+_HOWS: dict[tuple[int, int], tuple[_OpenHow, int]] = {}
+
+
+def _how(flags: int, mode: int) -> int:
+    held = _HOWS.get((flags, mode))
+    if held is None:
+        resolve = _RESOLVE_BENEATH | _RESOLVE_NO_SYMLINKS | _RESOLVE_NO_XDEV
+        how = _OpenHow(flags | os.O_CLOEXEC, mode, resolve)
+        held = _HOWS[flags, mode] = (how, ctypes.addressof(how))
+    return held[1]
+
+
+def open_beneath(dir_fd: int, path: str, flags: int, mode: int = 0) -> int:
+    """``path`` (relative, "/"-separated) opened below ``dir_fd`` with
+    ``flags`` (``mode`` with ``O_CREAT``), never through a symlink, never
+    across a mount point and never outside ``dir_fd``'s directory. Raises
+    OSError with the call's errno: ENOENT, ELOOP (a symlink anywhere on the
+    path, the last component included), ENOTDIR, EXDEV (a mount point on the
+    path; ``path`` never holds ``..``), ENOSYS (no openat2), ..."""
+    if _syscall is None:
+        raise OSError(errno.ENOSYS, "openat2 is not available", path)
+    name = path.encode("utf-8", "surrogateescape")
+    fd = _syscall(_SYS_OPENAT2, dir_fd, name, _how(flags, mode), _HOW_SIZE)
+    if fd < 0:
+        code = ctypes.get_errno()
+        raise OSError(code, os.strerror(code), path)
+    return int(fd)
+
+
+def _works() -> bool:
+    """openat2 answers here (a kernel older than 5.6, or a seccomp filter of
+    a container runtime, answers ENOSYS or EPERM)."""
+    top = os.open("/", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.close(open_beneath(top, ".", os.O_PATH))
+    except OSError:
+        return False
+    finally:
+        os.close(top)
+    return True
+
+
+OPENAT2 = _syscall is not None and _works()
 
 # The root itself may be reached through links above it (checked at start:
 # prepare refuses a root that is a link; the pin decides it is the same one).

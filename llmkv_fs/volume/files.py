@@ -15,6 +15,11 @@ then checked to be a regular file of a sane size (``read_small_regular_file``).
 O_NOFOLLOW guards only a path's last component: a running tier resolves every
 directory below its root through ``volume.beneath`` and uses the ``dir_fd``
 forms here; the plain paths serve the root itself, the ops tools and tests.
+
+And a whole block file's bytes, read or written in vectored calls that
+survive short transfers (``read_all``, ``write_all``): FUSE and NFS may
+split a large read or accept part of a large write. Stateless: any thread
+may call them.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ import os
 import socket
 import stat
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Container
 from typing import TypeVar
 
 from llmkv_fs.layout.names import temp_name
@@ -42,9 +47,11 @@ __all__ = [
     "make_dirs",
     "missing_or_stale",
     "needs_chmod",
+    "read_all",
     "read_small_regular_file",
     "read_small_regular_file_at",
     "retry_transient",
+    "write_all",
     "write_file_atomically_at",
 ]
 
@@ -339,3 +346,46 @@ def write_file_atomically_at(
         with contextlib.suppress(OSError):
             os.unlink(tmp, dir_fd=dir_fd)
         raise
+
+
+# -- whole block files ---------------------------------------------------------
+
+
+def _advance(buffers: list[memoryview], n: int) -> list[memoryview]:
+    """The part of ``buffers`` left after the first ``n`` bytes."""
+    while buffers and n >= buffers[0].nbytes:
+        n -= buffers[0].nbytes
+        buffers = buffers[1:]
+    return [buffers[0][n:], *buffers[1:]] if n else buffers
+
+
+def read_all(fd: int, buffers: list[memoryview], enough: Container[int] = ()) -> int:
+    """Fill ``buffers`` from offset 0; returns the bytes read (short: EOF).
+
+    Reads again after a short count until EOF or the buffers are full -- or
+    at once when the count is in ``enough``: a regular file reads short only
+    at its end, so where every valid file size is known one ``preadv``
+    normally settles it, and asking again to be sure would cost a round trip
+    on NFS. Only a count no valid file has -- which FUSE or NFS could produce
+    by splitting a read -- is followed up before the file is judged bad.
+    """
+    done = os.preadv(fd, buffers, 0)
+    while done > 0 and done not in enough:
+        pending = _advance(buffers, done)
+        if not pending:
+            break
+        n = os.preadv(fd, pending, done)
+        if n == 0:
+            break
+        done += n
+    return done
+
+
+def write_all(fd: int, buffers: list[memoryview], offset: int = 0) -> None:
+    """Loop ``pwritev`` from ``offset`` until every buffer is written."""
+    while buffers:
+        n = os.pwritev(fd, buffers, offset)
+        if n == 0:
+            raise OSError(errno.EIO, "pwritev wrote 0 bytes")
+        offset += n
+        buffers = _advance(buffers, n)

@@ -36,7 +36,7 @@ from llmkv_fs.layout.blockfile import TRAILER_SIZE, pack_trailer, payload_checks
 from llmkv_fs.layout.judgement import BlockRules, Judgement
 from llmkv_fs.layout.paths import CacheLayout
 from llmkv_fs.layout.sealed import Keyring
-from llmkv_fs.volume.vectored import read_all, write_all
+from llmkv_fs.volume.files import read_all, write_all
 
 __all__ = ["BlockContents"]
 

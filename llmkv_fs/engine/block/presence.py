@@ -34,9 +34,8 @@ import stat
 from collections.abc import Callable, Collection
 
 from llmkv_fs.layout.names import block_place
-from llmkv_fs.volume.beneath import Beneath
+from llmkv_fs.volume.beneath import OPENAT2, Beneath
 from llmkv_fs.volume.nofollow import LinkInTree
-from llmkv_fs.volume.openat2 import AVAILABLE as OPENAT2
 
 __all__ = ["COMPILED_PRESENCE", "PRESENCE_ENV", "BlockPresence", "compiled_check", "presence_path"]
 

@@ -37,7 +37,7 @@ import time
 from llmkv_fs.engine.block.options import IoOptions
 from llmkv_fs.layout.blockfile import TRAILER_SIZE, length_fault
 from llmkv_fs.layout.sealed import Keyring, begin_open, begin_seal, end_open, end_seal
-from llmkv_fs.volume.vectored import write_all
+from llmkv_fs.volume.files import write_all
 
 __all__ = ["SealedBytes"]
 

@@ -21,8 +21,7 @@ import pytest
 from llmkv_fs.engine.block import presence as presence_module
 from llmkv_fs.engine.block.presence import PRESENCE_ENV, BlockPresence, presence_path
 from llmkv_fs.layout.names import block_place
-from llmkv_fs.volume.beneath import Beneath
-from llmkv_fs.volume.openat2 import AVAILABLE as OPENAT2
+from llmkv_fs.volume.beneath import OPENAT2, Beneath
 
 COMPILED_MODULE = "llmkv_fs.engine.block._presence"
 REQUIRE_ENV = "LLMKV_FS_REQUIRE_COMPILED"
