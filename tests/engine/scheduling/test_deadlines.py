@@ -165,6 +165,48 @@ def test_stuck_store_fails_at_deadline_and_is_never_published(
     assert settle(engine, make_key("old"), "r2") is True
 
 
+def test_a_slice_of_an_expired_store_runs_none_of_its_later_blocks(
+    disk_root, engines, gate_for, engine_clock
+):
+    """A place takes several blocks of one job at once (a slice) when enough
+    are queued. Once the job's deadline sets its cancel byte, the blocks of
+    a slice behind the one held at its publish read that byte before they
+    start: none of them writes a temp file or reaches the rename, and the
+    held one is never published."""
+    engine, layout, primary = engines(
+        disk_root,
+        n_blocks=16,
+        n_read_threads=1,
+        n_write_threads=1,
+        job_timeout_s=TIMEOUT_S,
+    )
+    assert inside(engine).slice_blocks >= 4
+    gate = gate_for(engine, kinds=("store",), point="publish")
+    keys = [make_key(f"slice{c}") for c in range(16)]
+    for c in range(16):
+        fill(primary, c, pattern(f"slice{c}"))
+    assert engine.submit_store(1, keys, list(range(16)))
+    gate.wait_entered(2)  # the first block of two places' slices, written, not published
+    # Threads: slices of 4 and 3 blocks; workers: 2 + 1 + 1 + 1 (two each).
+    held_by_executor(engine, 5)
+    held = engine.gauges()["held_blocks"]
+    assert len(gate.entries) == 2 and held > 2  # blocks wait behind the held ones
+
+    up_to_the_deadline(engine, engine_clock)
+    job = wait_jobs(engine, [1])[1]
+    assert not job.success and sorted(job.failed) == sorted(keys)
+    assert engine.counters[Tally.DEADLINE_EXPIRED] == 16
+
+    gate.open()
+    wait_until(lambda: engine.gauges()["held_blocks"] == 0, "the held slices to come back")
+    assert len(gate.entries) == 2  # no later block of a slice reached its rename
+    for key in keys:
+        assert not os.path.lexists(layout.block_path(key)), "an expired store was published"
+    assert temp_files(disk_root) == []
+    assert engine.counters[Outcome.WRITTEN] == 0
+    assert engine.take_finished() == []  # reported once, at the deadline
+
+
 def test_store_failed_by_deadline_reports_a_sane_io_time(
     disk_root, engines, gate_for, engine_clock
 ):
