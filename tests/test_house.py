@@ -182,10 +182,32 @@ def stale_references(where: str, text: str, bases=()) -> list[str]:
     return found
 
 
+def _packages():
+    return [PACKAGE, *(p.parent for p in PACKAGE.rglob("__init__.py") if p.parent != PACKAGE)]
+
+
+def room_paths_missing(where: str, text: str) -> list[str]:
+    """Files the docs name from a room of the package down
+    (``block/contents.py``, ``volume/pinned_root.py``, ``engine/test_engine.py``)
+    that neither the package, any of its sub-packages nor tests/ holds."""
+    packages = _packages()
+    rooms = "|".join(sorted({p.name for p in packages[1:]}))
+    pattern = re.compile(rf"(?<![\w./-])((?:{rooms})/(?:[\w-]+/)*[\w-]+\.(?:py|c))\b")
+    bases = (*packages, TESTS)
+    return [
+        f"{where}: {path}"
+        for path in pattern.findall(text)
+        if not any((base / path).exists() for base in bases)
+    ]
+
+
 def _all_stale_references() -> list[str]:
     found = []
     for doc in sorted((REPO / "docs").glob("*.md")):
-        found += stale_references(str(doc.relative_to(REPO)), doc.read_text())
+        where = str(doc.relative_to(REPO))
+        found += stale_references(where, doc.read_text())
+        if doc.name != "changelog.md":  # it names what was, on purpose
+            found += room_paths_missing(where, doc.read_text())
     for module in sorted(PACKAGE.rglob("*.py")):
         bases = (REPO, PACKAGE, module.parent, *module.parent.parents)
         for doc in _docstrings(module):
@@ -212,6 +234,8 @@ def test_a_planted_bad_reference_is_caught():
     ]
     for text in planted:
         assert stale_references("planted", text, bases), text
+    assert room_paths_missing("planted", "the seam, block/bytepath.py, went")
+    assert room_paths_missing("good", "block/contents.py, volume/beneath.py") == []
     good = (
         "llmkv_fs/engine/engine.py, tools/bench/engine.py, tests/kits/engine_kit.py, "
         "llmkv_fs.engine.engine.FsEngine, llmkv_fs.engine.block._presence, "

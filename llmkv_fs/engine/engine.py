@@ -2,8 +2,8 @@
 I/O threads or I/O worker processes (io_workers), batched off-thread lookups,
 NUMA pinning, counters.
 
-It speaks in plain terms (keys are bytes, chunks are row indices into one
-flat buffer of whole rows of ``block_size`` bytes), so it can be driven by the
+It speaks in plain terms (keys are bytes, chunks are row indices into the
+primary, whole rows of ``block_size`` bytes), so it can be driven by the
 vLLM adapter, by benchmarks or by tests alike.
 
 Threading rules
@@ -87,7 +87,7 @@ class FsEngine:
     (an OSError) for an unusable root; RootListError for two roots that are
     one directory or nested.
 
-    Volume failed: while a root is not the directory the engine started on
+    A lost root: while a root is not the directory the engine started on
     (each root's housekeeping thread re-checks it about once a second), the
     blocks placed on it fail ``Failure.ROOT_LOST``, lookups of its keys
     answer miss and nothing is created there; once every root is lost, jobs

@@ -14,16 +14,18 @@ failed load's -- answers the requests that saw it, and a request asking
 for the first time checks again (``guessed_miss``).
 
 A key whose load failed in a way that would repeat -- the file is still
-there but unreadable (EIO), bad and could not be moved aside, or carries no
-checksum -- is remembered (``remember_misses``) and answers MISS without a
+there but unreadable (EIO), bad and could not be moved aside, carries no
+checksum, or is sealed with a key this replica does not hold -- is
+remembered (``remember_misses``, from a finished job's ``unreadable`` and
+``foreign`` keys: ``jobs_finished``) and answers MISS without a
 probe to every new lookup for ``miss_for_s`` seconds: otherwise each new
 request would find the file, load it and fail again. At most
 ``_MAX_REMEMBERED_MISSES`` keys are remembered (oldest dropped first).
 
 Threading rules
 ---------------
-* ``lookup``, ``end_step``, ``set_verdict``, ``remember_misses``,
-  ``forget_request`` and ``shutdown`` belong to the owner (one caller at a
+* ``lookup``, ``end_step``, ``jobs_finished``, ``set_verdict``,
+  ``remember_misses``, ``forget_request`` and ``shutdown`` belong to the owner (one caller at a
   time: vLLM's manager lock). They touch ``_states`` and ``_misses``
   without a lock.
 * The background thread sees only the batches it is handed (key and

@@ -48,7 +48,7 @@ __all__ = [
 class _CounterKeyEnum(enum.Enum):
     """Hashed by identity (members are singletons). Enum's own ``__hash__`` is
     Python code hashing the member's name, and every counted block and every
-    lookup pays it twice: more than the string keys these enums replaced."""
+    lookup pays it twice."""
 
     __hash__ = object.__hash__
 
@@ -129,8 +129,8 @@ SKIPPED = Failed(Failure.SKIPPED)
 
 
 class BlockNotMoved(Exception):
-    """An expected per-block failure raised on an I/O thread; ``failure``
-    says which."""
+    """An expected per-block failure raised in a block step (an I/O thread or a
+    worker process); ``failure`` says which."""
 
     failure: ClassVar[Failure] = Failure.ERROR
 

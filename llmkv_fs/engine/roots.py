@@ -2,7 +2,7 @@
 (root pinned, config.json, rank directory), its O_DIRECT probe, its
 ``BlockIO``, its shared ``VolumeSignals`` page, space guard and housekeeping
 thread (root check, free space, lease, access stamps). A tier with one root
-has one of each, exactly as before roots could be several; with several
+has one of each; with several
 (``path_sharding: by_block_hash``) one root lost or full costs only the
 blocks placed on it (block/blockio.py, ``RootPlacement``).
 

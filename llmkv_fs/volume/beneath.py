@@ -9,8 +9,8 @@ directory, an ``<hhh>`` or ``<hh>_g<g>`` fan-out directory, ``leases/``,
 the kernel whole follows such a link in its middle (``O_NOFOLLOW`` guards
 the last component only), so a store would make directories, a temp file
 and a block file outside the root, and a quarantine would move a file out of
-the directory the link points to. Linux's ``openat2(RESOLVE_BENEATH)`` is
-not in Python's ``os``; the same guarantee comes from walking the path one
+the directory the link points to. Where Linux's ``openat2`` cannot answer
+(below), the same guarantee comes from walking the path one
 component at a time, each opened relative to its parent's descriptor with
 ``O_NOFOLLOW|O_DIRECTORY``: a symlink anywhere below the root stops the walk
 (``LinkInTree``), and every mkdir, open, rename, unlink, stat and utime is
@@ -27,7 +27,7 @@ without it (or where the call cannot answer: EAGAIN, a sandbox's ENOSYS or
 EPERM), only another device is seen.
 
 One call where the kernel can: ``openat2`` with ``RESOLVE_BENEATH |
-RESOLVE_NO_SYMLINKS`` (``open_beneath``, below) gives the same guarantee for a
+RESOLVE_NO_SYMLINKS | RESOLVE_NO_XDEV`` (``open_beneath``, below) gives the same guarantee for a
 whole path in one system call instead of an open and a close per level, so
 a directory known to exist and a block's file are opened that way first;
 whatever that call cannot settle (a missing level to make, a link to name,

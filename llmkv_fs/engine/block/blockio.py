@@ -17,10 +17,13 @@ housekeeping check) fails ROOT_LOST (reason `volume_failed`) -- never remembered
 and a load then tries the key's next choice; ENOSPC trips the space guard
 right there, with the free space of that moment.
 
-Threading: a ``BlockIO`` is shared by every I/O thread. It holds only
-immutable settings; the per-thread scratch pages and root descriptors live
-in ``threading.local``. Callers run ``store``/``load``/``exists`` on I/O
-threads only -- they block on the filesystem.
+Threading: a ``BlockIO`` is shared by every I/O thread and lookup thread
+of its process. It holds only immutable settings; the per-thread scratch
+pages and root descriptors live in ``threading.local``. ``store`` and
+``load`` run on I/O threads (or in a worker process), ``exists`` and
+``exists_many`` on lookup threads, ``apply_access_stamps`` on the
+housekeeping thread (or in an idle worker) -- never on the owner's: they
+block on the filesystem.
 
 Every name is resolved beneath the root (``volume.beneath``): a block is
 first opened from the root's descriptor in one ``openat2`` call
@@ -535,8 +538,8 @@ class StepRoot(NamedTuple):
 
 
 class BlockStep:
-    """See the module doc. ``rows`` is the primary buffer as one flat view
-    of ``rows.nbytes // block_size`` rows; ``roots`` the engine's roots in
+    """See the module doc. ``rows`` is the primary as one view of
+    ``rows.nbytes // block_size`` rows; ``roots`` the engine's roots in
     list order and ``placement`` where a key lives among them. Built by
     ``block.spec.build_step`` in I/O threads and worker processes alike."""
 

@@ -1,8 +1,8 @@
-"""How a sealed block's bytes move (``seal_key_files``): what the byte path
-and the xxh3 checksum do for an unsealed one, with AES-256-GCM instead
+"""How a sealed block's bytes move (``seal_key_files``): what the vectored
+calls and the xxh3 checksum do for a plain one, with AES-256-GCM instead
 (layout/sealed.py has the format and the reasons). ``BlockContents``
-(block/contents.py) uses it in place of the byte path when its options say
-``sealed``, in I/O threads and worker processes alike; every other check
+(block/contents.py) hands a block to it in place of its plain write and
+read when its options say ``sealed``, in I/O threads and worker processes alike; every other check
 around it (resolving beneath the root, temp file and rename, quarantine,
 stamps) stays ``BlockIO``'s.
 

@@ -5,8 +5,7 @@ refused (the space guard), and the free space measured at the last ENOSPC.
 The page is a memfd mapped by the engine and, through an inherited fd, by
 each I/O worker, so the per-block checks (block/blockio.py) read the same
 answer in a thread of the engine and in a worker: a worker never stores to a
-volume the engine has declared failed (found as a drift between the two
-modes: after the root was replaced, queued stores went on in workers).
+root the engine has found lost, nor past a space guard it has tripped.
 
 Threading and processes: plain byte and u64 stores and loads, no lock. The
 writers are the housekeeping thread (``root_lost``, the space verdict of

@@ -25,8 +25,8 @@ vLLM or torch. Its life:
 * then it serves job records (records.JOB: a slice of one job's blocks)
   one at a time, runs each slice through a BlockStep built from the same
   spec as the engine's I/O threads' (block/spec.py: every per-block check,
-  the byte path, the shared volume signals, the pause points its launch
-  carries)
+  the block's contents plain or sealed, the shared volume signals, the
+  pause points its launch carries)
   and answers with a result record (records.RESULT) on its result pipe. The
   slice's cancel byte in the shared cancel board is what the step reads as
   its job's ``cancelled`` byte: the owner sets it when the job's deadline
