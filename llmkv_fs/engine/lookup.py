@@ -459,6 +459,9 @@ class AsyncExistence:
                 if not state.requests:
                     del self._states[key]
                     continue
+                if found is True and state.override is None:
+                    state.verdict, state.guessed = True, False  # _settle's, for most answers
+                    continue
                 _settle(state, found, _CHECK_FAILED)
 
     # -- lookup thread ---------------------------------------------------------------
