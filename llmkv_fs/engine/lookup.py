@@ -71,16 +71,20 @@ _MAX_REMEMBERED_MISSES = 1 << 16
 _NOT_ON_VOLUME = MissReason.NOT_ON_VOLUME
 _LOAD_FAILED = MissReason.LOAD_FAILED
 _CHECK_FAILED = MissReason.CHECK_FAILED
+# A key's requests other than its first while there are none: shared, so
+# that a key one request asks allocates no set.
+_NO_OTHERS: frozenset[str] = frozenset()
 
 
 class _State:
     __slots__ = (
+        "asker",
         "generation",
         "guessed",
         "in_flight",
+        "others",
         "override",
         "override_why",
-        "requests",
         "verdict",
         "why",
     )
@@ -97,7 +101,18 @@ class _State:
         self.in_flight = False
         self.override: bool | None = None  # set while in flight; wins over the probe
         self.override_why = _LOAD_FAILED
-        self.requests = {request_id}  # the requests that asked it
+        # The requests that asked it: the first (None once it is forgotten)
+        # and the others; the owner's lookup compares the first by identity
+        # (vLLM passes one request's id as the same string every time).
+        self.asker: str | None = request_id
+        self.others: set[str] | frozenset[str] = _NO_OTHERS
+
+    def asked_by(self, request_id: str) -> bool:
+        return request_id == self.asker or request_id in self.others
+
+    def unasked(self) -> bool:
+        """No request refers to it."""
+        return self.asker is None and not self.others
 
 
 def _settle(state: _State, found: Found, unknown: MissReason) -> None:
@@ -180,7 +195,7 @@ class AsyncExistence:
                     self._miss_tally[refused] += 1
                     return False
         state = self._states.get(key)
-        if state is None or request_id not in state.requests:
+        if state is None or (state.asker is not request_id and request_id not in state.others):
             state = self._first_lookup(key, request_id, state)
         verdict = state.verdict
         if verdict is None:
@@ -222,8 +237,8 @@ class AsyncExistence:
                 tally[reason] = 0
 
     def _first_lookup(self, key: bytes, request_id: str, state: _State | None) -> _State:
-        """A key this request has not asked before: tracked, and new to the
-        batch unless known."""
+        """A key this request has not asked before (unless by an equal id,
+        not the same string): tracked, and new to the batch unless known."""
         if state is None:
             state = self._states[key] = _State(self._next_generation, request_id)
             self._next_generation += 1
@@ -232,6 +247,8 @@ class AsyncExistence:
             else:
                 self._batch.append((key, state.generation))
         else:
+            if state.asked_by(request_id):
+                return state
             if state.guessed:
                 # A miss nobody found (the deadline, a failed check, a lost
                 # root, a failed load) is not handed on: this request asks
@@ -242,7 +259,12 @@ class AsyncExistence:
                 state.verdict = None
                 state.guessed = False
                 self._ask(key, state)
-            state.requests.add(request_id)
+            if state.asker is None:
+                state.asker = request_id
+            elif isinstance(state.others, set):
+                state.others.add(request_id)
+            else:
+                state.others = {request_id}
         keys = self._request_keys.get(request_id)
         if keys is None:  # not setdefault: a new set per call, 8,192 per prompt
             keys = self._request_keys[request_id] = set()
@@ -411,8 +433,11 @@ class AsyncExistence:
             state = self._states.get(key)
             if state is None:
                 continue
-            state.requests.discard(request_id)
-            if not state.requests and not state.in_flight:
+            if state.asker == request_id:
+                state.asker = None
+            elif isinstance(state.others, set):
+                state.others.discard(request_id)
+            if state.unasked() and not state.in_flight:
                 del self._states[key]
 
     def shutdown(self) -> None:
@@ -452,11 +477,11 @@ class AsyncExistence:
                 if not state.in_flight:
                     # Decided by expire_overdue (maybe overridden since, by a
                     # failed load): the late answer changes nothing.
-                    if not state.requests:
+                    if state.unasked():
                         del self._states[key]
                     continue
                 state.in_flight = False
-                if not state.requests:
+                if state.unasked():
                     del self._states[key]
                     continue
                 if found is True and state.override is None:

@@ -581,3 +581,32 @@ def test_refused_lookups_miss_untracked_and_every_answer_is_counted_once():
         assert counters[LookupAnswer.HIT] == 2 and counters[LookupAnswer.RETRY] == retries
     finally:
         lookups.shutdown()
+
+
+def test_a_key_is_tracked_while_any_request_that_asked_it_is():
+    """Two requests ask one key: it stays tracked until both are
+    forgotten; a request id equal to the first's but another string is the
+    same request (asked once, forgotten once)."""
+    lookups = AsyncExistence(Checks(lambda key: True), 1)
+    first = "request-" + str(1)
+    same = "".join(["request-", "1"])
+    assert same == first and same is not first
+    try:
+        assert lookups.lookup(b"k", first) is None
+        lookups.end_step()
+        deadline = time.monotonic() + DEADLINE_S
+        while lookups.lookup(b"k", same) is None:
+            assert time.monotonic() < deadline
+            time.sleep(0.002)
+        assert lookups.lookup(b"k", "other") is True
+        assert lookups.lookup(b"k", "third") is True
+        lookups.forget_request(first)
+        assert tracked_keys(lookups) == 1  # "other" and "third" still refer to it
+        lookups.forget_request("other")
+        assert tracked_keys(lookups) == 1
+        assert lookups.lookup(b"k", first) is True  # asked again after it was forgotten
+        lookups.forget_request("third")
+        lookups.forget_request(same)
+        assert tracked_keys(lookups) == 0
+    finally:
+        lookups.shutdown()
