@@ -23,13 +23,14 @@ request would find the file, load it and fail again. At most
 Threading rules
 ---------------
 * ``lookup``, ``end_step``, ``set_verdict``, ``remember_misses``,
-  ``forget_request`` and ``shutdown`` belong to the owner (one caller at a
-  time: vLLM's manager lock). They touch ``_states`` and ``_misses``
-  without a lock.
+  ``forget_request``, ``refuse``, ``fold_tally`` and ``shutdown`` belong to
+  the owner (one caller at a time: vLLM's manager lock). They touch
+  ``_states``, ``_misses`` and the tally without a lock.
 * The background thread sees only the batches it is handed (key and
-  generation) and answers through a SimpleQueue; it never touches
-  ``_states``. A generation number lets the owner drop answers for states
-  that were forgotten and recreated meanwhile.
+  generation) and answers through ``Answers`` (a queue and the flag the
+  owner's every lookup reads); it never touches ``_states``. A generation
+  number lets the owner drop answers for states that were forgotten and
+  recreated meanwhile.
 * ``expire_overdue`` (owner) answers MISS for keys whose batch has waited
   longer than the deadline -- a stalled mount holds the lookup thread
   inside its ``openat2``/``fstat`` (or the walk's) -- so requests
