@@ -24,7 +24,7 @@ from __future__ import annotations
 import collections
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from llmkv_fs.config import TierSettings, store_queue_blocks
 from llmkv_fs.engine.block.pause import PausePoints
@@ -43,7 +43,6 @@ from llmkv_fs.engine.outcomes import (
     Direction,
     Failure,
     LookupAnswer,
-    MissReason,
     Tally,
 )
 from llmkv_fs.engine.roots import EngineRoot, RootsPresence, close_roots, open_roots
@@ -69,7 +68,6 @@ __all__ = ["EngineError", "FinishedJob", "FsEngine"]
 logger = logging.getLogger("vllm.llmkv_fs.engine")
 
 
-_LOOKUP_ANSWER = {True: LookupAnswer.HIT, False: LookupAnswer.MISS, None: LookupAnswer.RETRY}
 # Lookups are one metadata call each; one that waits this long (or the job
 # deadline, if shorter) means the volume is not answering.
 _LOOKUP_TIMEOUT_CAP_S = 5.0
@@ -100,6 +98,14 @@ class FsEngine:
     none.
     """
 
+    lookup: Callable[[bytes, str], bool | None]
+    """``lookup(key, request_id)``: True/False when known, None (vLLM:
+    RETRY) while its check is pending; MISS at once while the volume is
+    stalled or the key's home root is lost. The lookups' own
+    (``AsyncExistence.lookup``), bound at construction: vLLM asks every key
+    of a prompt every step, and a call through here would double the
+    frames of each."""
+
     def __init__(
         self,
         settings: TierSettings,
@@ -127,17 +133,13 @@ class FsEngine:
         self.pinning: PinningPlan = plan_pinning(read_topology(), settings.numa_node, self._primary)
         # Cumulative, updated by the owner only; tier/metrics.py publishes them.
         self._counters: collections.Counter[CounterKey] = collections.Counter()
-        # Lookups by verdict, folded into the counters when read: one dict
-        # increment per lookup, the enum-keyed Counter only when read.
-        self._lookup_tally: dict[bool | None, int] = dict.fromkeys((True, False, None), 0)
-        # Lookups answered miss by why, folded likewise; they sum to the misses.
-        self._miss_tally: dict[MissReason, int] = dict.fromkeys(MissReason, 0)
         # Blocks by (root index, direction, succeeded), as placed (owner only).
         self.root_counters: collections.Counter[tuple[int, Direction, bool]] = collections.Counter()
         self._error_log = ThrottledErrorLog()
         self._rejected: list[FinishedJob] = []
-        self._stalled = False  # as of the last _recheck_stalled() (lookups read this)
-        # Lost roots by index, as of the last end_step() (lookups read this).
+        # As of the last _recheck_stalled() (the lookups are told: refuse).
+        self._stalled = False
+        # Lost roots by index, as of the last recheck (the lookups are told).
         self._lost_roots: frozenset[int] = frozenset()
         self._stores_refused = False  # every root's guard, as of the same recheck
         self._slice_blocks = slice_blocks(block_size)
@@ -152,6 +154,7 @@ class FsEngine:
         self.io_workers = self._started.io_workers  # worker processes in use (0: I/O threads)
         self._executor: Executor = self._scheduler.executor
         self._lookups = self._start_lookups()
+        self.lookup = self._lookups.lookup
         log_start(
             settings, self._started, self.pinning, self._presence_check(), keyring, self.roots
         )
@@ -185,6 +188,7 @@ class FsEngine:
             settings.lookup_threads,
             timeout=min(settings.job_timeout_s, _LOOKUP_TIMEOUT_CAP_S),
             miss_for_s=settings.failed_load_miss_s,
+            placement=self._placement,
         )
 
     def _presence_check(self) -> str:
@@ -237,6 +241,7 @@ class FsEngine:
         the lookup timeout), remember the verdict for lookups and return it.
         Clears by itself when the calls return."""
         self._stalled = self._scheduler.stuck_blocks > 0 or self._lookups.stuck()
+        self._lookups.refuse(self._stalled, self._lost_roots)
         return self._stalled
 
     def _recheck_volume_failed(self) -> bool:
@@ -256,6 +261,7 @@ class FsEngine:
             if refused:
                 refusing += 1
         self._lost_roots = frozenset(lost)
+        self._lookups.refuse(self._stalled, self._lost_roots)
         self._stores_refused = refusing == len(self._signals)
         return len(lost) == len(self._signals)
 
@@ -290,29 +296,6 @@ class FsEngine:
             for key in result.failed:
                 counts[home(key), direction, False] += 1
 
-    def lookup(self, key: bytes, request_id: str) -> bool | None:
-        # The step's cached verdict: a per-key clock read would cost more
-        # than the lookup itself, and a stall is detected per step anyway.
-        # vLLM asks every key of a prompt every step: nothing more here. A
-        # miss (asked again only up to the first one of a prompt) also
-        # counts why, once per lookup answered False.
-        if self._stalled or self._lost_roots:
-            if self._stalled:
-                refused: MissReason | None = MissReason.STALLED
-            elif self._placement.home(key) in self._lost_roots:
-                refused = MissReason.LOST_ROOT
-            else:
-                refused = None
-            if refused is not None:
-                self._lookup_tally[False] += 1
-                self._miss_tally[refused] += 1
-                return False
-        verdict = self._lookups.lookup(key, request_id)
-        self._lookup_tally[verdict] += 1
-        if verdict is False:
-            self._miss_tally[self._lookups.miss_reason(key)] += 1
-        return verdict
-
     def miss_was_checked(self, key: bytes) -> bool:
         """Whether this step's MISS for ``key`` says the file is not there
         (a check looked and found none) rather than that nobody looked:
@@ -326,15 +309,7 @@ class FsEngine:
     @property
     def counters(self) -> collections.Counter[CounterKey]:
         """Cumulative counters (owner only), lookups included."""
-        tally = self._lookup_tally
-        if tally[True] or tally[False] or tally[None]:
-            for verdict, count in tally.items():
-                self._counters[_LOOKUP_ANSWER[verdict]] += count
-                tally[verdict] = 0
-            for reason, count in self._miss_tally.items():
-                if count:
-                    self._counters[reason] += count
-                    self._miss_tally[reason] = 0
+        self._lookups.fold_tally(self._counters)
         return self._counters
 
     def end_step(self) -> None:

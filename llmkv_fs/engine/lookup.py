@@ -25,13 +25,14 @@ request would find the file, load it and fail again. At most
 Threading rules
 ---------------
 * ``lookup``, ``end_step``, ``jobs_finished``, ``set_verdict``,
-  ``remember_misses``, ``forget_request`` and ``shutdown`` belong to the owner (one caller at a
-  time: vLLM's manager lock). They touch ``_states`` and ``_misses``
-  without a lock.
+  ``remember_misses``, ``forget_request``, ``refuse``, ``fold_tally`` and
+  ``shutdown`` belong to the owner (one caller at a time: vLLM's manager
+  lock). They touch ``_states``, ``_misses`` and the tally without a lock.
 * The background thread sees only the batches it is handed (key and
-  generation) and answers through a SimpleQueue; it never touches
-  ``_states``. A generation number lets the owner drop answers for states
-  that were forgotten and recreated meanwhile.
+  generation) and answers through ``Answers`` (a queue and the flag the
+  owner's every lookup reads); it never touches ``_states``. A generation
+  number lets the owner drop answers for states that were forgotten and
+  recreated meanwhile.
 * ``expire_overdue`` (owner) answers MISS for keys whose batch has waited
   longer than the deadline -- a stalled mount holds the lookup thread
   inside its ``openat2``/``fstat`` (or the walk's) -- so requests
@@ -57,8 +58,9 @@ from collections.abc import Iterable
 from typing import Any
 
 from llmkv_fs.engine.lookup_checks import Answers, BatchChecks, Found, Presence
-from llmkv_fs.engine.outcomes import MissReason
+from llmkv_fs.engine.outcomes import CounterKey, LookupAnswer, MissReason
 from llmkv_fs.engine.scheduling.scheduler import FinishedJob
+from llmkv_fs.layout.placement import RootPlacement
 
 __all__ = ["AsyncExistence"]
 
@@ -67,20 +69,30 @@ logger = logging.getLogger("vllm.llmkv_fs.lookup")
 # Bound of the remembered misses: ~100 bytes a key, so at most ~6 MiB.
 _MAX_REMEMBERED_MISSES = 1 << 16
 
+# The reasons a key's state takes per lookup or answer, read as globals: an
+# Enum member read through its class is several dictionary lookups.
+_NOT_ON_VOLUME = MissReason.NOT_ON_VOLUME
+_LOAD_FAILED = MissReason.LOAD_FAILED
+_CHECK_FAILED = MissReason.CHECK_FAILED
+# A key's requests other than its first while there are none: shared, so
+# that a key one request asks allocates no set.
+_NO_OTHERS: frozenset[str] = frozenset()
+
 
 class _State:
     __slots__ = (
+        "asker",
         "generation",
         "guessed",
         "in_flight",
+        "others",
         "override",
         "override_why",
-        "requests",
         "verdict",
         "why",
     )
 
-    def __init__(self, generation: int):
+    def __init__(self, generation: int, request_id: str):
         self.generation = generation
         self.verdict: bool | None = None
         # The MISS is not a check's finding that no file is there: the
@@ -88,11 +100,22 @@ class _State:
         # of the key failed (guessed_miss).
         self.guessed = False
         # Why the verdict is MISS (meaningless while it is not).
-        self.why = MissReason.NOT_ON_VOLUME
+        self.why = _NOT_ON_VOLUME
         self.in_flight = False
         self.override: bool | None = None  # set while in flight; wins over the probe
-        self.override_why = MissReason.LOAD_FAILED
-        self.requests: set[str] = set()
+        self.override_why = _LOAD_FAILED
+        # The requests that asked it: the first (None once it is forgotten)
+        # and the others; the owner's lookup compares the first by identity
+        # (vLLM passes one request's id as the same string every time).
+        self.asker: str | None = request_id
+        self.others: set[str] | frozenset[str] = _NO_OTHERS
+
+    def asked_by(self, request_id: str) -> bool:
+        return request_id == self.asker or request_id in self.others
+
+    def unasked(self) -> bool:
+        """No request refers to it."""
+        return self.asker is None and not self.others
 
 
 def _settle(state: _State, found: Found, unknown: MissReason) -> None:
@@ -108,13 +131,14 @@ def _settle(state: _State, found: Found, unknown: MissReason) -> None:
     if found is None:
         state.why = unknown
     elif found is False:
-        state.why = MissReason.NOT_ON_VOLUME
+        state.why = _NOT_ON_VOLUME
 
 
 class AsyncExistence:
     """The lookups of one engine (the module doc), checking keys against
     ``presence`` (the engine's roots: ``RootsPresence``) on a lookup thread
-    and up to ``n_threads - 1`` helpers."""
+    and up to ``n_threads - 1`` helpers. ``placement`` places keys on the
+    roots ``refuse`` names by index (None: one root, index 0)."""
 
     def __init__(
         self,
@@ -123,8 +147,19 @@ class AsyncExistence:
         name: str = "llmkv_fs",
         timeout: float = 5.0,
         miss_for_s: float = 60.0,
+        placement: RootPlacement | None = None,
     ):
         self._timeout = timeout
+        self._placement = placement
+        # As of the engine's last recheck (``refuse``).
+        self._stalled = False
+        self._lost_roots: frozenset[int] = frozenset()
+        self._refusing = False
+        # Lookups answered since the last ``fold_tally``: by answer, and the
+        # misses by why (they sum to the misses).
+        self._hits = 0
+        self._retries = 0
+        self._miss_tally: dict[MissReason, int] = dict.fromkeys(MissReason, 0)
         self._miss_for_s = miss_for_s
         # key -> (monotonic time its remembered miss ends, why); insertion
         # order is expiry order (one duration for all), so the oldest is first.
@@ -138,11 +173,10 @@ class AsyncExistence:
         self._request_keys: dict[str, set[bytes]] = {}
         self._batch: list[tuple[bytes, int]] = []
         self._next_generation = 0
-        self._batches_out = 0  # posted batches whose answers are not applied yet
         self._to_worker: queue.SimpleQueue[tuple[int, list[tuple[bytes, int]]] | None] = (
             queue.SimpleQueue()
         )
-        self._answers: Answers = queue.SimpleQueue()
+        self._answers = Answers()
         self._checks = BatchChecks(presence, n_threads - 1, self._answers, name)
         self._thread = threading.Thread(target=self._worker, name=f"{name}_lookup", daemon=True)
         self._thread.start()
@@ -150,40 +184,95 @@ class AsyncExistence:
     # -- owner side ----------------------------------------------------------------
 
     def lookup(self, key: bytes, request_id: str) -> bool | None:
-        """True/False when known, None while the check is pending."""
-        # empty() first: get_nowait raising Empty on every lookup of a
-        # 2,048-key prompt, every step while its batch ran, was most of the
-        # owner's time per step.
-        if self._batches_out and not self._answers.empty():
-            self._apply_answers()
+        """True/False when known, None while the check is pending; MISS
+        without a check while ``refuse`` says so. Counted by answer
+        (``fold_tally``)."""
+        # vLLM asks every key of a prompt again every step until it is
+        # known: one frame, and a few attribute reads while nothing changed.
+        if self._refusing or self._answers.posted:
+            if self._answers.posted:
+                self._apply_answers()
+            if self._refusing:
+                refused = self._refused(key)
+                if refused is not None:
+                    self._miss_tally[refused] += 1
+                    return False
         state = self._states.get(key)
-        if state is not None and request_id in state.requests:
-            return state.verdict  # vLLM asks every key again every step
-        return self._first_lookup(key, request_id, state)
+        if state is None or (state.asker is not request_id and request_id not in state.others):
+            state = self._first_lookup(key, request_id, state)
+        verdict = state.verdict
+        if verdict is None:
+            self._retries += 1
+        elif verdict:
+            self._hits += 1
+        else:
+            self._miss_tally[state.why] += 1
+        return verdict
 
-    def _first_lookup(self, key: bytes, request_id: str, state: _State | None) -> bool | None:
-        """A key this request has not asked before: tracked, and new to the
-        batch unless known."""
+    def refuse(self, stalled: bool, lost_roots: frozenset[int]) -> None:
+        """The engine's last recheck of the volume: while it is ``stalled``
+        every lookup answers MISS (STALLED), and while roots are lost (by
+        index) so does a lookup of a key whose home is one of them
+        (LOST_ROOT) -- at once, without a check, and untracked."""
+        self._stalled, self._lost_roots = stalled, lost_roots
+        self._refusing = stalled or bool(lost_roots)
+
+    def _refused(self, key: bytes) -> MissReason | None:
+        if self._stalled:
+            return MissReason.STALLED
+        home = 0 if self._placement is None else self._placement.home(key)
+        return MissReason.LOST_ROOT if home in self._lost_roots else None
+
+    def fold_tally(self, counters: collections.Counter[CounterKey]) -> None:
+        """Add the lookups answered since the last fold to ``counters``
+        (owner): by answer, and the misses by why."""
+        if self._hits:
+            counters[LookupAnswer.HIT] += self._hits
+            self._hits = 0
+        if self._retries:
+            counters[LookupAnswer.RETRY] += self._retries
+            self._retries = 0
+        tally = self._miss_tally
+        for reason, count in tally.items():
+            if count:
+                counters[LookupAnswer.MISS] += count
+                counters[reason] += count
+                tally[reason] = 0
+
+    def _first_lookup(self, key: bytes, request_id: str, state: _State | None) -> _State:
+        """A key this request has not asked before (unless by an equal id,
+        not the same string): tracked, and new to the batch unless known."""
         if state is None:
-            state = _State(self._next_generation)
+            state = self._states[key] = _State(self._next_generation, request_id)
             self._next_generation += 1
-            self._states[key] = state
-            self._ask(key, state)
-        elif state.guessed:
-            # A miss nobody found (the deadline, a failed check, a lost root,
-            # a failed load) is not handed on: this request asks again, so a
-            # root that is back or a volume that answers again is seen.
-            state.generation = self._next_generation
-            self._next_generation += 1
-            state.verdict = None
-            state.guessed = False
-            self._ask(key, state)
-        state.requests.add(request_id)
+            if self._misses:
+                self._ask(key, state)
+            else:
+                self._batch.append((key, state.generation))
+        else:
+            if state.asked_by(request_id):
+                return state
+            if state.guessed:
+                # A miss nobody found (the deadline, a failed check, a lost
+                # root, a failed load) is not handed on: this request asks
+                # again, so a root that is back or a volume that answers
+                # again is seen.
+                state.generation = self._next_generation
+                self._next_generation += 1
+                state.verdict = None
+                state.guessed = False
+                self._ask(key, state)
+            if state.asker is None:
+                state.asker = request_id
+            elif isinstance(state.others, set):
+                state.others.add(request_id)
+            else:
+                state.others = {request_id}
         keys = self._request_keys.get(request_id)
         if keys is None:  # not setdefault: a new set per call, 8,192 per prompt
             keys = self._request_keys[request_id] = set()
         keys.add(key)
-        return state.verdict
+        return state
 
     def _ask(self, key: bytes, state: _State) -> None:
         """Into this step's batch -- unless a remembered miss answers."""
@@ -209,7 +298,6 @@ class AsyncExistence:
             batch_id = next(self._batch_ids)
             self._unanswered.append([batch_id, time.monotonic(), live, False])
             self._to_worker.put((batch_id, live))
-            self._batches_out += 1
 
     def expire_overdue(self, now: float | None = None) -> int:
         """Answer MISS for every key of a batch older than the timeout that
@@ -348,8 +436,11 @@ class AsyncExistence:
             state = self._states.get(key)
             if state is None:
                 continue
-            state.requests.discard(request_id)
-            if not state.requests and not state.in_flight:
+            if state.asker == request_id:
+                state.asker = None
+            elif isinstance(state.others, set):
+                state.others.discard(request_id)
+            if state.unasked() and not state.in_flight:
                 del self._states[key]
 
     def shutdown(self) -> None:
@@ -378,13 +469,8 @@ class AsyncExistence:
             )
 
     def _apply_answers(self) -> None:
-        while True:
-            try:
-                batch_id, answers, final = self._answers.get_nowait()
-            except queue.Empty:
-                return
+        for batch_id, answers, final in self._answers.take():
             if final:
-                self._batches_out -= 1
                 while self._unanswered and self._unanswered[0][0] <= batch_id:
                     self._unanswered.popleft()  # batches end in posting order
             for key, generation, found in answers:
@@ -394,14 +480,17 @@ class AsyncExistence:
                 if not state.in_flight:
                     # Decided by expire_overdue (maybe overridden since, by a
                     # failed load): the late answer changes nothing.
-                    if not state.requests:
+                    if state.unasked():
                         del self._states[key]
                     continue
                 state.in_flight = False
-                if not state.requests:
+                if state.unasked():
                     del self._states[key]
                     continue
-                _settle(state, found, MissReason.CHECK_FAILED)
+                if found is True and state.override is None:
+                    state.verdict, state.guessed = True, False  # _settle's, for most answers
+                    continue
+                _settle(state, found, _CHECK_FAILED)
 
     # -- lookup thread ---------------------------------------------------------------
 

@@ -78,9 +78,37 @@ WAITS_ON_THE_VOLUME_S = 100e-6
 
 # One key's answer: there, checked and not there, or unknown (the module doc).
 Found = bool | None
-# Where a batch's answers go, each (batch id, [(key, generation, found)],
-# final): one publication of a batch.
-Answers = queue.SimpleQueue[tuple[int, list[tuple[bytes, int, Found]], bool]]
+# One publication of a batch: (batch id, [(key, generation, found)], final).
+Posted = tuple[int, list[tuple[bytes, int, Found]], bool]
+
+
+class Answers:
+    """Where batches' answers go: a queue, and ``posted``, which a checking
+    thread sets after each ``put`` and the owner clears before it ``take``s
+    them, so one attribute read tells the owner's every lookup whether
+    answers wait. Cleared before the queue is read and set after it is
+    written, it is never False while a publication waits unread."""
+
+    __slots__ = ("_queue", "posted")
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue[Posted] = queue.SimpleQueue()
+        self.posted = False
+
+    def put(self, item: Posted) -> None:
+        """A checking thread's publication."""
+        self._queue.put(item)
+        self.posted = True
+
+    def take(self) -> list[Posted]:
+        """The owner's: every publication waiting, in posting order."""
+        self.posted = False
+        taken: list[Posted] = []
+        while True:
+            try:
+                taken.append(self._queue.get_nowait())
+            except queue.Empty:
+                return taken
 
 
 class Presence(Protocol):

@@ -22,16 +22,18 @@ import os
 import subprocess
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 
 import pytest
 
 from llmkv_fs.config import SETTINGS
-from llmkv_fs.engine import Direction, Failure, MissReason, lookup_checks
+from llmkv_fs.engine import Direction, Failure, LookupAnswer, MissReason, lookup_checks
 from llmkv_fs.engine import lookup as lookup_module
 from llmkv_fs.engine.block.presence import PRESENCE_ENV, compiled_check
 from llmkv_fs.engine.lookup import _MAX_REMEMBERED_MISSES, AsyncExistence
 from llmkv_fs.layout.blockfile import Corruption
+from llmkv_fs.layout.placement import RootPlacement
 from tests.kits.clock_kit import ManualClock
 from tests.kits.engine_kit import (
     DEADLINE_S,
@@ -41,6 +43,7 @@ from tests.kits.engine_kit import (
     remembered_misses,
     settle,
     store_blocks,
+    tracked_keys,
     wait_jobs,
 )
 from tests.kits.matrix_kit import ext4_shutdown, loop_ext4
@@ -528,4 +531,82 @@ def test_each_miss_says_why():
         assert why(b"gone") is MissReason.FOREIGN_KEY
     finally:
         release.set()
+        lookups.shutdown()
+
+
+def test_posted_answers_are_flagged_until_the_owner_takes_them():
+    """The owner's lookups read one flag to learn that answers wait: set by
+    every publication, cleared only by the take that reads them all."""
+    answers = lookup_checks.Answers()
+    assert not answers.posted and answers.take() == []
+    first, second = (1, [(b"a", 0, True)], False), (1, [(b"b", 0, None)], True)
+    answers.put(first)
+    answers.put(second)
+    assert answers.posted
+    assert answers.take() == [first, second]
+    assert not answers.posted and answers.take() == []
+
+
+def test_refused_lookups_miss_untracked_and_every_answer_is_counted_once():
+    """While the engine says the volume is stalled, or a key's home root is
+    lost, a lookup answers MISS at once (counted with its reason) and the
+    key is not tracked; otherwise it is checked. Each answer is counted
+    once, by answer and, for a miss, by why."""
+    placement = RootPlacement(["/a", "/b"])
+    on_b = next(make_key(str(i)) for i in range(100) if placement.home(make_key(str(i))) == 1)
+    on_a = next(make_key(str(i)) for i in range(100) if placement.home(make_key(str(i))) == 0)
+    lookups = AsyncExistence(Checks(lambda key: key == on_a), 1, placement=placement)
+    counters: Counter = Counter()
+    try:
+        lookups.refuse(True, frozenset())
+        assert lookups.lookup(on_a, "r") is False
+        lookups.refuse(False, frozenset({1}))
+        assert lookups.lookup(on_b, "r") is False
+        assert tracked_keys(lookups) == 0
+        assert lookups.lookup(on_a, "r") is None  # its home is not lost: checked
+        lookups.end_step()
+        deadline = time.monotonic() + DEADLINE_S
+        while lookups.lookup(on_a, "r") is None:
+            assert time.monotonic() < deadline
+            time.sleep(0.002)
+        lookups.fold_tally(counters)
+        retries = counters[LookupAnswer.RETRY]
+        assert retries >= 1
+        assert counters[LookupAnswer.HIT] == 1
+        assert counters[MissReason.STALLED] == 1 == counters[MissReason.LOST_ROOT]
+        assert counters[LookupAnswer.MISS] == 2
+        lookups.refuse(False, frozenset())
+        assert lookups.lookup(on_a, "r") is True
+        lookups.fold_tally(counters)
+        assert counters[LookupAnswer.HIT] == 2 and counters[LookupAnswer.RETRY] == retries
+    finally:
+        lookups.shutdown()
+
+
+def test_a_key_is_tracked_while_any_request_that_asked_it_is():
+    """Two requests ask one key: it stays tracked until both are
+    forgotten; a request id equal to the first's but another string is the
+    same request (asked once, forgotten once)."""
+    lookups = AsyncExistence(Checks(lambda key: True), 1)
+    first = "request-" + str(1)
+    same = "".join(["request-", "1"])
+    assert same == first and same is not first
+    try:
+        assert lookups.lookup(b"k", first) is None
+        lookups.end_step()
+        deadline = time.monotonic() + DEADLINE_S
+        while lookups.lookup(b"k", same) is None:
+            assert time.monotonic() < deadline
+            time.sleep(0.002)
+        assert lookups.lookup(b"k", "other") is True
+        assert lookups.lookup(b"k", "third") is True
+        lookups.forget_request(first)
+        assert tracked_keys(lookups) == 1  # "other" and "third" still refer to it
+        lookups.forget_request("other")
+        assert tracked_keys(lookups) == 1
+        assert lookups.lookup(b"k", first) is True  # asked again after it was forgotten
+        lookups.forget_request("third")
+        lookups.forget_request(same)
+        assert tracked_keys(lookups) == 0
+    finally:
         lookups.shutdown()

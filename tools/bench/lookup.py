@@ -51,7 +51,6 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import dataclasses
-import functools
 import json
 import os
 import shutil
@@ -232,9 +231,11 @@ class Bench:
         try:
             self.settle()
             request = f"lookup-{case}-{time.monotonic_ns()}"
-            ask: Callable[[bytes], bool | None] = functools.partial(
-                engine.lookup, request_id=request
-            )
+            lookup = engine.lookup
+
+            def ask(key: bytes) -> bool | None:
+                return lookup(key, request)  # as FsTier.lookup calls it: positionally
+
             got = step_until_known(ask, engine.end_step, self.keys[case], self.step_s)
             engine.forget_request(request)
             return {
