@@ -29,6 +29,7 @@ from collections.abc import Sequence
 
 from llmkv_fs.config import TierSettings, store_queue_blocks
 from llmkv_fs.engine.block.bytepath import BytePathKind, VectoredBytes
+from llmkv_fs.engine.block.bytes_c import byte_path_line
 from llmkv_fs.engine.block.pause import PausePoints
 from llmkv_fs.engine.block.presence import COMPILED_PRESENCE, presence_path
 from llmkv_fs.engine.block.spec import StepSpec
@@ -161,6 +162,8 @@ class FsEngine:
         )
         self.job_latencies = self._accountant.job_latencies
         log_start(settings, self._started, self.pinning, self._presence(), keyring, self.roots)
+        blockios = [root.blockio for root in self.roots]
+        logger.info("llmkv_fs engine byte path: %s", byte_path_line(blockios, self.io_workers))
         for root in self.roots:  # config.json files and leases only: no block walk
             log_other_deployments(root.layout)
 

@@ -28,6 +28,7 @@ from collections.abc import Callable, Sequence
 from typing import NamedTuple, TypeVar
 
 from llmkv_fs.engine.block.blockio import BlockIO
+from llmkv_fs.engine.block.bytes_c import compiled_slices
 from llmkv_fs.engine.block.pause import PausePoints
 from llmkv_fs.engine.outcomes import (
     DEADLINE,
@@ -91,6 +92,8 @@ class BlockStep:
         self._rows = rows
         self._placement = placement
         self._pause = pause
+        # Whole slices in one call without the GIL where it can (bytes_c.py).
+        self._compiled = compiled_slices(self.roots, rows, placement, pause)
 
     def run(
         self, is_load: bool, key: bytes, chunk: int, still_wanted: Callable[[], bool]
@@ -123,11 +126,17 @@ class BlockStep:
         keys: Sequence[bytes],
         chunks: Sequence[int],
         still_wanted: Callable[[], bool],
+        deadline: float | None = None,
     ) -> list[BlockResult]:
         """``run`` for consecutive blocks of one job, in order. After a load
         fails the rest are SKIPPED without I/O: vLLM can use only the blocks
         before the first failure (the scheduler stops the job's other blocks
-        the same way). Never raises."""
+        the same way). ``deadline``: the ``time.monotonic()`` time after
+        which ``still_wanted`` may turn false (inf: never; None: not known,
+        so only ``still_wanted`` can tell); given, the compiled byte path
+        runs the slice where it can (bytes_c.py). Never raises."""
+        if self._compiled is not None and deadline is not None:
+            return self._compiled.run_slice(self, is_load, keys, chunks, still_wanted, deadline)
         results: list[BlockResult] = []
         for key, chunk in zip(keys, chunks):
             result = self.run(is_load, key, chunk, still_wanted)
