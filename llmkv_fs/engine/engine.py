@@ -162,8 +162,7 @@ class FsEngine:
         )
         self.job_latencies = self._accountant.job_latencies
         log_start(settings, self._started, self.pinning, self._presence(), keyring, self.roots)
-        blockios = [root.blockio for root in self.roots]
-        logger.info("llmkv_fs engine byte path: %s", byte_path_line(blockios, self.io_workers))
+        logger.info("llmkv_fs engine byte path: %s", byte_path_line(self.roots, self.io_workers))
         for root in self.roots:  # config.json files and leases only: no block walk
             log_other_deployments(root.layout)
 

@@ -50,16 +50,15 @@ import importlib
 import os
 from collections.abc import Callable, Sequence
 from types import ModuleType
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
+from llmkv_fs.engine.block.blockio import BlockIO
 from llmkv_fs.engine.block.bytepath import VectoredBytes
 from llmkv_fs.engine.outcomes import SKIPPED, BlockResult, Outcome
 from llmkv_fs.layout.placement import RootPlacement
 from llmkv_fs.volume.files import needs_chmod
 from llmkv_fs.volume.nofollow import DIR_FLAGS
 from llmkv_fs.volume.openat2 import AVAILABLE as OPENAT2
-
-from llmkv_fs.engine.block.blockio import BlockIO
 
 if TYPE_CHECKING:
     from llmkv_fs.engine.block.pause import PausePoints
@@ -70,6 +69,7 @@ __all__ = [
     "COMPILED_BYTES",
     "STOPS",
     "CompiledSlices",
+    "HasBlockIO",
     "Settled",
     "byte_path_line",
     "compiled_slices",
@@ -120,7 +120,14 @@ def _built() -> ModuleType | None:
 _BUILT = _built()
 
 
-def _refusal(blockios: Sequence[BlockIO]) -> str | None:
+class HasBlockIO(Protocol):
+    """A root as the engine or a step holds it."""
+
+    @property
+    def blockio(self) -> BlockIO: ...
+
+
+def _refusal(roots: Sequence[HasBlockIO]) -> str | None:
     """Why the compiled path cannot serve these roots (None: it can)."""
     if not OPENAT2:
         return "no openat2 here"
@@ -128,7 +135,8 @@ def _refusal(blockios: Sequence[BlockIO]) -> str | None:
         return "the compiled _bytepath is not built: no C compiler at install"
     if os.environ.get(BYTE_PATH_ENV, "").strip().lower() == "python":
         return f"{BYTE_PATH_ENV}=python"
-    for blockio in blockios:
+    for root in roots:
+        blockio = root.blockio
         if not isinstance(blockio, BlockIO):
             return "a BlockIO of another kind"
         if blockio.options.sealed:
@@ -140,11 +148,11 @@ def _refusal(blockios: Sequence[BlockIO]) -> str | None:
     return None
 
 
-def byte_path_line(blockios: Sequence[BlockIO], io_workers: int) -> str:
+def byte_path_line(roots: Sequence[HasBlockIO], io_workers: int) -> str:
     """Which byte path the engine's blocks take, for the start-up log."""
     if io_workers:
         return "python (worker processes: the compiled byte path serves I/O threads)"
-    why = _refusal(blockios)
+    why = _refusal(roots)
     if why is not None:
         return f"python ({why})"
     assert _BUILT is not None
@@ -225,7 +233,7 @@ def compiled_slices(
 ) -> CompiledSlices | None:
     """The compiled path for a BlockStep of ``roots``, or None where it
     cannot serve them (see the module doc)."""
-    if _refusal([root.blockio for root in roots]) is not None:
+    if _refusal(roots) is not None:
         return None
     return CompiledSlices(roots, rows, placement, pause)
 
@@ -318,26 +326,50 @@ class CompiledSlices:
             return Settled([], None, 0)
         root_fd = root.below.root_fd()
         if is_load:
-            done, why, code = self._load(
-                root_fd,
-                root.prefix,
-                keys,
-                chunks,
-                start,
-                stop,
-                self._rows,
-                self._block_size,
-                root.read_flags,
-                root.checksum,
-                root.piece,
-                deadline,
-            )
-            if root.stamp and done:
-                blockio = root.blockio
-                for key in keys[start : start + done]:
-                    blockio._stamps.note(*blockio._place(key))
-            return Settled([root.loaded] * done, STOPS[why], code)
-        done, why, code, published = self._store(
+            return self._load_run(root, root_fd, keys, chunks, start, stop, deadline)
+        return self._store_run(root, root_fd, keys, chunks, start, stop, deadline)
+
+    def _load_run(
+        self,
+        root: _Root,
+        root_fd: int,
+        keys: Sequence[bytes],
+        chunks: Sequence[int],
+        start: int,
+        stop: int,
+        deadline: float,
+    ) -> Settled:
+        done, why, code = self._load(
+            root_fd,
+            root.prefix,
+            keys,
+            chunks,
+            start,
+            stop,
+            self._rows,
+            self._block_size,
+            root.read_flags,
+            root.checksum,
+            root.piece,
+            deadline,
+        )
+        if root.stamp and done:  # as BlockIO.load notes each block it loaded
+            blockio = root.blockio
+            for key in keys[start : start + done]:
+                blockio._stamps.note(*blockio._place(key))
+        return Settled([root.loaded] * done, STOPS[why], code)
+
+    def _store_run(
+        self,
+        root: _Root,
+        root_fd: int,
+        keys: Sequence[bytes],
+        chunks: Sequence[int],
+        start: int,
+        stop: int,
+        deadline: float,
+    ) -> Settled:
+        _, why, code, published = self._store(
             root_fd,
             root.prefix,
             keys,
