@@ -15,7 +15,9 @@
  *                length, the key, and with the checksum on its flag and the
  *                payload's xxh3-64.
  *   store_slice  per block: its directory opened beneath the root in one
- *                openat2 (volume/nofollow.py's DIR_FLAGS), nothing at the
+ *                openat2 (volume/nofollow.py's DIR_FLAGS; its two levels
+ *                below the rank directory made first where missing, with
+ *                exactly the directory mode), nothing at the
  *                block's name (faccessat, no link followed), the temp file
  *                created exclusively under layout/names.py's temp_name, the
  *                row and its trailer (layout/blockfile.py's pack_trailer)
@@ -570,7 +572,8 @@ static PyObject *load_slice(PyObject *self, PyObject *args) {
 /* -- store --------------------------------------------------------------- */
 
 struct store_args {
-    int dir_flags, temp_flags, file_mode, chmod, checksum, fsync_file, fsync_dir;
+    int dir_flags, dir_mode, dir_chmod, temp_flags, file_mode, chmod, checksum, fsync_file,
+        fsync_dir;
     size_t piece;
     const char *host;
     Py_ssize_t host_len;
@@ -603,6 +606,64 @@ static int write_block(int fd, const unsigned char *row, size_t size, unsigned c
     return write_all(fd, iov, 1, (off_t)size);
 }
 
+/* mkdir name in parent_fd with exactly dir_mode, as nofollow.py's
+ * make_dir_at (a chmod through a descriptor of it, never by name): 0, or
+ * errno. EEXIST is no error. */
+static int make_dir_at(int parent_fd, const char *name, const struct store_args *s) {
+    if (mkdirat(parent_fd, name, (mode_t)s->dir_mode) != 0) {
+        return errno == EEXIST ? 0 : errno;
+    }
+    if (!s->dir_chmod) {
+        return 0;
+    }
+    int fd = openat(parent_fd, name, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+    if (fd < 0) {
+        return errno;
+    }
+    int failed = fchmod(fd, (mode_t)s->dir_mode) != 0 ? errno : 0;
+    close(fd);
+    return failed;
+}
+
+/* The store's directory <prefix>/<hhh>/<hh>_g<g> opened beneath the root in
+ * one call; the two levels below the prefix made first where missing (the
+ * prefix itself, the rank directory, never: the Python path makes it). The
+ * parents are opened beneath the root too, and the directory is opened in
+ * one call after the mkdirs, so a link or a mount point swapped in is
+ * refused. A descriptor, or -1 with *code. */
+static long open_store_dir(const struct slice_args *a, const struct store_args *s, char *dir,
+                           size_t dir_len, int *code) {
+    long fd = open_beneath(a->root_fd, dir, s->dir_flags);
+    if (fd >= 0 || errno != ENOENT) {
+        *code = errno;
+        return fd;
+    }
+    size_t levels[2] = {(size_t)a->prefix_len, (size_t)a->prefix_len + 4}; /* "/<hhh>" */
+    for (int i = 0; i < 2; i++) {
+        dir[levels[i]] = '\0';
+        long parent = open_beneath(a->root_fd, dir, s->dir_flags);
+        dir[levels[i]] = '/';
+        if (parent < 0) {
+            *code = errno;
+            return -1;
+        }
+        size_t end = i == 0 ? levels[1] : dir_len;
+        char name[64];
+        size_t len = end - levels[i] - 1;
+        memcpy(name, dir + levels[i] + 1, len);
+        name[len] = '\0';
+        int failed = make_dir_at((int)parent, name, s);
+        close((int)parent);
+        if (failed) {
+            *code = failed;
+            return -1;
+        }
+    }
+    fd = open_beneath(a->root_fd, dir, s->dir_flags);
+    *code = fd < 0 ? errno : 0;
+    return fd;
+}
+
 static int store_one(const struct slice_args *a, const struct store_args *s, PyObject *key,
                      const unsigned char *row, unsigned char *page, XXH3_state_t *state,
                      int *code, char *outcome) {
@@ -614,10 +675,10 @@ static int store_one(const struct slice_args *a, const struct store_args *s, PyO
     size_t key_len = (size_t)PyBytes_GET_SIZE(key);
     char dir[PATH_BYTES];
     char name[2 * MAX_HASH_BYTES + 8];
-    block_place(dir, name, a->prefix, (size_t)a->prefix_len, key_bytes, hash_len);
-    long dir_fd = open_beneath(a->root_fd, dir, s->dir_flags);
+    size_t dir_len = block_place(dir, name, a->prefix, (size_t)a->prefix_len, key_bytes,
+                                 hash_len);
+    long dir_fd = open_store_dir(a, s, dir, dir_len, code);
     if (dir_fd < 0) {
-        *code = errno;
         return STOP_DIR;
     }
     int stopped = STOP_NONE;
@@ -702,9 +763,9 @@ static PyObject *store_slice(PyObject *self, PyObject *args) {
     Py_ssize_t start, stop;
     long long piece;
     (void)self;
-    if (!PyArg_ParseTuple(args, "iy#OOnnOLiiipLpppy#Ld:store_slice", &a.root_fd, &a.prefix,
+    if (!PyArg_ParseTuple(args, "iy#OOnnOLiipiipLpppy#Ld:store_slice", &a.root_fd, &a.prefix,
                           &a.prefix_len, &keys, &chunks, &start, &stop, &rows, &a.block_size,
-                          &s.dir_flags, &s.temp_flags, &s.file_mode, &s.chmod, &piece,
+                          &s.dir_flags, &s.dir_mode, &s.dir_chmod, &s.temp_flags, &s.file_mode, &s.chmod, &piece,
                           &s.checksum, &s.fsync_file, &s.fsync_dir, &s.host, &s.host_len,
                           &s.pid, &a.deadline)) {
         return NULL;
@@ -786,7 +847,7 @@ static PyMethodDef methods[] = {
      "Releases the GIL for the whole slice."},
     {"store_slice", store_slice, METH_VARARGS,
      "store_slice(root_fd, prefix, keys, chunks, start, stop, rows, block_size, dir_flags,\n"
-     "            temp_flags, file_mode, chmod, hash_chunk, checksum, fsync_file,\n"
+     "            dir_mode, dir_chmod, temp_flags, file_mode, chmod, hash_chunk, checksum, fsync_file,\n"
      "            fsync_dir, host, pid, deadline) -> (done, stop, errno, outcomes)\n\n"
      "Publish the blocks of keys[start:stop] from their rows as new block\n"
      "files; stops at the first block it does not settle. outcomes: one byte\n"

@@ -5,7 +5,8 @@ between blocks while other threads hold it.
 
 The compiled call is the Python path's common case and nothing more: per
 block, the deadline, the chunk index, the block's file (a load) or
-directory (a store) opened beneath the root's descriptor in one
+directory (a store; its fan-out levels made where missing, with exactly
+the directory mode) opened beneath the root's descriptor in one
 ``openat2`` without links or mount crossings, the bytes moved as
 ``VectoredBytes`` moves them (whole, or in pieces hashed as they land), a
 load judged as ``BlockRules.judge_plain`` judges it (length, magic, version,
@@ -188,7 +189,9 @@ class _Root:
         "blockio",
         "checksum",
         "chmod",
+        "dir_chmod",
         "dir_flags",
+        "dir_mode",
         "file_mode",
         "fsync_dir",
         "fsync_file",
@@ -212,6 +215,8 @@ class _Root:
         self.prefix = blockio._rank.encode("utf-8", "surrogateescape")
         self.read_flags = blockio._read_flags
         self.dir_flags = DIR_FLAGS
+        self.dir_mode = opts.dir_mode
+        self.dir_chmod = needs_chmod(opts.dir_mode)
         self.temp_flags = blockio._temps._flags
         self.file_mode = opts.file_mode
         self.chmod = needs_chmod(opts.file_mode)
@@ -379,6 +384,8 @@ class CompiledSlices:
             self._rows,
             self._block_size,
             root.dir_flags,
+            root.dir_mode,
+            root.dir_chmod,
             root.temp_flags,
             root.file_mode,
             root.chmod,
