@@ -20,7 +20,9 @@ REPLACED), a passed deadline -- and that block runs through
 ``BlockStep.run``, the Python path, which does what it always does (the
 walk, quarantine, miss reasons, the space guard); the call then resumes
 with the block after it. A load block the compiled call did not verify is
-never reported loaded: the Python path reads it again into its row. After a
+never reported loaded: the Python path reads it again into its row. A
+store published whose directory's fsync then failed fails with that
+OSError, as ``BlockIO.store`` fails it (it is not stored again). After a
 load fails, the rest of the slice is SKIPPED, as ``BlockStep.run_slice``.
 
 It serves a slice when: the module is built, ``openat2`` works, no root is
@@ -55,7 +57,7 @@ from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 from llmkv_fs.engine.block.blockio import BlockIO
 from llmkv_fs.engine.block.bytepath import VectoredBytes
-from llmkv_fs.engine.outcomes import SKIPPED, BlockResult, Outcome
+from llmkv_fs.engine.outcomes import SKIPPED, BlockResult, Outcome, failed
 from llmkv_fs.layout.placement import RootPlacement
 from llmkv_fs.volume.files import needs_chmod
 from llmkv_fs.volume.nofollow import DIR_FLAGS
@@ -290,6 +292,10 @@ class CompiledSlices:
                 results += settled.results
                 start += len(settled.results)
                 if start == stop:
+                    continue
+                if settled.stop == "fsync-dir":  # published, not durable: as BlockIO fails it
+                    results.append(failed(OSError(settled.errno, os.strerror(settled.errno))))
+                    start += 1
                     continue
             result = step.run(is_load, keys[start], chunks[start], still_wanted)
             results.append(result)

@@ -26,7 +26,7 @@ class RecordingStep:
         if not hold:
             self.release.set()
 
-    def run_slice(self, is_load, keys, chunks, still_wanted):
+    def run_slice(self, is_load, keys, chunks, still_wanted, deadline=None):
         self.runs.append((is_load, tuple(keys)))
         self.inside.set()
         assert self.release.wait(BOUND_S)
