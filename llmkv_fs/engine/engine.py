@@ -27,6 +27,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from llmkv_fs.config import TierSettings, store_queue_blocks
+from llmkv_fs.engine.block.bytes_c import byte_path_line
 from llmkv_fs.engine.block.pause import PausePoints
 from llmkv_fs.engine.block.presence import COMPILED_PRESENCE, presence_path
 from llmkv_fs.engine.block.spec import StepSpec
@@ -158,6 +159,7 @@ class FsEngine:
         log_start(
             settings, self._started, self.pinning, self._presence_check(), keyring, self.roots
         )
+        logger.info("llmkv_fs engine byte path: %s", byte_path_line(self.roots, self.io_workers))
         for root in self.roots:  # config.json files and leases only: no block walk
             log_other_deployments(root.layout)
 

@@ -22,6 +22,7 @@ from llmkv_fs.engine import (
     Tally,
     prepare_volume,
 )
+from llmkv_fs.engine.block.bytes_c import BYTE_PATH_ENV
 from llmkv_fs.layout.blockfile import TRAILER_SIZE, Corruption, unpack_trailer
 from llmkv_fs.layout.paths import CacheLayout
 from tests.kits.engine_kit import (
@@ -425,8 +426,9 @@ def test_a_crashing_existence_check_answers_miss_not_retry_forever(disk_root, en
 
 @pytest.mark.threads_only("the throttled log is the owner's; the failure is injected in-process")
 def test_repeated_block_errors_are_logged_once_per_interval(
-    disk_root, engines, caplog, engine_clock
+    disk_root, engines, caplog, engine_clock, monkeypatch
 ):  # the interval is the test's clock: three jobs on a loaded machine stay inside it
+    monkeypatch.setenv(BYTE_PATH_ENV, "python")  # BlockIO.store is replaced in-process
     engine, _, _primary = engines(disk_root, n_blocks=4)
 
     def failing_store(key, row_view, cancelled=None, pause=None):
@@ -450,6 +452,7 @@ def test_repeated_block_errors_are_logged_once_per_interval(
 def test_rename_refused_because_another_writer_won_counts_as_present(
     disk_root, engines, monkeypatch
 ):
+    monkeypatch.setenv(BYTE_PATH_ENV, "python")  # os.access and os.rename are patched in-process
     engine, layout, primary = engines(disk_root, n_blocks=2)
     real_rename = os.rename
 

@@ -64,7 +64,7 @@ import socket
 import stat
 import threading
 from collections.abc import Sequence
-from typing import NamedTuple, TypeVar
+from typing import TYPE_CHECKING, NamedTuple, TypeVar
 
 from llmkv_fs.engine.block.contents import BlockContents
 from llmkv_fs.engine.block.options import O_DIRECT, IoOptions
@@ -101,6 +101,9 @@ from llmkv_fs.volume.files import (
 from llmkv_fs.volume.nofollow import MountInTree
 from llmkv_fs.volume.pinned_root import RootLost
 from llmkv_fs.volume.quarantine import file_ident, quarantine_at
+
+if TYPE_CHECKING:
+    from llmkv_fs.engine.block.bytes_c import CompiledSlices
 
 __all__ = ["BlockIO", "BlockStep", "Cancel", "DirectoryGone", "StepRoot"]
 
@@ -540,8 +543,10 @@ class StepRoot(NamedTuple):
 class BlockStep:
     """See the module doc. ``rows`` is the primary as one view of
     ``rows.nbytes // block_size`` rows; ``roots`` the engine's roots in
-    list order and ``placement`` where a key lives among them. Built by
-    ``block.spec.build_step`` in I/O threads and worker processes alike."""
+    list order and ``placement`` where a key lives among them; ``compiled``
+    the compiled byte path for whole slices (block/bytes_c.py) where it can
+    serve these roots. Built by ``block.spec.build_step`` in I/O threads and
+    worker processes alike."""
 
     def __init__(
         self,
@@ -549,6 +554,7 @@ class BlockStep:
         rows: memoryview,
         placement: RootPlacement,
         pause: PausePoints | None = None,
+        compiled: CompiledSlices | None = None,
     ):
         self.roots = tuple(roots)
         self.block_size = self.roots[0].blockio.options.block_size
@@ -557,6 +563,7 @@ class BlockStep:
         self._placement = placement
         self._one_root = len(self.roots) == 1  # every key's only choice: no placement
         self._pause = pause
+        self._compiled = compiled
 
     def run(self, is_load: bool, key: bytes, chunk: int, cancelled: Cancel) -> BlockResult:
         """Move one block; its result (an Outcome, or a Failed naming why).
@@ -588,11 +595,17 @@ class BlockStep:
         keys: Sequence[bytes],
         chunks: Sequence[int],
         cancelled: Cancel,
+        deadline: float | None = None,
     ) -> list[BlockResult]:
         """``run`` for consecutive blocks of one job, in order. After a load
         fails the rest are SKIPPED without I/O: vLLM can use only the blocks
         before the first failure (the load prefix rule: scheduling/scheduler.py).
+        ``deadline``: the job's ``time.monotonic()`` deadline (inf: none;
+        None: not known, as in a worker process, where only the cancel byte
+        tells); given, the compiled byte path runs the slice where it can.
         Never raises."""
+        if self._compiled is not None and deadline is not None:
+            return self._compiled.run_slice(self, is_load, keys, chunks, cancelled, deadline)
         results: list[BlockResult] = []
         for key, chunk in zip(keys, chunks):
             result = self.run(is_load, key, chunk, cancelled)

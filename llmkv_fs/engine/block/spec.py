@@ -15,6 +15,7 @@ import dataclasses
 from collections.abc import Sequence
 
 from llmkv_fs.engine.block.blockio import BlockIO, BlockStep, StepRoot
+from llmkv_fs.engine.block.bytes_c import compiled_slices
 from llmkv_fs.engine.block.options import IoOptions
 from llmkv_fs.engine.block.pause import PausePoints
 from llmkv_fs.engine.upkeep.signals import VolumeSignals
@@ -85,4 +86,6 @@ def build_step(
     roots = [StepRoot(b, s) for b, s in zip(blockios, signals, strict=True)]
     if len(roots) != len(spec.roots):
         raise ValueError(f"{len(roots)} roots given for a spec of {len(spec.roots)}")
-    return BlockStep(roots, rows, spec.placement, pause)
+    return BlockStep(
+        roots, rows, spec.placement, pause, compiled_slices(roots, rows, spec.placement, pause)
+    )

@@ -21,6 +21,7 @@ never dies of one.
 
 from __future__ import annotations
 
+import math
 import threading
 
 from llmkv_fs.engine.block.blockio import BlockStep
@@ -95,7 +96,9 @@ class ThreadExecutor:
             if taken is None:
                 return  # stopping, nothing left to take
             job = taken.job
-            results = step.run_slice(job.is_load, taken.keys, taken.chunks, job.cancelled)
+            # The job's deadline lets the compiled byte path run the slice.
+            deadline = math.inf if job.deadline is None else job.deadline
+            results = step.run_slice(job.is_load, taken.keys, taken.chunks, job.cancelled, deadline)
             source.slice_done(taken, results)
             # Drop the references before sleeping: an idle thread must not
             # keep a job (and through it the primary rows) alive.

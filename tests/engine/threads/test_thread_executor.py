@@ -25,7 +25,7 @@ class RecordingStep:
         if not hold:
             self.release.set()
 
-    def run_slice(self, is_load, keys, chunks, cancelled):
+    def run_slice(self, is_load, keys, chunks, cancelled, deadline=None):
         self.runs.append((is_load, tuple(keys)))
         self.inside.set()
         assert self.release.wait(BOUND_S)

@@ -1,0 +1,402 @@
+"""The compiled byte path: an I/O thread's whole slice of one job stored or
+loaded in one call that releases the GIL (``_bytepath.c``), so small
+blocks do not pay the interpreter's per-block cost, nor wait for the GIL
+between blocks while other threads hold it.
+
+The compiled call is the Python path's common case and nothing more: per
+block, the deadline, the chunk index, the block's file (a load) or
+directory (a store; its fan-out levels made where missing, with exactly
+the directory mode) opened beneath the root's descriptor in one
+``openat2`` without links or mount crossings, the bytes moved as
+``BlockContents`` moves them (whole, or in pieces hashed as they land), a
+load judged as ``BlockRules.judge_plain`` judges it (length, magic, version,
+the trailer's own xxh3, payload length, key, the payload's xxh3-64 with the
+checksum on), a store written with the trailer ``pack_trailer`` writes,
+under ``temp_name``, fsync'ed as the options say, its length checked, the
+deadline asked again, then renamed. It stops at the first block it does not
+settle -- a miss, a bad or sealed or checksum-less file, any errno,
+anything at a store's name (``BlockIO._found`` judges that: PRESENT or
+REPLACED), a passed deadline -- and that block runs through
+``BlockStep.run``, the Python path, which does what it always does (the
+walk, quarantine, miss reasons, the space guard); the call then resumes
+with the block after it. A load block the compiled call did not verify is
+never reported loaded: the Python path reads it again into its row. A
+store published whose directory's fsync then failed fails with that
+OSError, as ``BlockIO.store`` fails it (it is not stored again). After a
+load fails, the rest of the slice is SKIPPED, as ``BlockStep.run_slice``.
+
+It serves a slice when: the module is built, ``openat2`` works, no root is
+sealed (``SealedBytes`` moves those), and the caller passes the job's
+deadline (I/O threads; a worker process's cancel byte is
+no deadline, see ``byte_path_line``). ``LLMKV_FS_BYTE_PATH=python`` in the
+environment of the process keeps the Python path. A root lost or refusing
+stores, or whose descriptor cannot be had, is left to the Python path,
+checked before each call (the Python path checks before each block).
+While a test has a block's pause point armed, every slice takes the Python
+path, which stops at it.
+
+Deadlines: ``deadline`` is the job's ``time.monotonic()`` deadline (inf:
+none). A job expires only once that time has passed (the scheduler's
+``expire_overdue``), so a block the call starts, or a store it renames,
+before the deadline is one whose job had not expired; once it has passed
+the call stops and the job's cancel byte decides, in the Python path.
+
+Threading: one ``CompiledSlices`` per ``BlockStep``, shared by its I/O
+threads; it holds only settings. Calls block on the filesystem.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from collections.abc import Sequence
+from types import ModuleType
+from typing import TYPE_CHECKING, NamedTuple, Protocol
+
+from llmkv_fs.engine.block.blockio import BlockIO, Cancel
+from llmkv_fs.engine.outcomes import SKIPPED, BlockResult, Outcome, failed
+from llmkv_fs.layout.names import block_place
+from llmkv_fs.layout.placement import RootPlacement
+from llmkv_fs.volume.beneath import OPENAT2
+from llmkv_fs.volume.files import needs_chmod
+from llmkv_fs.volume.nofollow import DIR_FLAGS
+
+if TYPE_CHECKING:
+    from llmkv_fs.engine.block.blockio import BlockStep, StepRoot
+    from llmkv_fs.engine.block.pause import PausePoints
+
+__all__ = [
+    "BYTE_PATH_ENV",
+    "COMPILED_BYTES",
+    "STOPS",
+    "CompiledSlices",
+    "HasBlockIO",
+    "Settled",
+    "byte_path_line",
+    "compiled_slices",
+]
+
+# The environment variable that keeps the Python path ("python").
+BYTE_PATH_ENV = "LLMKV_FS_BYTE_PATH"
+COMPILED_BYTES = "compiled (_bytepath: a job's slice in one call without the GIL, xxh3 {})"
+# Why a compiled call stopped, by the code it answers (_bytepath.c, enum stop).
+STOPS = (
+    None,
+    "deadline",
+    "chunk",
+    "key",
+    "open",
+    "read",
+    "length",
+    "trailer",
+    "sealed",
+    "payload-length",
+    "wrong-key",
+    "no-checksum",
+    "checksum",
+    "dir",
+    "there",
+    "create",
+    "write",
+    "fsync",
+    "size",
+    "close",
+    "abandoned",
+    "rename",
+    "fsync-dir",
+    "chmod",
+)
+# The pause points a block reaches (block/pause.py), as armed files.
+_BLOCK_POINTS = ("armed.enter", "armed.read", "armed.publish")
+_PUBLISHED = {ord("W"): Outcome.WRITTEN, ord("P"): Outcome.PRESENT}
+
+
+def _built() -> ModuleType | None:
+    try:  # optional: compiled by the package's install where it can be
+        return importlib.import_module("llmkv_fs.engine.block._bytepath")
+    except ImportError:
+        return None
+
+
+_BUILT = _built()
+
+
+class HasBlockIO(Protocol):
+    """A root as the engine or a step holds it."""
+
+    @property
+    def blockio(self) -> BlockIO: ...
+
+
+def _refusal(roots: Sequence[HasBlockIO]) -> str | None:
+    """Why the compiled path cannot serve these roots (None: it can)."""
+    if not OPENAT2:
+        return "no openat2 here"
+    if _BUILT is None:
+        return "the compiled _bytepath is not built: no C compiler at install"
+    if os.environ.get(BYTE_PATH_ENV, "").strip().lower() == "python":
+        return f"{BYTE_PATH_ENV}=python"
+    for root in roots:
+        blockio = root.blockio
+        if not isinstance(blockio, BlockIO):
+            return "a BlockIO of another kind"
+        if blockio.options.sealed:
+            return "sealed blocks"
+        if not blockio._below.one_call:
+            return "a root without openat2"
+    return None
+
+
+def byte_path_line(roots: Sequence[HasBlockIO], io_workers: int) -> str:
+    """Which byte path the engine's blocks take, for the start-up log."""
+    if io_workers:
+        return "python (worker processes: the compiled byte path serves I/O threads)"
+    why = _refusal(roots)
+    if why is not None:
+        return f"python ({why})"
+    assert _BUILT is not None
+    return COMPILED_BYTES.format(_BUILT.XXH3)
+
+
+def _armed(pause: PausePoints) -> bool:
+    """A pause point a block stops at is armed (block/pause.py): the slice
+    then takes the Python path, block by block, so that each block stops
+    where the test holds it. Only tests set pause points."""
+    try:
+        names = os.listdir(pause.directory)
+    except OSError:
+        return True
+    return any(name.startswith(_BLOCK_POINTS) for name in names)
+
+
+class Settled(NamedTuple):
+    """What one compiled call settled: the results of its first blocks, in
+    order, and why it stopped at the next (``STOPS``; None: it did not) with
+    that block's errno where one applies (0 otherwise)."""
+
+    results: list[BlockResult]
+    stop: str | None
+    errno: int
+
+
+class _Root:
+    """One root as the compiled calls take it: fixed at build."""
+
+    __slots__ = (
+        "below",
+        "blockio",
+        "checksum",
+        "chmod",
+        "dir_chmod",
+        "dir_flags",
+        "dir_mode",
+        "file_mode",
+        "fsync_dir",
+        "fsync_file",
+        "host",
+        "loaded",
+        "pid",
+        "piece",
+        "prefix",
+        "read_flags",
+        "signals",
+        "stamp",
+        "temp_flags",
+    )
+
+    def __init__(self, root: StepRoot):
+        blockio = root.blockio
+        opts = blockio.options
+        self.blockio = blockio
+        self.signals = root.signals
+        self.below = blockio._below
+        self.prefix = blockio._rank.encode("utf-8", "surrogateescape")
+        self.read_flags = blockio._read_flags
+        self.dir_flags = DIR_FLAGS
+        self.dir_mode = opts.dir_mode
+        self.dir_chmod = needs_chmod(opts.dir_mode)
+        self.temp_flags = blockio._temp_flags
+        self.file_mode = opts.file_mode
+        self.chmod = needs_chmod(opts.file_mode)
+        self.piece = opts.hash_chunk
+        self.checksum = opts.checksum
+        self.fsync_file = opts.fsync_file
+        self.fsync_dir = opts.fsync_dir
+        self.host = os.fsencode(blockio._host)
+        self.pid = blockio._pid
+        self.stamp = opts.stamp_access
+        self.loaded = Outcome.VERIFIED if opts.checksum else Outcome.UNVERIFIED
+
+
+def compiled_slices(
+    roots: Sequence[StepRoot],
+    rows: memoryview,
+    placement: RootPlacement,
+    pause: PausePoints | None,
+) -> CompiledSlices | None:
+    """The compiled path for a BlockStep of ``roots``, or None where it
+    cannot serve them (see the module doc)."""
+    if _refusal(roots) is not None:
+        return None
+    return CompiledSlices(roots, rows, placement, pause)
+
+
+class CompiledSlices:
+    """See the module doc. ``rows``: the BlockStep's primary buffer."""
+
+    def __init__(
+        self,
+        roots: Sequence[StepRoot],
+        rows: memoryview,
+        placement: RootPlacement,
+        pause: PausePoints | None = None,
+    ):
+        assert _BUILT is not None
+        self._load = _BUILT.load_slice
+        self._store = _BUILT.store_slice
+        self._roots = tuple(_Root(root) for root in roots)
+        self._rows = rows
+        self._block_size = roots[0].blockio.options.block_size
+        self._placement = placement
+        self._pause = pause
+
+    def run_slice(
+        self,
+        step: BlockStep,
+        is_load: bool,
+        keys: Sequence[bytes],
+        chunks: Sequence[int],
+        cancelled: Cancel,
+        deadline: float,
+    ) -> list[BlockResult]:
+        """``BlockStep.run_slice`` for these blocks: runs of blocks with
+        one home root in compiled calls, each block a call stops at by
+        ``step.run``; the whole slice by ``step`` while a pause point of
+        a block is armed. Never raises."""
+        if self._pause is not None and _armed(self._pause):
+            return step.run_slice(is_load, keys, chunks, cancelled)
+        results: list[BlockResult] = []
+        n = len(keys)
+        start = 0
+        while start < n:
+            if not cancelled[0]:
+                index, stop = self._run_of(keys, start)
+                try:
+                    settled = self.call(is_load, index, keys, chunks, start, stop, deadline)
+                except Exception:  # the Python path decides the block (and records why)
+                    settled = Settled([], None, 0)
+                results += settled.results
+                start += len(settled.results)
+                if start == stop:
+                    continue
+                if settled.stop == "fsync-dir":  # published, not durable: as BlockIO fails it
+                    results.append(failed(OSError(settled.errno, os.strerror(settled.errno))))
+                    start += 1
+                    continue
+            result = step.run(is_load, keys[start], chunks[start], cancelled)
+            results.append(result)
+            start += 1
+            if is_load and not isinstance(result, Outcome):
+                results += [SKIPPED] * (n - start)
+                break
+        return results
+
+    def _run_of(self, keys: Sequence[bytes], start: int) -> tuple[int, int]:
+        """The home root of ``keys[start]`` and the end of the run of keys
+        from there with that home."""
+        if len(self._roots) == 1:
+            return 0, len(keys)
+        home = self._placement.home
+        index = home(keys[start])
+        stop = start + 1
+        while stop < len(keys) and home(keys[stop]) == index:
+            stop += 1
+        return index, stop
+
+    def call(
+        self,
+        is_load: bool,
+        index: int,
+        keys: Sequence[bytes],
+        chunks: Sequence[int],
+        start: int,
+        stop: int,
+        deadline: float,
+    ) -> Settled:
+        """One compiled call for ``keys[start:stop]`` on root ``index``;
+        nothing is called for a root lost or refusing stores. Raises what
+        taking the root's descriptor raises (RootGone) and ValueError for
+        arguments the module refuses."""
+        root = self._roots[index]
+        signals = root.signals
+        if signals.root_lost or (not is_load and signals.stores_refused):
+            return Settled([], None, 0)
+        root_fd = root.below.root_fd()
+        if is_load:
+            return self._load_run(root, root_fd, keys, chunks, start, stop, deadline)
+        return self._store_run(root, root_fd, keys, chunks, start, stop, deadline)
+
+    def _load_run(
+        self,
+        root: _Root,
+        root_fd: int,
+        keys: Sequence[bytes],
+        chunks: Sequence[int],
+        start: int,
+        stop: int,
+        deadline: float,
+    ) -> Settled:
+        done, why, code = self._load(
+            root_fd,
+            root.prefix,
+            keys,
+            chunks,
+            start,
+            stop,
+            self._rows,
+            self._block_size,
+            root.read_flags,
+            root.checksum,
+            root.piece,
+            deadline,
+        )
+        if root.stamp and done:  # as BlockIO.load notes each block it loaded
+            blockio = root.blockio
+            for key in keys[start : start + done]:
+                blockio._stamps.note(*block_place(blockio._rank, key))
+        return Settled([root.loaded] * done, STOPS[why], code)
+
+    def _store_run(
+        self,
+        root: _Root,
+        root_fd: int,
+        keys: Sequence[bytes],
+        chunks: Sequence[int],
+        start: int,
+        stop: int,
+        deadline: float,
+    ) -> Settled:
+        _, why, code, published = self._store(
+            root_fd,
+            root.prefix,
+            keys,
+            chunks,
+            start,
+            stop,
+            self._rows,
+            self._block_size,
+            root.dir_flags,
+            root.dir_mode,
+            root.dir_chmod,
+            root.temp_flags,
+            root.file_mode,
+            root.chmod,
+            root.piece,
+            root.checksum,
+            root.fsync_file,
+            root.fsync_dir,
+            root.host,
+            root.pid,
+            deadline,
+        )
+        return Settled([_PUBLISHED[c] for c in published], STOPS[why], code)
