@@ -79,19 +79,7 @@
 #define XXH3_WHICH "as compiled"
 #endif
 
-#ifndef SYS_openat2
-#define SYS_openat2 437 /* the same number on every architecture (5.6, generic table) */
-#endif
-
-#define RESOLVE_NO_XDEV_ 0x01
-#define RESOLVE_NO_SYMLINKS_ 0x04
-#define RESOLVE_BENEATH_ 0x08
-
-struct open_how_ {
-    uint64_t flags;
-    uint64_t mode;
-    uint64_t resolve;
-};
+#include "beneath.h"
 
 /* layout/blockfile.py */
 #define TRAILER_SIZE 4096
@@ -145,48 +133,11 @@ static uint64_t realtime_ns(void) {
     return (uint64_t)t.tv_sec * 1000000000ULL + (uint64_t)t.tv_nsec;
 }
 
-static long open_beneath(int root_fd, const char *path, int flags) {
-    struct open_how_ how = {
-        (uint64_t)(flags | O_CLOEXEC),
-        0,
-        RESOLVE_BENEATH_ | RESOLVE_NO_SYMLINKS_ | RESOLVE_NO_XDEV_,
-    };
-    return syscall(SYS_openat2, root_fd, path, &how, sizeof how);
-}
 
 /* -- names: layout/names.py's block_place and temp_name, byte for byte ---- */
 
-#define MIN_HASH_BYTES 3 /* <hhh>/<hh> need five hex digits */
-#define MAX_HASH_BYTES 256
-#define MAX_PREFIX 3072
 #define MAX_HOST 512
-#define PATH_BYTES (MAX_PREFIX + 2 * MAX_HASH_BYTES + 64)
 #define TEMP_BYTES (2 * MAX_HASH_BYTES + MAX_HOST + 96)
-
-/* "<prefix>/<hhh>/<hh>_g<group>" into dir (its length returned), and
- * "<hex>.bin" into name. */
-static size_t block_place(char *dir, char *name, const char *prefix, size_t prefix_len,
-                          const unsigned char *key, size_t hash_len) {
-    static const char digits[] = "0123456789abcdef";
-    for (size_t i = 0; i < hash_len; i++) {
-        name[2 * i] = digits[key[i] >> 4];
-        name[2 * i + 1] = digits[key[i] & 15];
-    }
-    memcpy(name + 2 * hash_len, ".bin", 5);
-    uint32_t group = ((uint32_t)key[hash_len] << 24) | ((uint32_t)key[hash_len + 1] << 16) |
-                     ((uint32_t)key[hash_len + 2] << 8) | (uint32_t)key[hash_len + 3];
-    char *at = dir;
-    memcpy(at, prefix, prefix_len);
-    at += prefix_len;
-    *at++ = '/';
-    memcpy(at, name, 3);
-    at += 3;
-    *at++ = '/';
-    memcpy(at, name + 3, 2);
-    at += 2;
-    at += sprintf(at, "_g%u", (unsigned)group);
-    return (size_t)(at - dir);
-}
 
 /* -- the trailer: layout/blockfile.py ------------------------------------- */
 

@@ -47,29 +47,14 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
-#ifndef SYS_openat2
-#define SYS_openat2 437 /* the same number on every architecture (5.6, generic table) */
-#endif
+#include "beneath.h"
 
-#define RESOLVE_NO_XDEV_ 0x01
-#define RESOLVE_NO_SYMLINKS_ 0x04
-#define RESOLVE_BENEATH_ 0x08
 #define MAX_SIZES 8
 
-struct open_how_ {
-    uint64_t flags;
-    uint64_t mode;
-    uint64_t resolve;
-};
 
 static char check_one(int root_fd, const char *path, const long long *sizes, int n_sizes,
                       int revalidate) {
-    struct open_how_ how = {
-        (uint64_t)(O_PATH | O_CLOEXEC),
-        0,
-        RESOLVE_BENEATH_ | RESOLVE_NO_SYMLINKS_ | RESOLVE_NO_XDEV_,
-    };
-    long fd = syscall(SYS_openat2, root_fd, path, &how, sizeof how);
+    long fd = open_beneath(root_fd, path, O_PATH);
     if (fd < 0) {
         int code = errno;
         if (code == ELOOP || code == ENOTDIR || (code == ENOENT && !revalidate)) {
@@ -116,36 +101,14 @@ static int read_sizes(PyObject *given, long long *sizes) {
     return (int)n;
 }
 
-/* The hash's hex digits, the group's decimal digits: layout/names.py's
- * block_rel_parts. */
-#define MIN_HASH_BYTES 3   /* <hhh>/<hh> need five hex digits */
-#define MAX_HASH_BYTES 256
-#define MAX_PREFIX 3072
-#define PATH_BYTES (MAX_PREFIX + 2 * MAX_HASH_BYTES + 64)
-
+/* "<prefix>/<hhh>/<hh>_g<group>/<hex>.bin" into out: layout/names.py's
+ * block_rel_parts joined. */
 static void block_path(char *out, const char *prefix, size_t prefix_len,
                        const unsigned char *key, size_t hash_len) {
-    static const char digits[] = "0123456789abcdef";
-    char hex[2 * MAX_HASH_BYTES];
-    for (size_t i = 0; i < hash_len; i++) {
-        hex[2 * i] = digits[key[i] >> 4];
-        hex[2 * i + 1] = digits[key[i] & 15];
-    }
-    uint32_t group = ((uint32_t)key[hash_len] << 24) | ((uint32_t)key[hash_len + 1] << 16) |
-                     ((uint32_t)key[hash_len + 2] << 8) | (uint32_t)key[hash_len + 3];
-    char *at = out;
-    memcpy(at, prefix, prefix_len);
-    at += prefix_len;
-    *at++ = '/';
-    memcpy(at, hex, 3);
-    at += 3;
-    *at++ = '/';
-    memcpy(at, hex + 3, 2);
-    at += 2;
-    at += sprintf(at, "_g%u/", (unsigned)group);
-    memcpy(at, hex, 2 * hash_len);
-    at += 2 * hash_len;
-    memcpy(at, ".bin", 5);
+    char name[NAME_BYTES];
+    size_t dir_len = block_place(out, name, prefix, prefix_len, key, hash_len);
+    out[dir_len] = '/';
+    memcpy(out + dir_len + 1, name, 2 * hash_len + 5);
 }
 
 static long long now_ns(void) {
