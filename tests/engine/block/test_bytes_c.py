@@ -38,30 +38,22 @@ from llmkv_fs.layout.names import block_place
 from llmkv_fs.layout.paths import CacheLayout
 from llmkv_fs.layout.placement import RootPlacement
 from llmkv_fs.volume.beneath import OPENAT2
+from tests.kits.compiled_kit import built, require_built
 from tests.kits.engine_kit import IDENTITY, make_key
 
 COMPILED_MODULE = "llmkv_fs.engine.block._bytepath"
-REQUIRE_ENV = "LLMKV_FS_REQUIRE_COMPILED"
 BS = 16384
 ROWS = 8
 
 
 def _compiled_built() -> bool:
-    try:
-        importlib.import_module(COMPILED_MODULE)
-    except ImportError:
-        return False
-    return True
+    return built(COMPILED_MODULE)
 
 
 def test_the_compiled_byte_path_is_built_in_this_install():
     """``pip install -e .`` compiles it wherever a C compiler and Python's
     headers are; a wheel without it still installs (optional)."""
-    if not _compiled_built():
-        message = f"{COMPILED_MODULE} is not built (pip install -e . with a C compiler)"
-        if os.environ.get(REQUIRE_ENV) == "1":
-            pytest.fail(message)
-        pytest.skip(message)
+    require_built(COMPILED_MODULE)
     if OPENAT2 and not os.environ.get(BYTE_PATH_ENV):
         assert byte_path_line([], 0).startswith("compiled")
 

@@ -22,29 +22,21 @@ from llmkv_fs.engine.block import presence as presence_module
 from llmkv_fs.engine.block.presence import PRESENCE_ENV, BlockPresence, presence_path
 from llmkv_fs.layout.names import block_place
 from llmkv_fs.volume.beneath import OPENAT2, Beneath
+from tests.kits.compiled_kit import built, require_built
 
 COMPILED_MODULE = "llmkv_fs.engine.block._presence"
-REQUIRE_ENV = "LLMKV_FS_REQUIRE_COMPILED"
 SIZE = 4160  # a block file's length (payload and trailer)
 SIZES = frozenset((SIZE, 4096))
 
 
 def _compiled_built() -> bool:
-    try:
-        importlib.import_module(COMPILED_MODULE)
-    except ImportError:
-        return False
-    return True
+    return built(COMPILED_MODULE)
 
 
 def test_the_compiled_check_is_built_in_this_install():
     """``pip install -e .`` compiles it wherever a C compiler and Python's
     headers are; a wheel without it still installs (optional)."""
-    if not _compiled_built():
-        message = f"{COMPILED_MODULE} is not built (pip install -e . with a C compiler)"
-        if os.environ.get(REQUIRE_ENV) == "1":
-            pytest.fail(message)
-        pytest.skip(message)
+    require_built(COMPILED_MODULE)
     if OPENAT2 and not os.environ.get(PRESENCE_ENV):
         assert presence_path().startswith("compiled")
 
