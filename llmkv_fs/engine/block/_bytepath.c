@@ -325,7 +325,17 @@ struct slice_args {
     Py_buffer rows;
     long long block_size;
     double deadline;      /* monotonic seconds; inf: none */
+    Py_buffer cancel;     /* the job's cancel byte (nonzero: not wanted any more) */
 };
+
+/* Past the deadline, or the job cancelled (the owner sets the byte under its
+ * lock; a stale read here costs one block, which the rename check catches). */
+static int unwanted(const struct slice_args *a) {
+    if (((volatile const unsigned char *)a->cancel.buf)[0] != 0) {
+        return 1;
+    }
+    return monotonic_s() >= a->deadline;
+}
 
 static void release_args(struct slice_args *a) {
     if (a->keys != NULL) {
@@ -339,11 +349,18 @@ static void release_args(struct slice_args *a) {
     if (a->rows.obj != NULL) {
         PyBuffer_Release(&a->rows);
     }
+    if (a->cancel.obj != NULL) {
+        PyBuffer_Release(&a->cancel);
+    }
 }
 
 /* Keys and chunks from start to stop taken while the GIL is held. */
 static int take_args(struct slice_args *a, PyObject *keys, PyObject *chunks, Py_ssize_t start,
                      Py_ssize_t stop, PyObject *rows, int writable) {
+    if (a->cancel.len < 1) {
+        PyErr_SetString(PyExc_ValueError, "the cancel byte is empty");
+        return -1;
+    }
     if (a->prefix_len > MAX_PREFIX || strlen(a->prefix) != (size_t)a->prefix_len) {
         PyErr_SetString(PyExc_ValueError, "the prefix is too long or holds a NUL");
         return -1;
@@ -474,9 +491,9 @@ static PyObject *load_slice(PyObject *self, PyObject *args) {
     int flags, checksum;
     long long piece;
     (void)self;
-    if (!PyArg_ParseTuple(args, "iy#OOnnOLipLd:load_slice", &a.root_fd, &a.prefix,
+    if (!PyArg_ParseTuple(args, "iy#OOnnOLipLdy*:load_slice", &a.root_fd, &a.prefix,
                           &a.prefix_len, &keys, &chunks, &start, &stop, &rows, &a.block_size,
-                          &flags, &checksum, &piece, &a.deadline)) {
+                          &flags, &checksum, &piece, &a.deadline, &a.cancel)) {
         return NULL;
     }
     if (take_args(&a, keys, chunks, start, stop, rows, 1) < 0) {
@@ -499,7 +516,7 @@ static PyObject *load_slice(PyObject *self, PyObject *args) {
     int stopped = STOP_NONE, code = 0;
     Py_BEGIN_ALLOW_THREADS
     for (; done < a.count; done++) {
-        if (monotonic_s() >= a.deadline) {
+        if (unwanted(&a)) {
             stopped = STOP_DEADLINE;
             break;
         }
@@ -673,7 +690,7 @@ static int store_one(const struct slice_args *a, const struct store_args *s, PyO
         *code = errno;
         stopped = STOP_CLOSE;
     }
-    if (stopped == STOP_NONE && monotonic_s() >= a->deadline) {
+    if (stopped == STOP_NONE && unwanted(a)) {
         stopped = STOP_ABANDONED;
     }
     if (stopped == STOP_NONE) {
@@ -714,15 +731,16 @@ static PyObject *store_slice(PyObject *self, PyObject *args) {
     Py_ssize_t start, stop;
     long long piece;
     (void)self;
-    if (!PyArg_ParseTuple(args, "iy#OOnnOLiipiipLpppy#Ld:store_slice", &a.root_fd, &a.prefix,
+    if (!PyArg_ParseTuple(args, "iy#OOnnOLiipiipLpppy#Ldy*:store_slice", &a.root_fd, &a.prefix,
                           &a.prefix_len, &keys, &chunks, &start, &stop, &rows, &a.block_size,
                           &s.dir_flags, &s.dir_mode, &s.dir_chmod, &s.temp_flags, &s.file_mode, &s.chmod, &piece,
                           &s.checksum, &s.fsync_file, &s.fsync_dir, &s.host, &s.host_len,
-                          &s.pid, &a.deadline)) {
+                          &s.pid, &a.deadline, &a.cancel)) {
         return NULL;
     }
     if (s.host_len > MAX_HOST || strlen(s.host) != (size_t)s.host_len) {
         PyErr_SetString(PyExc_ValueError, "the host name is too long or holds a NUL");
+        release_args(&a);
         return NULL;
     }
     if (take_args(&a, keys, chunks, start, stop, rows, 0) < 0) {
@@ -748,7 +766,7 @@ static PyObject *store_slice(PyObject *self, PyObject *args) {
     int stopped = STOP_NONE, code = 0;
     Py_BEGIN_ALLOW_THREADS
     for (; done < a.count; done++) {
-        if (monotonic_s() >= a.deadline) {
+        if (unwanted(&a)) {
             stopped = STOP_DEADLINE;
             break;
         }
@@ -789,17 +807,18 @@ static PyObject *xxh3_64(PyObject *self, PyObject *args) {
 static PyMethodDef methods[] = {
     {"load_slice", load_slice, METH_VARARGS,
      "load_slice(root_fd, prefix, keys, chunks, start, stop, rows, block_size, read_flags,\n"
-     "           checksum, hash_chunk, deadline) -> (done, stop, errno)\n\n"
+     "           checksum, hash_chunk, deadline, cancel) -> (done, stop, errno)\n\n"
      "Load the blocks of keys[start:stop] into their rows (chunk i: bytes\n"
      "i * block_size of rows), each verified; stops at the first block it does\n"
      "not settle. done: how many were loaded (VERIFIED with checksum, else\n"
      "UNVERIFIED); stop: why the next one was not (0: none left), errno its\n"
-     "errno where one applies. deadline: time.monotonic() seconds (inf: none).\n"
+     "errno where one applies. deadline: time.monotonic() seconds (inf: none);\n"
+     "cancel: the job's cancel byte (a buffer; nonzero: stop).\n"
      "Releases the GIL for the whole slice."},
     {"store_slice", store_slice, METH_VARARGS,
      "store_slice(root_fd, prefix, keys, chunks, start, stop, rows, block_size, dir_flags,\n"
      "            dir_mode, dir_chmod, temp_flags, file_mode, chmod, hash_chunk, checksum, fsync_file,\n"
-     "            fsync_dir, host, pid, deadline) -> (done, stop, errno, outcomes)\n\n"
+     "            fsync_dir, host, pid, deadline, cancel) -> (done, stop, errno, outcomes)\n\n"
      "Publish the blocks of keys[start:stop] from their rows as new block\n"
      "files; stops at the first block it does not settle. outcomes: one byte\n"
      "per block published, W (written) or P (present). Releases the GIL."},

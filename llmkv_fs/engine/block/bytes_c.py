@@ -36,10 +36,11 @@ While a test has a block's pause point armed, every slice takes the Python
 path, which stops at it.
 
 Deadlines: ``deadline`` is the job's ``time.monotonic()`` deadline (inf:
-none). A job expires only once that time has passed (the scheduler's
-``expire_overdue``), so a block the call starts, or a store it renames,
-before the deadline is one whose job had not expired; once it has passed
-the call stops and the job's cancel byte decides, in the Python path.
+none) and ``cancelled`` its cancel byte, both read before each block starts
+and before each store's rename: a job the scheduler expired (its byte set,
+whatever clock it keeps) or past its deadline starts and publishes nothing
+more in the call, which stops; the Python path then reads the byte, as for
+every block.
 
 Threading: one ``CompiledSlices`` per ``BlockStep``, shared by its I/O
 threads; it holds only settings. Calls block on the filesystem.
@@ -76,6 +77,8 @@ __all__ = [
     "compiled_slices",
 ]
 
+# A cancel byte never set: a call made without a job's (tests, tools).
+_WANTED = bytes(1)
 # The environment variable that keeps the Python path ("python").
 BYTE_PATH_ENV = "LLMKV_FS_BYTE_PATH"
 COMPILED_BYTES = "compiled (_bytepath: a job's slice in one call without the GIL, xxh3 {})"
@@ -282,7 +285,9 @@ class CompiledSlices:
             if not cancelled[0]:
                 index, stop = self._run_of(keys, start)
                 try:
-                    settled = self.call(is_load, index, keys, chunks, start, stop, deadline)
+                    settled = self.call(
+                        is_load, index, keys, chunks, start, stop, deadline, cancelled
+                    )
                 except Exception:  # the Python path decides the block (and records why)
                     settled = Settled([], None, 0)
                 results += settled.results
@@ -322,8 +327,11 @@ class CompiledSlices:
         start: int,
         stop: int,
         deadline: float,
+        cancelled: Cancel = _WANTED,
     ) -> Settled:
         """One compiled call for ``keys[start:stop]`` on root ``index``;
+        ``cancelled``: the job's cancel byte, read before each block and
+        before each rename (with the deadline);
         nothing is called for a root lost or refusing stores. Raises what
         taking the root's descriptor raises (RootGone) and ValueError for
         arguments the module refuses."""
@@ -333,8 +341,8 @@ class CompiledSlices:
             return Settled([], None, 0)
         root_fd = root.below.root_fd()
         if is_load:
-            return self._load_run(root, root_fd, keys, chunks, start, stop, deadline)
-        return self._store_run(root, root_fd, keys, chunks, start, stop, deadline)
+            return self._load_run(root, root_fd, keys, chunks, start, stop, deadline, cancelled)
+        return self._store_run(root, root_fd, keys, chunks, start, stop, deadline, cancelled)
 
     def _load_run(
         self,
@@ -345,6 +353,7 @@ class CompiledSlices:
         start: int,
         stop: int,
         deadline: float,
+        cancelled: Cancel,
     ) -> Settled:
         done, why, code = self._load(
             root_fd,
@@ -359,6 +368,7 @@ class CompiledSlices:
             root.checksum,
             root.piece,
             deadline,
+            cancelled,
         )
         if root.stamp and done:  # as BlockIO.load notes each block it loaded
             blockio = root.blockio
@@ -375,6 +385,7 @@ class CompiledSlices:
         start: int,
         stop: int,
         deadline: float,
+        cancelled: Cancel,
     ) -> Settled:
         _, why, code, published = self._store(
             root_fd,
@@ -398,5 +409,6 @@ class CompiledSlices:
             root.host,
             root.pid,
             deadline,
+            cancelled,
         )
         return Settled([_PUBLISHED[c] for c in published], STOPS[why], code)

@@ -362,6 +362,24 @@ def test_loads_of_planted_files_are_judged_as_the_python_path(sides, case, hash_
 
 
 @needs_compiled
+def test_a_set_cancel_byte_stops_the_call_before_its_deadline(sides):
+    """The scheduler expires a job by its own clock and sets its cancel byte:
+    the compiled call reads it before each block, so nothing of the job is
+    started or published, whatever the deadline it was given says."""
+    c, _ = sides()
+    keys = [make_key(i) for i in range(3)]
+    for i in range(3):
+        fill(c.rows, i)
+    slices = c.step._compiled
+    assert slices is not None
+    settled = slices.call(False, 0, keys, [0, 1, 2], 0, 3, math.inf, bytearray(b"\x01"))
+    assert settled.results == [] and settled.stop == "deadline"
+    assert not any(os.path.exists(c.path(k)) for k in keys)
+    # The same slice of a job still wanted: stored.
+    assert c.step.run_slice(False, keys, [0, 1, 2], bytearray(1), math.inf) == [Outcome.WRITTEN] * 3
+
+
+@needs_compiled
 def test_a_passed_deadline_leaves_the_blocks_to_the_cancel_byte(sides):
     """The compiled call starts no block after the deadline; the Python
     path then reads the job's cancel byte: blocks of a job not yet expired
