@@ -78,7 +78,7 @@ __all__ = [
 ]
 
 # A cancel byte never set: a call made without a job's (tests, tools).
-_WANTED = bytes(1)
+_WANTED = memoryview(bytes(1))
 # The environment variable that keeps the Python path ("python").
 BYTE_PATH_ENV = "LLMKV_FS_BYTE_PATH"
 COMPILED_BYTES = "compiled (_bytepath: a job's slice in one call without the GIL, xxh3 {})"
