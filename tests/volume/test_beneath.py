@@ -430,8 +430,18 @@ class Openat2Answers:
         return open_beneath(dir_fd, path, flags, mode)
 
 
-def _open_fds() -> set[str]:
-    return set(os.listdir("/proc/self/fd"))
+def _open_fds(below: Beneath) -> set[str]:
+    """This process's descriptors of the root and what lies below it (a count
+    of all of them would race whatever other threads of the process open)."""
+    found = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue  # the listing's own descriptor, closed by now
+        if target == below.path or target.startswith(below.path + "/"):
+            found.add(fd)
+    return found
 
 
 @pytest.fixture
@@ -459,14 +469,14 @@ def _is_the_dir(fd: int, path: str) -> None:
 def test_a_check_openat2_cannot_settle_keeps_the_walks_descriptor(below, monkeypatch, code, calls):
     answers = Openat2Answers(code, range(1, 100))
     monkeypatch.setattr(beneath, "open_beneath", answers)
-    before = _open_fds()
+    before = _open_fds(below)
     fd = below.open_dir("a/b/c", create=True)
     try:
         _is_the_dir(fd, f"{below.path}/a/b/c")
         assert answers.calls == calls  # EAGAIN is asked again, the others once
     finally:
         os.close(fd)
-    assert _open_fds() == before
+    assert _open_fds(below) == before
 
 
 def test_an_eagain_once_is_asked_again(below, monkeypatch):
@@ -485,25 +495,25 @@ def test_a_dir_removed_before_the_check_is_made_again(below, monkeypatch, code):
     # gc removes the directory the walk has just made, before the check.
     answers = Openat2Answers(code, [1], before=lambda rel: os.rmdir(f"{below.path}/{rel}"))
     monkeypatch.setattr(beneath, "open_beneath", answers)
-    before = _open_fds()
+    before = _open_fds(below)
     fd = below.open_dir("a/b/c", create=True)
     try:
         _is_the_dir(fd, f"{below.path}/a/b/c")
         assert answers.calls == 2  # the walk again, and its check
     finally:
         os.close(fd)
-    assert _open_fds() == before
+    assert _open_fds(below) == before
 
 
 def test_a_dir_removed_before_every_check_fails_cleanly(below, monkeypatch):
     answers = Openat2Answers(errno.ENOENT, range(1, 100))
     monkeypatch.setattr(beneath, "open_beneath", answers)
-    before = _open_fds()
+    before = _open_fds(below)
     with pytest.raises(FileNotFoundError) as raised:
         below.open_dir("a/b", create=True)
     assert raised.value.filename == f"{below.path}/a/b"
     assert answers.calls == SHARED_FS_ATTEMPTS
-    assert _open_fds() == before
+    assert _open_fds(below) == before
 
 
 @pytest.mark.parametrize(
@@ -515,11 +525,11 @@ def test_a_link_or_mount_seen_by_the_check_closes_the_walks_descriptor(
     below, monkeypatch, code, error
 ):
     monkeypatch.setattr(beneath, "open_beneath", Openat2Answers(code, range(1, 100)))
-    before = _open_fds()
+    before = _open_fds(below)
     with pytest.raises(error) as raised:
         below.open_dir("a/b", create=True)
     assert raised.value.filename == f"{below.path}/a/b"
-    assert _open_fds() == before
+    assert _open_fds(below) == before
 
 
 def test_stores_land_where_openat2_answers_eagain_to_the_check(tmp_path, monkeypatch):

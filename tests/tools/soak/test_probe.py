@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import subprocess
+import sys
 
 from tools.soak.probe import Snapshot, growth_problems, open_fds
 
@@ -54,12 +56,34 @@ def test_open_directories_are_bounded_by_threads_and_roots():
     ]
 
 
+def _held_child(pass_fds: tuple[int, ...] = ()) -> subprocess.Popen[str]:
+    """A child that holds still, with only its standard streams and ``pass_fds``
+    open: counting our own process races whatever its other threads open."""
+    child = subprocess.Popen(
+        [sys.executable, "-c", "import sys; print('ready', flush=True); sys.stdin.read()"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        pass_fds=pass_fds,
+    )
+    assert child.stdout is not None and child.stdout.readline() == "ready\n"
+    return child
+
+
+def _fds_of(pass_fds: tuple[int, ...] = ()) -> tuple[int, int]:
+    child = _held_child(pass_fds)
+    try:
+        return open_fds(child.pid)
+    finally:
+        child.communicate("")
+
+
 def test_directories_are_counted_apart_from_other_descriptors(tmp_path):
-    others, dirs = open_fds(os.getpid())
+    others, dirs = _fds_of()
     fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
     try:
-        assert open_fds(os.getpid()) == (others, dirs + 1)
+        assert _fds_of((fd,)) == (others, dirs + 1)
     finally:
         os.close(fd)
-    with open(tmp_path / "f", "w"):
-        assert open_fds(os.getpid()) == (others + 1, dirs)
+    with open(tmp_path / "f", "w") as f:
+        assert _fds_of((f.fileno(),)) == (others + 1, dirs)
