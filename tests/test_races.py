@@ -15,7 +15,14 @@ Three patterns race the machine:
   constant with the wait: the asserted state may not have arrived yet;
 - **a sleep as synchronization**: ``time.sleep(...)`` outside a polling loop
   (a ``while``/``for`` that checks a condition): it waits for a time, not for
-  the state.
+  the state;
+- **a count of the whole process**: its descriptors or threads counted
+  unfiltered (``open_fds(os.getpid())``, ``set(os.listdir("/proc/self/fd"))``,
+  ``threading.active_count()``, ``len(threading.enumerate())``,
+  ``psutil.Process().num_fds()``): a thread another test left winding down, or
+  a library's, opens and closes what it likes meanwhile. Count a child that
+  holds still, or only what the test made (a loop over the listing that
+  filters by target or name is not a count of the whole).
 
 docs/testing.md states the rules. Each kept exception is in ``ALLOWED``,
 ``"path::function": "why it is safe"``; a finding not there fails the test
@@ -208,7 +215,7 @@ class Finding:
     path: str
     line: int
     function: str
-    kind: str  # "clock", "wait", "sleep"
+    kind: str  # "clock", "wait", "sleep", "process"
     detail: str
 
     @property
@@ -236,6 +243,57 @@ def _is_sleep(node: ast.AST) -> bool:
     if isinstance(func, ast.Attribute):
         return func.attr == "sleep" and isinstance(func.value, ast.Name) and func.value.id == "time"
     return isinstance(func, ast.Name) and func.id == "sleep"
+
+
+def _is_own_pid(node: ast.AST) -> bool:
+    """``os.getpid()``, or the string ``"/proc/self/fd"`` (an f-string too)."""
+    if isinstance(node, ast.Call):
+        return _call_name(node) == "getpid"
+    if isinstance(node, ast.Constant):
+        return node.value == "/proc/self/fd"
+    if isinstance(node, ast.JoinedStr):
+        text = "".join(v.value for v in node.values if isinstance(v, ast.Constant))
+        return text.startswith("/proc/self/fd") or (
+            any(_is_own_pid(v.value) for v in node.values if isinstance(v, ast.FormattedValue))
+            and text.endswith("/fd")
+        )
+    return False
+
+
+def _process_counts(function: ast.AST):
+    """The calls of ``function`` that count the whole process's descriptors or
+    threads; a listing iterated by a ``for`` or a comprehension is filtered,
+    not counted."""
+    iterated = set()
+    for node in _own_nodes(function):
+        if isinstance(node, (ast.For, ast.comprehension)):
+            iterated.add(id(node.iter))
+    for node in _own_nodes(function):
+        if isinstance(node, ast.Call) and _counts_whole_process(node, iterated):
+            yield node
+
+
+def _counts_whole_process(call: ast.Call, iterated: set[int]) -> bool:
+    name, args, func = _call_name(call), call.args, call.func
+    own_process = (
+        isinstance(func, ast.Attribute)
+        and isinstance(func.value, ast.Call)
+        and _call_name(func.value) == "Process"
+        and not func.value.args
+    )
+    return (
+        name == "active_count"
+        or (name in ("num_fds", "num_threads") and own_process)
+        or (name == "open_fds" and bool(args) and _is_own_pid(args[0]))
+        or (
+            name == "len"
+            and bool(args)
+            and isinstance(args[0], ast.Call)
+            and _call_name(args[0]) == "enumerate"
+            and not args[0].args
+        )
+        or (name == "listdir" and bool(args) and _is_own_pid(args[0]) and id(call) not in iterated)
+    )
 
 
 def _own_nodes(function: ast.AST):
@@ -476,6 +534,8 @@ def scan(
                 found.append(Finding(path, node.lineno, name, "clock", ast.unparse(node.test)))
             if _is_sleep(node) and not in_poll:
                 found.append(Finding(path, node.lineno, name, "sleep", ast.unparse(node)))
+        for call in _process_counts(function):
+            found.append(Finding(path, call.lineno, name, "process", ast.unparse(call)))
         for body in _bodies(function):
             for stmt, after in itertools.pairwise(body):
                 wait = _wait_call(stmt, waiters)
@@ -568,6 +628,27 @@ def test_x(engine):
         engine.submit(i)
         time.sleep(0.01)
 """,
+    "a count of this process's descriptors": """
+def test_x(tmp_path):
+    others, dirs = open_fds(os.getpid())
+    with open(tmp_path / "f", "w"):
+        assert open_fds(os.getpid()) == (others + 1, dirs)
+""",
+    "a helper that lists every descriptor": """
+def _open_fds():
+    return set(os.listdir("/proc/self/fd"))
+
+def test_x(below):
+    before = _open_fds()
+    below.open_dir("a")
+    assert _open_fds() == before
+""",
+    "a count of this process's threads": """
+def test_x(engine):
+    before = threading.active_count()
+    engine.shutdown()
+    assert len(threading.enumerate()) == before
+""",
 }
 
 SAFE = {
@@ -602,6 +683,21 @@ def test_x(path):
             pytest.fail("no file")
         time.sleep(0.01)
 """,
+    "descriptors filtered to what the test made": """
+def test_x(path):
+    mine = [fd for fd in os.listdir("/proc/self/fd") if os.readlink(f"/proc/self/fd/{fd}") == path]
+    for fd in os.listdir(f"/proc/{os.getpid()}/fd"):
+        pass
+    assert not mine
+""",
+    "threads filtered by name": """
+def test_x():
+    assert not [t for t in threading.enumerate() if t.name.startswith("test_io_")]
+""",
+    "a held child's descriptors": """
+def test_x(child):
+    assert open_fds(child.pid) == (3, 0)
+""",
     "clock kept out of the assertion": """
 def test_x(engine):
     deadline = time.monotonic() + 20
@@ -615,11 +711,11 @@ def test_x(engine):
 def test_the_scanner_finds_a_planted_race(name):
     waiters = pollers([ast.parse(WAIT_UNTIL)]) | {"wait_jobs"}
     found = scan(WAIT_UNTIL + RACY[name], waiters=waiters)
-    assert [f for f in found if f.function == "test_x"], name
+    assert [f for f in found if f.function != "wait_until"], name
 
 
 @pytest.mark.parametrize("name", sorted(SAFE))
 def test_the_scanner_passes_a_safe_form(name):
     waiters = pollers([ast.parse(WAIT_UNTIL)]) | {"wait_jobs"}
     found = scan(WAIT_UNTIL + SAFE[name], waiters=waiters)
-    assert not [str(f) for f in found if f.function == "test_x"], name
+    assert not [str(f) for f in found if f.function != "wait_until"], name
