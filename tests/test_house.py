@@ -300,10 +300,6 @@ TESTED_ELSEWHERE = {
     "llmkv_fs/tier/hashing.py": (
         "needs vLLM's hash seed: tests/volume/test_leases.py and tests/ops/test_doctor.py"
     ),
-    "llmkv_fs/volume/nofollow.py": (
-        "the steps the walk beneath the root is built from: tests/volume/test_beneath.py, "
-        "test_beneath_mounts.py"
-    ),
     "llmkv_fs/engine/block/contents.py": (
         "the block codec (plain and sealed) through its callers: "
         "tests/engine/block/test_blockio.py, test_checksum_policy.py, test_sealed.py"

@@ -138,7 +138,7 @@ class FsEngine:
         self.root_counters: collections.Counter[tuple[int, Direction, bool]] = collections.Counter()
         self._error_log = ThrottledErrorLog()
         self._rejected: list[FinishedJob] = []
-        # As of the last _recheck_stalled() (the lookups are told: refuse).
+        # As of the last _recheck() (the lookups are told too).
         self._stalled = False
         # Lost roots by index, as of the last recheck (the lookups are told).
         self._lost_roots: frozenset[int] = frozenset()
@@ -206,10 +206,9 @@ class FsEngine:
         """Queue a store; False if it was refused -- the bounded queue is
         full, the space guard is tripped, the volume is stalled or failed. A
         refused job is reported failed by the next take_finished, without I/O."""
-        if self._recheck_volume_failed():
-            return self._refuse(job_id, Direction.STORE, keys, Failure.ROOT_LOST)
-        if self._recheck_stalled():
-            return self._refuse(job_id, Direction.STORE, keys, Failure.STALLED)
+        refused = self._recheck()
+        if refused is not None:
+            return self._refuse(job_id, Direction.STORE, keys, refused)
         if self._stores_refused:
             # Each root's guard also refuses its own blocks in the step.
             return self._refuse(job_id, Direction.STORE, keys, Failure.SPACE)
@@ -222,10 +221,9 @@ class FsEngine:
     def submit_load(self, job_id: int, keys: Sequence[bytes], chunks: Sequence[int]) -> bool:
         """Queue a load; False (reported failed at the next take_finished) if
         the volume is stalled or failed."""
-        if self._recheck_volume_failed():
-            return self._refuse(job_id, Direction.LOAD, keys, Failure.ROOT_LOST)
-        if self._recheck_stalled():
-            return self._refuse(job_id, Direction.LOAD, keys, Failure.STALLED)
+        refused = self._recheck()
+        if refused is not None:
+            return self._refuse(job_id, Direction.LOAD, keys, refused)
         self._scheduler.submit(job_id, True, keys, chunks, self._settings.job_timeout_s)
         return True
 
@@ -237,23 +235,18 @@ class FsEngine:
         self._rejected.append(FinishedJob(job_id, is_load, [], list(keys), 0.0, 0))
         return False
 
-    def _recheck_stalled(self) -> bool:
-        """Look again whether the volume stopped answering (an expired job
-        still has a block inside a syscall, or no lookup check answered for
-        the lookup timeout), remember the verdict for lookups and return it.
-        Clears by itself when the calls return."""
-        self._stalled = self._scheduler.stuck_blocks > 0 or self._lookups.stuck()
-        self._lookups.refuse(self._stalled, self._lost_roots)
-        return self._stalled
-
-    def _recheck_volume_failed(self) -> bool:
-        """Look again which roots are lost (as of each housekeeping thread's
-        last check; never touches the filesystem), remember them for
-        lookups and return whether every root is: none is the directory the
-        engine started on. With several roots, the blocks of a lost root fail one
-        by one in the step, and lookups of its keys answer miss. Each root's
-        page is read once: whether every root refuses stores (its space
-        guard) is remembered too, for the next store submitted."""
+    def _recheck(self) -> Failure | None:
+        """Look again at the volume, never touching it, and tell the lookups
+        (one call): which roots are lost, as of each housekeeping thread's
+        last check, and whether the volume stopped answering (an expired
+        job still has a block inside a syscall, or no lookup check answered
+        for the lookup timeout; clears by itself when the calls return).
+        Each root's page is read once: whether every root refuses stores
+        (its space guard) is remembered for the next store submitted.
+        Returns why a job submitted now is refused: ROOT_LOST when every
+        root is lost (none is the directory the engine started on; with
+        several roots, the blocks of a lost root fail one by one in the
+        step, and lookups of its keys answer miss), STALLED, else None."""
         lost: list[int] = []
         refusing = 0
         for index, signals in enumerate(self._signals):  # a loop: no frame per root
@@ -263,9 +256,11 @@ class FsEngine:
             if refused:
                 refusing += 1
         self._lost_roots = frozenset(lost)
-        self._lookups.refuse(self._stalled, self._lost_roots)
         self._stores_refused = refusing == len(self._signals)
-        return len(lost) == len(self._signals)
+        self._stalled = self._lookups.recheck(self._scheduler.stuck_blocks > 0, self._lost_roots)
+        if len(lost) == len(self._signals):
+            return Failure.ROOT_LOST
+        return Failure.STALLED if self._stalled else None
 
     def take_finished(self) -> list[FinishedJob]:
         # One scheduler call per poll; None (the common case: vLLM polls
@@ -277,7 +272,7 @@ class FsEngine:
             report = (0, [])
         expired, results = report
         if expired:
-            self._recheck_stalled()
+            self._recheck()
         if self._rejected:
             results, self._rejected = self._rejected + results, []
         self._count_by_root(results)
@@ -319,8 +314,7 @@ class FsEngine:
         # Cumulative in the executor; copied here so that only the owner
         # writes counters.
         self.counters[Tally.WORKER_DEATHS] = self._executor.deaths()
-        self._recheck_stalled()
-        self._recheck_volume_failed()
+        self._recheck()
         expired = self._lookups.expire_overdue()
         if expired:
             self.counters[LookupAnswer.DEADLINE_MISS] += expired

@@ -209,13 +209,17 @@ class AsyncExistence:
             self._miss_tally[state.why] += 1
         return verdict
 
-    def refuse(self, stalled: bool, lost_roots: frozenset[int]) -> None:
-        """The engine's last recheck of the volume: while it is ``stalled``
-        every lookup answers MISS (STALLED), and while roots are lost (by
-        index) so does a lookup of a key whose home is one of them
-        (LOST_ROOT) -- at once, without a check, and untracked."""
+    def recheck(self, blocks_stuck: bool, lost_roots: frozenset[int]) -> bool:
+        """The engine's recheck of the volume (owner): stalled when a block
+        is stuck inside a syscall (``blocks_stuck``) or the volume stopped
+        answering the checks (``stuck()``). While stalled every lookup
+        answers MISS (STALLED), and while roots are lost (by index) so does a
+        lookup of a key whose home is one of them (LOST_ROOT) -- at once,
+        without a check, and untracked. Returns whether stalled."""
+        stalled = blocks_stuck or self.stuck()
         self._stalled, self._lost_roots = stalled, lost_roots
         self._refusing = stalled or bool(lost_roots)
+        return stalled
 
     def _refused(self, key: bytes) -> MissReason | None:
         if self._stalled:

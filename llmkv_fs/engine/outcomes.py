@@ -178,7 +178,7 @@ def failed(exc: Exception) -> Failed:
         return Failed(Failure.FOREIGN_KEY, exc)
     if isinstance(exc, OSError) and exc.errno == errno.ELOOP:
         # Only a walk beneath the root that met a symlink raises ELOOP
-        # (volume.nofollow.LinkInTree; a link at the block's own name is a
+        # (volume.beneath.LinkInTree; a link at the block's own name is a
         # BlockFileError or is replaced by the store's rename). Matched by
         # errno: from a worker process it arrives as a bare OSError.
         return Failed(Failure.LINK_IN_TREE, exc)

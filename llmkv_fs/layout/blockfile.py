@@ -70,6 +70,7 @@ __all__ = [
     "length_fault",
     "pack_sealed_trailer",
     "pack_trailer",
+    "pack_trailer_of",
     "payload_checksum",
     "unpack_trailer",
     "verify_block",
@@ -151,11 +152,8 @@ class Trailer(NamedTuple):
     payload_xxh3: int
     created_ns: int
     key: bytes
+    has_checksum: bool  # FLAG_CHECKSUM set: payload_xxh3 holds the payload's
     seal: SealRecord | None = None  # a sealed block's (SEALED_VERSION)
-
-    @property
-    def has_checksum(self) -> bool:
-        return bool(self.flags & FLAG_CHECKSUM)
 
 
 _ZEROS = bytes(TRAILER_SIZE)
@@ -164,6 +162,15 @@ _ZEROS = bytes(TRAILER_SIZE)
 def payload_checksum(payload: Buffer) -> int:
     """xxh3-64 of a buffer (zero-copy: xxhash reads the buffer protocol)."""
     return xxhash.xxh3_64_intdigest(payload)
+
+
+def pack_trailer_of(
+    out: memoryview, key: bytes, payload: memoryview, checksum: bool, created_ns: int
+) -> None:
+    """``pack_trailer`` for ``payload`` (its length, and its checksum when
+    ``checksum``): a whole row's trailer in one call."""
+    digest = payload_checksum(payload) if checksum else None
+    pack_trailer(out, key, payload.nbytes, digest, created_ns)
 
 
 def pack_trailer(
@@ -216,11 +223,12 @@ def unpack_trailer(buf: Buffer) -> Trailer:
     if stored != xxhash.xxh3_64_intdigest(view[:sums_end]):
         raise BlockFileError(Corruption.BAD_TRAILER, "trailer checksum mismatch")
     key = bytes(view[_HEAD.size : key_end])
+    summed = bool(flags & FLAG_CHECKSUM)
     if version == FORMAT_VERSION:
-        return Trailer(version, flags, payload_len, xxh, created, key)
+        return Trailer(version, flags, payload_len, xxh, created, key, summed)
     nonce, check, tag = _SEAL.unpack_from(view, key_end)
     seal = SealRecord(key_id, nonce, check, tag, sums_end - _TAG_SIZE)
-    return Trailer(version, flags, payload_len, xxh, created, key, seal)
+    return Trailer(version, flags, payload_len, xxh, created, key, summed, seal)
 
 
 def pack_sealed_trailer(

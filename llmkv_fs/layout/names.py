@@ -76,6 +76,7 @@ __all__ = [
     "quarantine_path",
     "rank_dir_name",
     "safe_model_component",
+    "store_place",
     "temp_name",
     "temp_writer",
     "trash_path",
@@ -291,6 +292,14 @@ _TEMP_RE = re.compile(
 
 def temp_name(final_name: str, host: str, pid: int, nonce: str) -> str:
     return f".{final_name}.{host}~{pid}~{nonce}.tmp"
+
+
+def store_place(rank_rel: str, key: bytes, host: str, pid: int, nonce: str) -> tuple[str, str, str]:
+    """Where a store of ``key`` writes: ``block_place``'s directory and file
+    name, and the temp name this writer (``host``, ``pid``, ``nonce``: a
+    thread's) fills before the rename."""
+    rel_dir, name = block_place(rank_rel, key)
+    return rel_dir, name, temp_name(name, host, pid, nonce)
 
 
 def parse_temp_name(name: str) -> TempName | None:

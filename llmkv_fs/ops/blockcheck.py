@@ -43,8 +43,8 @@ from llmkv_fs.layout.names import parse_block_path
 from llmkv_fs.layout.sealed import NAMESPACE_FIELD, Keyring
 from llmkv_fs.ops import scan
 from llmkv_fs.ops.problems import kind_of
+from llmkv_fs.volume.beneath import open_path_beneath
 from llmkv_fs.volume.files import read_all
-from llmkv_fs.volume.nofollow import open_path_beneath
 from llmkv_fs.volume.quarantine import file_ident
 from llmkv_fs.volume.run_config import run_config_proves
 

@@ -8,7 +8,7 @@ threads: every directory down to ``split_depth`` is its own work item, so
 that many round trips are in flight whatever the tree's shape.
 
 Every directory is opened relative to its parent's fd with ``O_NOFOLLOW``
-(``volume/nofollow.py``): a symlink is never followed, whenever it was planted,
+(``volume/beneath.py``): a symlink is never followed, whenever it was planted,
 and a tree deeper than PATH_MAX reads like any other. An entry that cannot
 be read costs that entry only: it is recorded in its directory's listing
 (``problems``, or the listing's ``error`` for the directory itself) and the
@@ -29,7 +29,7 @@ from typing import NamedTuple
 from llmkv_fs.layout.names import LEASES_DIRNAME, QUARANTINE_DIRNAME
 from llmkv_fs.ops.kinds import CONFIG_AREA, RANK_AREA, FileEntry, classify
 from llmkv_fs.ops.problems import MAX_DEPTH, TooDeep
-from llmkv_fs.volume.nofollow import OPEN_DIR_FLAGS, open_child_dir, open_path_beneath
+from llmkv_fs.volume.beneath import OPEN_DIR_FLAGS, open_child_dir, open_path_beneath
 
 __all__ = ["Listing", "walk"]
 

@@ -36,6 +36,7 @@ from typing import TypeVar
 from llmkv_fs.layout.names import temp_name
 
 __all__ = [
+    "CHMOD_BITS",
     "DEFAULT_DIR_MODE",
     "DEFAULT_FILE_MODE",
     "PROCESS_UMASK",
@@ -43,10 +44,12 @@ __all__ = [
     "SMALL_FILE_LIMIT",
     "UnsafeFileError",
     "create_exclusive",
+    "create_flags",
     "file_type",
     "make_dirs",
     "missing_or_stale",
     "needs_chmod",
+    "pause_before_retry",
     "read_all",
     "read_small_regular_file",
     "read_small_regular_file_at",
@@ -90,12 +93,15 @@ def _umask() -> int:
 
 
 PROCESS_UMASK = _umask()
+# The bits a create under this process's umask loses (the umask's, and the
+# set-id and sticky bits): a mode holding any needs a chmod after creation.
+CHMOD_BITS = PROCESS_UMASK | 0o7000
 
 
 def needs_chmod(mode: int) -> bool:
     """Whether creating with ``mode`` under this process's umask loses bits
-    (then a chmod after creation restores them)."""
-    return bool(mode & PROCESS_UMASK) or bool(mode & 0o7000)
+    (then a chmod after creation restores them): ``mode & CHMOD_BITS``."""
+    return bool(mode & CHMOD_BITS)
 
 
 def missing_or_stale(exc: OSError) -> bool:
@@ -125,9 +131,16 @@ def retry_transient(
             if not transient(exc):
                 raise
             recover(exc)
-            if attempt:
-                time.sleep(_FIRST_PAUSE_S * 2 ** (attempt - 1))
+            pause_before_retry(attempt)
     return operation()
+
+
+def pause_before_retry(attempt: int) -> None:
+    """Between attempt ``attempt`` (from 0) and the next of an operation
+    that failed transiently: nothing after the first, then a pause that
+    doubles from 1 ms (63 ms in all over SHARED_FS_ATTEMPTS)."""
+    if attempt:
+        time.sleep(_FIRST_PAUSE_S * 2 ** (attempt - 1))
 
 
 def _dir_race(exc: OSError) -> bool:
@@ -200,7 +213,8 @@ class UnsafeFileError(OSError):
     socket, a device, a directory, or a file too large to be ours."""
 
 
-def _safe_create_flags(flags: int) -> int:
+def create_flags(flags: int) -> int:
+    """The flags ``create_exclusive`` opens with, for ``flags``."""
     return (flags & ~os.O_TRUNC) | _CREATE_FLAGS
 
 
@@ -218,7 +232,7 @@ def create_exclusive(
     link is followed (FileExistsError). With ``replace_leftover`` the name
     is this writer's own (host and pid in it): the entry there is unlinked
     -- a symlink itself, never its target -- and the create tried once more."""
-    flags = _safe_create_flags(flags)
+    flags = create_flags(flags)
     try:
         return os.open(path, flags, file_mode, dir_fd=dir_fd)
     except FileExistsError:

@@ -30,14 +30,13 @@ import psutil
 import xxhash
 
 from llmkv_fs.layout.names import lease_dir, lease_file_name, parse_lease_file_name
-from llmkv_fs.volume.beneath import Beneath
+from llmkv_fs.volume.beneath import Beneath, LinkInTree
 from llmkv_fs.volume.files import (
     DEFAULT_DIR_MODE,
     DEFAULT_FILE_MODE,
     read_small_regular_file_at,
     write_file_atomically_at,
 )
-from llmkv_fs.volume.nofollow import LinkInTree
 from llmkv_fs.volume.pinned_root import PinnedRoot
 
 __all__ = [

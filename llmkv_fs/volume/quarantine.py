@@ -17,16 +17,16 @@ import stat
 import time
 
 from llmkv_fs.layout.names import QUARANTINE_DIRNAME, quarantine_path
-from llmkv_fs.volume.beneath import Beneath
-from llmkv_fs.volume.files import DEFAULT_DIR_MODE
-from llmkv_fs.volume.nofollow import (
+from llmkv_fs.volume.beneath import (
     ALREADY_THERE,
     DIR_FLAGS,
+    Beneath,
     LinkInTree,
     make_dir_at,
     open_child_dir,
     open_path_beneath,
 )
+from llmkv_fs.volume.files import DEFAULT_DIR_MODE
 
 __all__ = ["file_ident", "move_to_quarantine", "quarantine_at"]
 

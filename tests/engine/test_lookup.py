@@ -558,9 +558,9 @@ def test_refused_lookups_miss_untracked_and_every_answer_is_counted_once():
     lookups = AsyncExistence(Checks(lambda key: key == on_a), 1, placement=placement)
     counters: Counter = Counter()
     try:
-        lookups.refuse(True, frozenset())
+        lookups.recheck(True, frozenset())
         assert lookups.lookup(on_a, "r") is False
-        lookups.refuse(False, frozenset({1}))
+        lookups.recheck(False, frozenset({1}))
         assert lookups.lookup(on_b, "r") is False
         assert tracked_keys(lookups) == 0
         assert lookups.lookup(on_a, "r") is None  # its home is not lost: checked
@@ -575,7 +575,7 @@ def test_refused_lookups_miss_untracked_and_every_answer_is_counted_once():
         assert counters[LookupAnswer.HIT] == 1
         assert counters[MissReason.STALLED] == 1 == counters[MissReason.LOST_ROOT]
         assert counters[LookupAnswer.MISS] == 2
-        lookups.refuse(False, frozenset())
+        lookups.recheck(False, frozenset())
         assert lookups.lookup(on_a, "r") is True
         lookups.fold_tally(counters)
         assert counters[LookupAnswer.HIT] == 2 and counters[LookupAnswer.RETRY] == retries

@@ -21,6 +21,7 @@ from llmkv_fs.engine import FinishedJob, FsEngine, lookup, lookup_checks, prepar
 from llmkv_fs.engine.block.blockio import BlockIO
 from llmkv_fs.engine.block.options import IoOptions
 from llmkv_fs.engine.block.pause import PausePoints
+from llmkv_fs.engine.outcomes import Failure
 from llmkv_fs.engine.scheduling import scheduler
 from llmkv_fs.layout.paths import CacheLayout, RunIdentity
 from tests.kits.clock_kit import ManualClock
@@ -368,10 +369,13 @@ class Inside:
         return self._engine._step_spec
 
     def recheck_stalled(self) -> bool:
-        return self._engine._recheck_stalled()
+        """The owner's recheck of the volume, run now: whether it is stalled."""
+        self._engine._recheck()
+        return bool(self._engine._stalled)
 
     def recheck_volume_failed(self) -> bool:
-        return self._engine._recheck_volume_failed()
+        """The owner's recheck of the volume, run now: whether every root is lost."""
+        return self._engine._recheck() is Failure.ROOT_LOST
 
     def queued_store_blocks(self) -> int:
         return self._engine.gauges()["queued_store_blocks"]

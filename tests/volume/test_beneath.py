@@ -41,10 +41,9 @@ from llmkv_fs.layout.names import lease_dir, quarantine_dir, trash_path
 from llmkv_fs.layout.paths import CacheLayout
 from llmkv_fs.ops.gc.actions import delete_tree
 from llmkv_fs.volume import beneath
-from llmkv_fs.volume.beneath import Beneath, open_beneath
+from llmkv_fs.volume.beneath import DIR_FLAGS, Beneath, LinkInTree, MountInTree, open_beneath
 from llmkv_fs.volume.files import SHARED_FS_ATTEMPTS
 from llmkv_fs.volume.leases import lease_for, read_leases, refresh_lease, remove_lease, write_lease
-from llmkv_fs.volume.nofollow import DIR_FLAGS, LinkInTree, MountInTree
 from llmkv_fs.volume.pinned_root import PinnedRoot
 from tests.kits.engine_kit import (
     BS,

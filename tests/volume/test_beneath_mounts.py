@@ -15,8 +15,7 @@ import shutil
 import pytest
 
 from llmkv_fs.engine import Direction
-from llmkv_fs.volume.beneath import Beneath
-from llmkv_fs.volume.nofollow import MountInTree
+from llmkv_fs.volume.beneath import Beneath, MountInTree
 from tests.kits.engine_kit import BS, pattern, row, settle
 from tests.volume.test_beneath import MODES, Tree, key_at, link_failures, load, store
 

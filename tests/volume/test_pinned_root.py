@@ -171,8 +171,7 @@ def test_creating_beneath_a_pinned_root_makes_directories_below_it_only(tmp_path
 
 
 def test_beneath_refuses_links_and_dotdot_and_a_replaced_root(tmp_path):
-    from llmkv_fs.volume.beneath import Beneath
-    from llmkv_fs.volume.nofollow import LinkInTree
+    from llmkv_fs.volume.beneath import Beneath, LinkInTree
 
     root = tmp_path / "kv"
     (root / "a" / "b").mkdir(parents=True)

@@ -11,8 +11,7 @@ import stat
 import pytest
 
 from llmkv_fs.layout.names import block_rel_path
-from llmkv_fs.volume.beneath import Beneath
-from llmkv_fs.volume.nofollow import LinkInTree
+from llmkv_fs.volume.beneath import Beneath, LinkInTree
 from llmkv_fs.volume.quarantine import file_ident, move_to_quarantine, quarantine_at
 from tests.kits.engine_kit import make_key
 from tests.kits.volume_kit import quarantined

@@ -15,7 +15,7 @@
  *                length, the key, and with the checksum on its flag and the
  *                payload's xxh3-64.
  *   store_slice  per block: its directory opened beneath the root in one
- *                openat2 (volume/nofollow.py's DIR_FLAGS; its two levels
+ *                openat2 (volume/beneath.py's DIR_FLAGS; its two levels
  *                below the rank directory made first where missing, with
  *                exactly the directory mode), nothing at the
  *                block's name (faccessat, no link followed), the temp file
@@ -574,7 +574,7 @@ static int write_block(int fd, const unsigned char *row, size_t size, unsigned c
     return write_all(fd, iov, 1, (off_t)size);
 }
 
-/* mkdir name in parent_fd with exactly dir_mode, as nofollow.py's
+/* mkdir name in parent_fd with exactly dir_mode, as beneath.py's
  * make_dir_at (a chmod through a descriptor of it, never by name): 0, or
  * errno. EEXIST is no error. */
 static int make_dir_at(int parent_fd, const char *name, const struct store_args *s) {

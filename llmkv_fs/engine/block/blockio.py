@@ -87,18 +87,18 @@ from llmkv_fs.engine.upkeep.signals import VolumeSignals
 from llmkv_fs.engine.upkeep.space import trip_on_enospc
 from llmkv_fs.layout.blockfile import TRAILER_SIZE, BlockFileError, Corruption
 from llmkv_fs.layout.judgement import Judgement
-from llmkv_fs.layout.names import block_place, temp_name
+from llmkv_fs.layout.names import block_place, store_place
 from llmkv_fs.layout.paths import CacheLayout
 from llmkv_fs.layout.placement import RootPlacement
 from llmkv_fs.layout.sealed import Keyring
-from llmkv_fs.volume.beneath import Beneath
+from llmkv_fs.volume.beneath import Beneath, MountInTree
 from llmkv_fs.volume.files import (
     SHARED_FS_ATTEMPTS,
     create_exclusive,
+    create_flags,
     missing_or_stale,
     needs_chmod,
 )
-from llmkv_fs.volume.nofollow import MountInTree
 from llmkv_fs.volume.pinned_root import RootLost
 from llmkv_fs.volume.quarantine import file_ident, quarantine_at
 
@@ -144,7 +144,7 @@ class BlockIO:
         # Each process that builds a BlockIO opens its own descriptors.
         self._below = Beneath(layout.root_dir, options.root)
         self._rank = layout.rank_dir_rel
-        self._temp_flags = self._open_flags(os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+        self._temp_flags = create_flags(self._open_flags(os.O_WRONLY))
         self._chmod_files = needs_chmod(options.file_mode)
         # O_NONBLOCK: a FIFO planted at a block path must not hang an I/O
         # thread in open(); it fails in preadv instead (no effect on files).
@@ -218,12 +218,15 @@ class BlockIO:
         not be published (Abandoned). ``pause``: the "publish" pause point,
         reached right before that read (tests).
         """
-        rel_dir, name = block_place(self._rank, key)
+        trailer = self._scratch()[:TRAILER_SIZE]
+        rel_dir, name, tmp = store_place(self._rank, key, self._host, self._pid, self._local.nonce)
         attempts = SHARED_FS_ATTEMPTS
         after_race = False
         while True:
             try:
-                return self._store_in(rel_dir, name, key, row, cancelled, pause, after_race)
+                return self._store_in(
+                    rel_dir, name, tmp, key, row, trailer, cancelled, pause, after_race
+                )
             except DirectoryGone:
                 # gc removed the directory between our walk and the create
                 # (nothing written yet): walk, and make it, again, opening
@@ -238,8 +241,10 @@ class BlockIO:
         self,
         rel_dir: str,
         name: str,
+        tmp: str,
         key: bytes,
         row: memoryview,
+        trailer: memoryview,
         cancelled: Cancel | None,
         pause: PausePoints | None,
         after_race: bool,
@@ -256,8 +261,6 @@ class BlockIO:
                 usable, there = self._found(dir_fd, name, key)
                 if usable:
                     return Outcome.PRESENT
-            trailer = self._scratch()[:TRAILER_SIZE]
-            tmp = temp_name(name, self._host, self._pid, self._local.nonce)
             fd = self._create_temp(dir_fd, tmp)
             try:
                 try:
@@ -296,7 +299,10 @@ class BlockIO:
         in a directory gc took away."""
         mode = self.options.file_mode
         try:
-            fd = create_exclusive(tmp, self._temp_flags, mode, True, dir_fd)
+            try:  # create_exclusive's first step, inline: once per block
+                fd = os.open(tmp, self._temp_flags, mode, dir_fd=dir_fd)
+            except FileExistsError:
+                fd = create_exclusive(tmp, self._temp_flags, mode, True, dir_fd)
         except OSError as exc:
             if missing_or_stale(exc):
                 raise DirectoryGone(exc.errno, exc.strerror, tmp) from exc

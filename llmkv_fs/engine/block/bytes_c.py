@@ -58,9 +58,8 @@ from llmkv_fs.engine.block.blockio import BlockIO, Cancel
 from llmkv_fs.engine.outcomes import SKIPPED, BlockResult, Outcome, failed
 from llmkv_fs.layout.names import block_place
 from llmkv_fs.layout.placement import RootPlacement
-from llmkv_fs.volume.beneath import OPENAT2
+from llmkv_fs.volume.beneath import DIR_FLAGS, OPENAT2
 from llmkv_fs.volume.files import needs_chmod
-from llmkv_fs.volume.nofollow import DIR_FLAGS
 
 if TYPE_CHECKING:
     from llmkv_fs.engine.block.blockio import BlockStep, StepRoot
@@ -333,11 +332,11 @@ class CompiledSlices:
         ``cancelled``: the job's cancel byte, read before each block and
         before each rename (with the deadline);
         nothing is called for a root lost or refusing stores. Raises what
-        taking the root's descriptor raises (RootGone) and ValueError for
+        taking the root's descriptor raises (RootLost) and ValueError for
         arguments the module refuses."""
         root = self._roots[index]
-        signals = root.signals
-        if signals.root_lost or (not is_load and signals.stores_refused):
+        lost, refused = root.signals.store_flags()  # one call, both flags
+        if lost or (not is_load and refused):
             return Settled([], None, 0)
         root_fd = root.below.root_fd()
         if is_load:

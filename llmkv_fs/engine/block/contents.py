@@ -32,7 +32,7 @@ import xxhash
 from llmkv_fs.engine.block.options import IoOptions
 from llmkv_fs.engine.block.sealed import SealedBytes
 from llmkv_fs.engine.outcomes import NoChecksum, Outcome
-from llmkv_fs.layout.blockfile import TRAILER_SIZE, pack_trailer, payload_checksum
+from llmkv_fs.layout.blockfile import TRAILER_SIZE, pack_trailer, pack_trailer_of
 from llmkv_fs.layout.judgement import BlockRules, Judgement
 from llmkv_fs.layout.paths import CacheLayout
 from llmkv_fs.layout.sealed import Keyring
@@ -84,8 +84,7 @@ class BlockContents:
         if self._sealed is not None:
             self._sealed.write(fd, key, row, trailer)
         elif not self._piece:
-            digest = payload_checksum(row) if self.options.checksum else None
-            pack_trailer(trailer, key, row.nbytes, digest, time.time_ns())
+            pack_trailer_of(trailer, key, row, self.options.checksum, time.time_ns())
             write_all(fd, [row, trailer])
         else:
             piece, size = self._piece, row.nbytes

@@ -34,8 +34,7 @@ import stat
 from collections.abc import Callable, Collection
 
 from llmkv_fs.layout.names import block_place
-from llmkv_fs.volume.beneath import OPENAT2, Beneath
-from llmkv_fs.volume.nofollow import LinkInTree
+from llmkv_fs.volume.beneath import OPENAT2, Beneath, LinkInTree
 
 __all__ = ["COMPILED_PRESENCE", "PRESENCE_ENV", "BlockPresence", "compiled_check", "presence_path"]
 

@@ -15,10 +15,9 @@ import errno
 import os
 
 from llmkv_fs.layout.paths import CacheLayout
-from llmkv_fs.volume.beneath import Beneath
+from llmkv_fs.volume.beneath import Beneath, LinkInTree
 from llmkv_fs.volume.files import DEFAULT_DIR_MODE, DEFAULT_FILE_MODE, make_dirs
 from llmkv_fs.volume.fsinfo import mount_of
-from llmkv_fs.volume.nofollow import LinkInTree
 from llmkv_fs.volume.pinned_root import PinnedRoot
 from llmkv_fs.volume.run_config import ensure_run_config
 

@@ -15,7 +15,7 @@ as done: live tiers keep writing while gc runs.
   recreates a directory gc removed under it before its open.
 
 Every action below a rank directory works through directory fds opened name
-by name from it (``volume/nofollow.py``): never through a symlink, and at any
+by name from it (``volume/beneath.py``): never through a symlink, and at any
 depth. One that fails is recorded in the pass's ``Problems`` and skipped.
 """
 
@@ -35,8 +35,8 @@ from llmkv_fs.ops.gc.inventory import DigestFacts, Inventory, allocated
 from llmkv_fs.ops.gc.rules import Policy, digest_verdict, temp_verdict
 from llmkv_fs.ops.kinds import FileEntry
 from llmkv_fs.ops.problems import MAX_DEPTH, Problems, TooDeep
+from llmkv_fs.volume.beneath import OPEN_DIR_FLAGS
 from llmkv_fs.volume.leases import read_leases
-from llmkv_fs.volume.nofollow import OPEN_DIR_FLAGS
 
 if TYPE_CHECKING:
     from llmkv_fs.ops.events.announcer import Announcer

@@ -31,7 +31,7 @@ from llmkv_fs.layout.names import parse_block_path
 from llmkv_fs.ops import kinds
 from llmkv_fs.ops.gc.inventory import Inventory, allocated
 from llmkv_fs.ops.problems import Problems
-from llmkv_fs.volume.nofollow import open_path_beneath
+from llmkv_fs.volume.beneath import open_path_beneath
 
 if TYPE_CHECKING:
     from llmkv_fs.ops.events.announcer import Announcer

@@ -147,7 +147,7 @@ class Inventory:
 
     def top_of(self, dir_id: int) -> str:
         """The rank or config directory ``dir_id`` lies in (actions open
-        directories below it name by name: ``volume/nofollow.py``)."""
+        directories below it name by name: ``volume/beneath.py``)."""
         while self.dir_depth[dir_id] > 0:
             dir_id = self.dir_parent[dir_id]
         path = self.dir_path[dir_id]

@@ -8,7 +8,7 @@ identical ``O_PATH`` walks.
 
 A local filesystem cannot stage a stale handle, so this is the one thing
 imitated: ``os.open``/``os.mkdir`` as the walk beneath the root sees them
-(``volume.beneath``, ``volume.nofollow``) answer ESTALE for a lookup
+(``volume.beneath``) answer ESTALE for a lookup
 relative to an ``O_PATH`` descriptor of the chosen directory, as the
 network clients did. Everything else is real: BlockIO,
 tmpfs-or-disk files, the bytes read back. The real races run in
@@ -28,16 +28,15 @@ from llmkv_fs.engine.block.blockio import BlockIO
 from llmkv_fs.engine.block.options import IoOptions
 from llmkv_fs.engine.outcomes import Outcome
 from llmkv_fs.layout.paths import CacheLayout
-from llmkv_fs.volume import beneath, nofollow
+from llmkv_fs.volume import beneath
 from llmkv_fs.volume.files import SHARED_FS_ATTEMPTS
 from tests.kits.engine_kit import BS, IDENTITY, make_key, pattern
 
 
 def stage_os(monkeypatch, client) -> None:
     """``client`` as ``os`` wherever the walk beneath the root calls it: the
-    walk itself (beneath.py) and its one-level steps (nofollow.py)."""
-    for module in (beneath, nofollow):
-        monkeypatch.setattr(module, "os", client)
+    walk and its one-level steps (beneath.py)."""
+    monkeypatch.setattr(beneath, "os", client)
 
 
 class CheckingOs:
@@ -65,7 +64,7 @@ class CheckingOs:
 
 
 class StaleClient(CheckingOs):
-    """``os`` as beneath.py and nofollow.py use it, with ``stale_dir`` (an absolute path)
+    """``os`` as beneath.py uses it, with ``stale_dir`` (an absolute path)
     cached stale: an ``O_PATH`` descriptor of it resolves, but any name
     looked up through it fails with ESTALE; a real open revalidates it,
     unless ``repairable`` is False (the server keeps answering ESTALE).
@@ -180,7 +179,7 @@ def test_a_block_replaced_by_another_client_meanwhile_is_written_again(blockio, 
 
 
 class StaleRootClient(CheckingOs):
-    """``os`` as beneath.py and nofollow.py use it after the NFS server lost
+    """``os`` as beneath.py uses it after the NFS server lost
     the handle of the root this thread holds open (a failover, a re-export):
     every lookup through that descriptor, and its fstat, answer ESTALE.
     Opening the root by its path again -- a full lookup, revalidated -- gives
