@@ -20,10 +20,14 @@ From the repository's root::
 
     python -m tools.trace_block [--mode threads|workers|both] [--block-size 64K]
 
-``workers`` mode (I/O worker processes) traces the engine's process only:
-what runs inside a worker is not seen (its pipe records are); the files
-listed are the parent's side of the hop. The tool is for measuring; the
-product never imports it.
+``workers`` mode (I/O worker processes) traces the engine's process and,
+through a ``sitecustomize`` this tool puts on the workers' ``PYTHONPATH``,
+each worker: every batch of job records it takes (``take_jobs``) starts a
+walk of its own there, followed until its result records are written (the
+worker's publish), and the walk that ran while the owner's store (or load)
+was traced is reported as its worker side; the operation's files "in
+all" are the union of both sides. The tool is for measuring; the product
+never imports it.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ import json
 import mmap
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -48,6 +53,9 @@ MiB = 1 << 20
 # An executor's thread has done its part of the operation once one of these
 # returns (it gives the block back); what it does next is its next wait.
 PUBLISH = frozenset(("slice_done",))
+# A worker process has done its part once its results are written back
+# (child.py's write of the result records); what follows is its next wait.
+PUBLISH_IN_WORKER = "_write_all"
 OWNER_MODULE = "engine/engine.py"
 
 
@@ -181,11 +189,90 @@ def _primary(size: int) -> mmap.mmap:
     return primary
 
 
+# Imported by each worker process at start-up (Python's site hook), from a
+# temporary directory put first on the workers' PYTHONPATH: one Tracer per
+# worker, a walk per batch of job records, written out when the worker ends.
+_WORKER_HOOK = """
+import atexit, json, os, sys, threading, time
+from tools.trace_block import Tracer, _package_dir
+
+from tools.trace_block import PUBLISH_IN_WORKER
+
+_tracer = Tracer(_package_dir(), lambda name: False, threading.get_ident())
+_walks = []
+
+def _profile(frame, event, arg):
+    name = frame.f_code.co_name
+    if event == "call" and name == "take_jobs":
+        if _tracer._on:
+            _walks[-1].update(_tracer.end())
+        _walks.append({"t": time.monotonic()})
+        _tracer.begin()
+    _tracer.profile(frame, event, arg)
+    if event == "return" and name == PUBLISH_IN_WORKER and _tracer._on:
+        _walks[-1].update(_tracer.end())  # its results are written: the worker's publish
+
+def _write():
+    sys.setprofile(None)
+    if _tracer._on:
+        _walks[-1].update(_tracer.end())
+    with open(os.path.join(os.environ["LLMKV_FS_TRACE_WORKERS"], f"{os.getpid()}.json"), "w") as f:
+        json.dump(_walks, f)
+
+atexit.register(_write)
+sys.setprofile(_profile)
+"""
+
+
+def _trace_workers(hook_dir: str, out_dir: str) -> None:
+    """Workers started from now on trace themselves into ``out_dir``."""
+    with open(os.path.join(hook_dir, "sitecustomize.py"), "w") as f:
+        f.write(_WORKER_HOOK)
+    os.environ["LLMKV_FS_TRACE_WORKERS"] = out_dir
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        p for p in (hook_dir, _repo_root(), os.environ.get("PYTHONPATH")) if p
+    )
+
+
+def _repo_root() -> str:
+    return os.path.dirname(_package_dir().rstrip(os.sep))
+
+
+def _worker_side(
+    report: dict[str, Any], out_dir: str, spans: dict[str, tuple[float, float]]
+) -> None:
+    """Each traced operation's worker walk (the one that began while it was
+    traced and ran a block), and its files in all."""
+    walks = []
+    for name in os.listdir(out_dir):
+        with open(os.path.join(out_dir, name)) as f:
+            walks += [w for w in json.load(f) if "files" in w]
+    for op, (begin, end) in spans.items():
+        ran = [
+            w
+            for w in walks
+            if begin <= w["t"] <= end and any("engine/block/" in p for p in w["files"])
+        ]
+        if len(ran) != 1:
+            raise RuntimeError(f"{op}: {len(ran)} worker walks ran a block, not one")
+        report[op]["worker"] = ran[0]
+        both = list(report[op]["files"])
+        both += [p for p in ran[0]["files"] if p not in both]
+        report[op]["files_in_all"] = both
+
+
 def trace(mode: str, block_size: int, directory: str) -> dict[str, Any]:
     # Housekeeping runs on its own clock, not for the block: left out.
     tracer = Tracer(
         _package_dir(), lambda name: "housekeep" in name or "keeper" in name, threading.get_ident()
     )
+    workers_dir = tempfile.mkdtemp(prefix="llmkv_fs_trace_")
+    saved_env = dict(os.environ)
+    if mode == "workers":
+        os.mkdir(os.path.join(workers_dir, "hook"))
+        os.mkdir(os.path.join(workers_dir, "out"))
+        _trace_workers(os.path.join(workers_dir, "hook"), os.path.join(workers_dir, "out"))
+    spans: dict[str, tuple[float, float]] = {}
     threading.setprofile(tracer.profile)
     sys.setprofile(tracer.profile)
     engine, primary = _engine(mode, block_size, directory)
@@ -197,18 +284,22 @@ def trace(mode: str, block_size: int, directory: str) -> dict[str, Any]:
         _store_and_load(engine, os.urandom(32) + bytes(4), 100)
         _lookup(engine, os.urandom(32) + bytes(4), "warm", tracer)
 
+        began = time.monotonic()
         tracer.begin()
         assert engine.submit_store(1, [key], [0])
         _drain(engine, tracer)
         (stored,) = engine.take_finished()
         report["store"] = tracer.end()
+        spans["store"] = (began, time.monotonic())
         assert stored.success, stored
 
+        began = time.monotonic()
         tracer.begin()
         assert engine.submit_load(2, [key], [1])
         _drain(engine, tracer)
         (loaded,) = engine.take_finished()
         report["load"] = tracer.end()
+        spans["load"] = (began, time.monotonic())
         assert loaded.success, loaded
         assert primary[block_size : 2 * block_size] == primary[:block_size]
 
@@ -217,6 +308,11 @@ def trace(mode: str, block_size: int, directory: str) -> dict[str, Any]:
         sys.setprofile(None)
         threading.setprofile(None)
         engine.shutdown()
+        os.environ.clear()
+        os.environ.update(saved_env)
+    if mode == "workers":
+        _worker_side(report, os.path.join(workers_dir, "out"), spans)
+    shutil.rmtree(workers_dir, ignore_errors=True)
     return report
 
 
@@ -351,6 +447,17 @@ def _print(report: dict[str, Any]) -> None:
             print(f"    call up into the owner's module: {call}")
         for r in got["reentries"]:
             print(f"    re-entry ({r['kind']}): {r['from']} -> {r['into']}  [{r['thread']}]")
+        worker = got.get("worker")
+        if worker is not None:
+            print(
+                f"    in the worker: {worker['n_files']} product files, "
+                f"{worker['n_reentries']} re-entries, {worker['product_calls']} product calls"
+            )
+            for i, path in enumerate(worker["files"], 1):
+                print(f"      {i:2d}. {path}")
+            for r in worker["reentries"]:
+                print(f"      re-entry ({r['kind']}): {r['from']} -> {r['into']}")
+            print(f"    in all (both processes): {len(got['files_in_all'])} product files")
 
 
 def main() -> None:

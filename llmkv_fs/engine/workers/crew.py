@@ -209,6 +209,9 @@ class Crew:
         self.workers = [WorkerHandle(i, i % 2 == 0) for i in range(n_workers)]
         self.started = 0
         self.died = 0
+        # The earliest respawn_at of any worker (monotonic), None when no
+        # replacement waits: read by the conductor each turn, without a call.
+        self.next_respawn: float | None = None
 
     def pids(self) -> list[int]:
         return [w.proc.pid for w in self.workers if w.proc is not None and w.ready]
@@ -276,14 +279,16 @@ class Crew:
             board.places[worker.index * DEPTH + slot] = 0
         selector.register(results_r, selectors.EVENT_READ, worker)
         worker.respawn_at = None
+        self._respawns_changed()
         self.started += 1
 
-    def next_respawn(self) -> float | None:
-        """When the next replacement is due (monotonic), if one waits."""
+    def _respawns_changed(self) -> None:
         due = [w.respawn_at for w in self.workers if w.respawn_at is not None]
-        return min(due) if due else None
+        self.next_respawn = min(due) if due else None
 
     def respawn_due(self, selector: selectors.BaseSelector) -> None:
+        """Start the replacements due by now (the conductor calls this once
+        ``next_respawn`` has passed)."""
         now = time.monotonic()
         for worker in self.workers:
             if worker.respawn_at is not None and worker.respawn_at <= now:
@@ -314,6 +319,7 @@ class Crew:
                 _RESPAWN_MAX_PAUSE_S,
             )
         worker.respawn_at = time.monotonic() + pause
+        self._respawns_changed()
 
     def reap(self, worker: WorkerHandle, selector: selectors.BaseSelector, replace: bool) -> str:
         """A worker ended unasked: close its pipes, kill and reap its
@@ -350,6 +356,7 @@ class Crew:
     def stop(self, selector: selectors.BaseSelector, grace_s: float) -> None:
         """Send every worker STOP, wait for it up to ``grace_s`` in all
         (SIGKILL after), close its pipes. Idempotent."""
+        self.next_respawn = None
         for worker in self.workers:
             worker.respawn_at = None
             if worker.jobs_w >= 0:

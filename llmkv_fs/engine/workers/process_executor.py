@@ -201,10 +201,12 @@ class ProcessExecutor:
                         os.eventfd_read(self._wake)
                 else:
                     self._read_results(key.data, selector)
-            self._crew.respawn_due(selector)
+            due = self._crew.next_respawn
+            if due is not None and due <= time.monotonic():
+                self._crew.respawn_due(selector)
 
     def _timeout(self, give_up_at: float | None) -> float | None:
-        deadlines = [t for t in (give_up_at, self._crew.next_respawn()) if t is not None]
+        deadlines = [t for t in (give_up_at, self._crew.next_respawn) if t is not None]
         return max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
 
     def _dispatch(self) -> list[tuple[int, bytes]]:
