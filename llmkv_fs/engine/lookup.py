@@ -25,8 +25,9 @@ request would find the file, load it and fail again. At most
 Threading rules
 ---------------
 * ``lookup``, ``end_step``, ``jobs_finished``, ``set_verdict``,
-  ``remember_misses``, ``forget_request``, ``refuse``, ``fold_tally`` and
-  ``shutdown`` belong to the owner (one caller at a time: vLLM's manager
+  ``remember_misses``, ``forget_misses``, ``forget_request``, ``recheck``,
+  ``stuck``, ``expire_overdue``, ``fold_tally`` and ``shutdown`` belong to
+  the owner (one caller at a time: vLLM's manager
   lock). They touch ``_states``, ``_misses`` and the tally without a lock.
 * The background thread sees only the batches it is handed (key and
   generation) and answers through ``Answers`` (a queue and the flag the
@@ -138,7 +139,7 @@ class AsyncExistence:
     """The lookups of one engine (the module doc), checking keys against
     ``presence`` (the engine's roots: ``RootsPresence``) on a lookup thread
     and up to ``n_threads - 1`` helpers. ``placement`` places keys on the
-    roots ``refuse`` names by index (None: one root, index 0)."""
+    roots ``recheck`` names by index (None: one root, index 0)."""
 
     def __init__(
         self,
@@ -151,7 +152,7 @@ class AsyncExistence:
     ):
         self._timeout = timeout
         self._placement = placement
-        # As of the engine's last recheck (``refuse``).
+        # As of the engine's last ``recheck``.
         self._stalled = False
         self._lost_roots: frozenset[int] = frozenset()
         self._refusing = False
@@ -184,8 +185,9 @@ class AsyncExistence:
     # -- owner side ----------------------------------------------------------------
 
     def lookup(self, key: bytes, request_id: str) -> bool | None:
-        """True/False when known, None while the check is pending; MISS
-        without a check while ``refuse`` says so. Counted by answer
+        """True/False when known, None while the check is pending; MISS at
+        once, without a check, while the last ``recheck`` says the volume is
+        stalled or the key's home root is lost. Counted by answer
         (``fold_tally``)."""
         # vLLM asks every key of a prompt again every step until it is
         # known: one frame, and a few attribute reads while nothing changed.

@@ -1,6 +1,7 @@
 """Checking one block file from the outside, for ``llmkv-fs verify`` (and
 the chunk-size probe and the sealed-trailer count ``llmkv-fs stats``
-shares). Reads through ``volume`` and ``layout`` only: no vLLM, no engine;
+shares). Reads through ``volume`` and ``layout`` (and reports through
+``ops/scan.py``'s and ``ops/problems.py``'s words): no vLLM, no engine;
 safe against a volume that live tiers are writing.
 
 A block is judged by the rule the engine's loads apply

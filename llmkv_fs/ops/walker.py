@@ -1,5 +1,6 @@
 """Listing every directory under a set of top directories on a pool of
-threads, for ``ops/scan.py`` (gc, stats and verify all walk through it).
+threads: gc's inventory, stats, verify and the events snapshot all walk
+through it (``ops/scan.py`` sorts their roots out first).
 
 Directory listing is the slow part on a network filesystem (one round trip
 per ``getdents`` batch and, unless the client got attributes with the

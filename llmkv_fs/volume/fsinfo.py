@@ -46,7 +46,8 @@ def used_percent(used: int, usable: int) -> float:
     """A volume's use as ``df`` shows it: used / (used + available to
     non-root), the root reserve excluded. The one definition the space
     guard, gc and stats print and act on; an empty volume (no usable bytes)
-    counts as full."""
+    counts as full here (gc's ``Capacity`` takes it as 0 % and never evicts
+    for it)."""
     return 100.0 * used / usable if usable else 100.0
 
 

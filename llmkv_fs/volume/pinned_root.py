@@ -36,7 +36,7 @@ def parts_below(root: str, path: str) -> list[str]:
 class PinnedRoot:
     """The root directory as found when the tier started: its path and
     ``(st_dev, st_ino)``. Directory creation while running stops below it
-    (``make_dirs``, ``volume.beneath``), so an unmounted volume never becomes
+    (``Beneath.open_dir(create=True)``, volume/beneath.py), so an unmounted volume never becomes
     a fresh cache on the disk underneath the mount point. Immutable; any
     thread may use it."""
 

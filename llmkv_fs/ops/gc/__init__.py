@@ -1,8 +1,9 @@
 """Keep a shared cache volume healthy while vLLM replicas use it: remove
 orphaned digests (no live lease, nothing used for --min-age), temp files of
 dead writers, and -- when the volume or the cache is over its limit -- the
-least recently used blocks. Never follows a symlink, never removes a block
-used within --protect, never touches config.json or leases of a digest it
+least recently used blocks. Never follows a symlink, never evicts a block
+used within --protect (an orphaned digest goes whole once nothing in it was
+used for --min-age), never touches config.json or leases of a digest it
 keeps. One gc per volume at a time (a lock file in the root).
 
 Several roots (a tier's root_dir list with path_sharding by_block_hash, or

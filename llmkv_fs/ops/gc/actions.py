@@ -6,7 +6,8 @@ as done: live tiers keep writing while gc runs.
   atomic rename per directory), then deleted there. Nothing under the live
   names is ever removed recursively.
 * Temp files are unlinked one by one after a fresh lstat (same inode, still
-  old enough); evicted blocks likewise (``evict.py``).
+  a regular file; their age is judged from the scan); evicted blocks
+  likewise (``evict.py``).
 * With KV events on, the blocks of a digest's trash are announced removed
   directory by directory before their unlinks (the rename took them from
   the tiers already: a router that still routes there meets a miss).
@@ -177,7 +178,9 @@ def remove_digest(
     announce: Announcer | None = None,
 ) -> tuple[bool, str]:
     """Re-read the leases, re-judge, then trash and delete the digest's
-    config directory and every rank directory. (removed?, why)."""
+    config directory and every rank directory. Returns (removed -- or, with
+    ``dry_run``, would be removed; why); a rank directory that could not be
+    moved aside is reported in ``problems``, not in the flag."""
     digest = facts.digest
     facts.read_leases(problems)
     remove, why = digest_verdict(facts, now(), policy)

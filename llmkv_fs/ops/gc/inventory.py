@@ -1,12 +1,12 @@
 """What one scan found, kept small enough for millions of blocks.
 
-The scan streams directory listings (``ops/scan.py``); this module folds them
+The walk streams directory listings (``ops/walker.py``); this module folds them
 into per-digest facts (newest activity, sizes), the temp files and symlinks
 it saw, the directory tree (for pruning) and, for every block that capacity
 eviction may take, three numbers: last use, allocated bytes and directory.
 Block names are not kept: eviction re-reads the few directories it acts in,
-which also re-checks each block right before it is removed. About 20 bytes
-per block plus one path per directory.
+which also re-checks each block right before it is removed. About 24 bytes
+per block (three 8-byte array entries) plus one path per directory.
 """
 
 from __future__ import annotations

@@ -108,7 +108,7 @@ def temp_verdict(entry: FileEntry, now: float, policy: Policy) -> tuple[bool, st
 
 @dataclasses.dataclass(frozen=True)
 class Capacity:
-    total: int  # the volume's size (statvfs), bytes
+    total: int  # the volume's usable size, bytes: used + available to non-root (df's size)
     used: int  # used as df counts it
     cache: int  # bytes under the selected digests
 
