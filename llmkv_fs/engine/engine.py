@@ -159,7 +159,7 @@ class FsEngine:
         log_start(
             settings, self._started, self.pinning, self._presence_check(), keyring, self.roots
         )
-        logger.info("llmkv_fs engine byte path: %s", byte_path_line(self.roots, self.io_workers))
+        logger.info("llmkv_fs engine byte path: %s", byte_path_line(self.roots))
         for root in self.roots:  # config.json files and leases only: no block walk
             log_other_deployments(root.layout)
 

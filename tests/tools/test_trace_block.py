@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from llmkv_fs.engine.block.bytes_c import BYTE_PATH_ENV
+from llmkv_fs.engine.block.bytes_c import BYTE_PATH_ENV, byte_path_line
 from tools import trace_block
 
 PUBLISH = "llmkv_fs/engine/scheduling/scheduler.py:slice_done"
@@ -41,3 +41,17 @@ def test_one_block_crosses_each_file_once(traced):
         lookup = traced[mode]["lookup"]
         assert lookup["owner_module_upcalls"] == [] and lookup["n_reentries"] == 0, lookup
         assert lookup["verdict"] is True
+
+
+def test_worker_processes_run_the_compiled_byte_path(tmp_path, monkeypatch):
+    """Where it is built, a worker process stores and loads through the
+    compiled call, as an I/O thread does (its walk enters bytes_c.py, and
+    not the Python path's contents.py)."""
+    monkeypatch.delenv(BYTE_PATH_ENV, raising=False)
+    if byte_path_line([]).startswith("python"):
+        pytest.skip(f"the compiled byte path does not run here: {byte_path_line([])}")
+    traced = trace_block.trace("workers", 64 << 10, str(tmp_path / "kv"))
+    for op in ("store", "load"):
+        files = traced[op]["worker"]["files"]
+        assert "llmkv_fs/engine/block/bytes_c.py" in files, (op, files)
+        assert "llmkv_fs/engine/block/contents.py" not in files, (op, files)

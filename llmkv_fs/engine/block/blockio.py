@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import math
 import mmap
 import os
 import socket
@@ -601,17 +602,24 @@ class BlockStep:
         keys: Sequence[bytes],
         chunks: Sequence[int],
         cancelled: Cancel,
-        deadline: float | None = None,
+        deadline: float = math.inf,
     ) -> list[BlockResult]:
         """``run`` for consecutive blocks of one job, in order. After a load
         fails the rest are SKIPPED without I/O: vLLM can use only the blocks
         before the first failure (the load prefix rule: scheduling/scheduler.py).
-        ``deadline``: the job's ``time.monotonic()`` deadline (inf: none;
-        None: not known, as in a worker process, where only the cancel byte
-        tells); given, the compiled byte path runs the slice where it can.
-        Never raises."""
-        if self._compiled is not None and deadline is not None:
+        ``deadline``: the job's ``time.monotonic()`` deadline (inf: none, or
+        not known here -- a worker process, whose conductor keeps the deadline
+        and sets the cancel byte); the compiled byte path runs the slice
+        where it can. Never raises."""
+        if self._compiled is not None:
             return self._compiled.run_slice(self, is_load, keys, chunks, cancelled, deadline)
+        return self.run_each(is_load, keys, chunks, cancelled)
+
+    def run_each(
+        self, is_load: bool, keys: Sequence[bytes], chunks: Sequence[int], cancelled: Cancel
+    ) -> list[BlockResult]:
+        """``run_slice`` on the Python path: ``run`` for each block in
+        order, the rest SKIPPED after a failed load. Never raises."""
         results: list[BlockResult] = []
         for key, chunk in zip(keys, chunks):
             result = self.run(is_load, key, chunk, cancelled)

@@ -25,11 +25,12 @@ store published whose directory's fsync then failed fails with that
 OSError, as ``BlockIO.store`` fails it (it is not stored again). After a
 load fails, the rest of the slice is SKIPPED, as ``BlockStep.run_slice``.
 
-It serves a slice when: the module is built, ``openat2`` works, no root is
-sealed (``SealedBytes`` moves those), and the caller passes the job's
-deadline (I/O threads; a worker process's cancel byte is
-no deadline, see ``byte_path_line``). ``LLMKV_FS_BYTE_PATH=python`` in the
-environment of the process keeps the Python path. A root lost or refusing
+It serves a slice when: the module is built, ``openat2`` works and no root
+is sealed (``SealedBytes`` moves those), in an I/O thread (with the job's
+deadline) and in a worker process alike (deadline inf: its conductor keeps
+the deadline and sets the job's cancel byte). ``LLMKV_FS_BYTE_PATH=python``
+in the environment of the engine's process (its workers inherit it) keeps
+the Python path. A root lost or refusing
 stores, or whose descriptor cannot be had, is left to the Python path,
 checked before each call (the Python path checks before each block).
 While a test has a block's pause point armed, every slice takes the Python
@@ -43,7 +44,7 @@ more in the call, which stops; the Python path then reads the byte, as for
 every block.
 
 Threading: one ``CompiledSlices`` per ``BlockStep``, shared by its I/O
-threads; it holds only settings. Calls block on the filesystem.
+threads (a worker process builds its own); it holds only settings. Calls block on the filesystem.
 """
 
 from __future__ import annotations
@@ -149,10 +150,9 @@ def _refusal(roots: Sequence[HasBlockIO]) -> str | None:
     return None
 
 
-def byte_path_line(roots: Sequence[HasBlockIO], io_workers: int) -> str:
-    """Which byte path the engine's blocks take, for the start-up log."""
-    if io_workers:
-        return "python (worker processes: the compiled byte path serves I/O threads)"
+def byte_path_line(roots: Sequence[HasBlockIO]) -> str:
+    """Which byte path the engine's blocks take, for the start-up log (in
+    I/O threads and worker processes alike)."""
     why = _refusal(roots)
     if why is not None:
         return f"python ({why})"
@@ -276,7 +276,7 @@ class CompiledSlices:
         ``step.run``; the whole slice by ``step`` while a pause point of
         a block is armed. Never raises."""
         if self._pause is not None and _armed(self._pause):
-            return step.run_slice(is_load, keys, chunks, cancelled)
+            return step.run_each(is_load, keys, chunks, cancelled)
         results: list[BlockResult] = []
         n = len(keys)
         start = 0

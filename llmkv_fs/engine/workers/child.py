@@ -168,8 +168,8 @@ def serve(launch: WorkerLaunch) -> None:
             break
         for chunk in chunks:
             prefault.before_block(chunk)
-        # The slot's cancel byte: set when its job
-        # passed the deadline, read before each block and before a rename.
+        # The slot's cancel byte: set when its job passed the deadline (the
+        # conductor keeps it), read before each block and before a rename.
         results = step.run_slice(op == OP_LOAD, keys, chunks, cancel_bytes[slot])
         _write_all(results_fd, b"".join(encode_result(slot, result) for result in results))
     stamps.apply()

@@ -55,7 +55,7 @@ def test_the_compiled_byte_path_is_built_in_this_install():
     headers are; a wheel without it still installs (optional)."""
     require_built(COMPILED_MODULE)
     if OPENAT2 and not os.environ.get(BYTE_PATH_ENV):
-        assert byte_path_line([], 0).startswith("compiled")
+        assert byte_path_line([]).startswith("compiled")
 
 
 needs_compiled = pytest.mark.skipif(
@@ -66,17 +66,13 @@ needs_compiled = pytest.mark.skipif(
 def test_without_the_compiled_module_the_python_path_runs(monkeypatch):
     monkeypatch.setitem(sys.modules, COMPILED_MODULE, None)  # its import fails
     monkeypatch.setattr(bytes_c, "_BUILT", bytes_c._built())
-    assert byte_path_line([], 0).startswith("python")
+    assert byte_path_line([]).startswith("python")
 
 
 def test_forcing_the_python_path(monkeypatch):
     monkeypatch.setenv(BYTE_PATH_ENV, "python")
     if OPENAT2 and _compiled_built():
-        assert byte_path_line([], 0) == f"python ({BYTE_PATH_ENV}=python)"
-
-
-def test_worker_processes_keep_the_python_path():
-    assert byte_path_line([], 2).startswith("python (worker processes")
+        assert byte_path_line([]) == f"python ({BYTE_PATH_ENV}=python)"
 
 
 def test_the_xxh3_is_python_xxhash_s():
@@ -174,8 +170,8 @@ def compiled(side: Side, is_load: bool, keys, chunks) -> list[BlockResult]:
 
 
 def python(side: Side, is_load: bool, keys, chunks) -> list[BlockResult]:
-    """The same slice through the Python path (no deadline known)."""
-    return side.step.run_slice(is_load, keys, chunks, always())
+    """The same slice through the Python path."""
+    return side.step.run_each(is_load, keys, chunks, always())
 
 
 def shown(results: list[BlockResult]) -> list[object]:
@@ -413,12 +409,10 @@ def test_a_lost_root_is_the_python_paths(sides):
 
 
 def test_the_engine_says_which_byte_path_runs(engines, caplog, tmp_path):
-    """The start-up line: compiled for I/O threads where it is built,
-    python for worker processes."""
+    """The start-up line: compiled where it is built, in I/O threads and
+    worker processes alike."""
     with caplog.at_level(logging.INFO, logger="vllm.llmkv_fs.engine"):
-        engine, _, _ = engines(str(tmp_path / "kv"))
+        engines(str(tmp_path / "kv"))
     (line,) = [r.getMessage() for r in caplog.records if "byte path" in r.getMessage()]
-    if engine.io_workers:
-        assert "python (worker processes" in line
-    elif _compiled_built() and OPENAT2 and not os.environ.get(BYTE_PATH_ENV):
+    if _compiled_built() and OPENAT2 and not os.environ.get(BYTE_PATH_ENV):
         assert "compiled" in line
