@@ -55,11 +55,11 @@ def io_thread_counts(
     """How many read- and write-priority I/O threads to run, and why where
     it is not the settings' count. On volumes that keep their files in
     memory (every root tmpfs or ramfs) there is no device latency for more
-    threads to hide, and every thread runs its blocks' Python under the one
-    GIL: past one thread per CPU they only queue for it (64 KiB blocks on 2
-    cores: 1 + 1 threads moved 1.5x the stores and 1.4x the loads of 16 + 16;
-    docs/benchmarks.md, "Small blocks"). There the total is capped at the CPU
-    count (at least one of each kind); elsewhere the settings stand."""
+    threads to hide: a block is CPU work (the copy and the hash), so past one
+    thread per CPU threads only take turns -- and on the Python byte path
+    queue for the GIL (docs/benchmarks.md, "Small blocks"). There the total
+    is capped at the CPU count (at least one of each kind); elsewhere the
+    settings stand."""
     reads, writes = settings.n_read_threads, settings.n_write_threads
     if not fstypes or not all(memory_backed(f) for f in fstypes) or reads + writes <= cpus:
         return reads, writes, ""
