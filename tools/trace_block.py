@@ -262,16 +262,34 @@ def _worker_side(
 
 
 def trace(mode: str, block_size: int, directory: str) -> dict[str, Any]:
+    """The walks of one block's store, load and lookup in ``mode``. Leaves
+    the process as it found it (profile functions, environment, files)."""
+    workers_dir = tempfile.mkdtemp(prefix="llmkv_fs_trace_")
+    saved_env = dict(os.environ)
+    try:
+        if mode == "workers":
+            os.mkdir(os.path.join(workers_dir, "hook"))
+            os.mkdir(os.path.join(workers_dir, "out"))
+            _trace_workers(os.path.join(workers_dir, "hook"), os.path.join(workers_dir, "out"))
+        report, spans = _traced_run(mode, block_size, directory)
+        if mode == "workers":
+            _worker_side(report, os.path.join(workers_dir, "out"), spans)
+        return report
+    finally:
+        sys.setprofile(None)
+        threading.setprofile(None)
+        os.environ.clear()
+        os.environ.update(saved_env)
+        shutil.rmtree(workers_dir, ignore_errors=True)
+
+
+def _traced_run(
+    mode: str, block_size: int, directory: str
+) -> tuple[dict[str, Any], dict[str, tuple[float, float]]]:
     # Housekeeping runs on its own clock, not for the block: left out.
     tracer = Tracer(
         _package_dir(), lambda name: "housekeep" in name or "keeper" in name, threading.get_ident()
     )
-    workers_dir = tempfile.mkdtemp(prefix="llmkv_fs_trace_")
-    saved_env = dict(os.environ)
-    if mode == "workers":
-        os.mkdir(os.path.join(workers_dir, "hook"))
-        os.mkdir(os.path.join(workers_dir, "out"))
-        _trace_workers(os.path.join(workers_dir, "hook"), os.path.join(workers_dir, "out"))
     spans: dict[str, tuple[float, float]] = {}
     threading.setprofile(tracer.profile)
     sys.setprofile(tracer.profile)
@@ -308,12 +326,7 @@ def trace(mode: str, block_size: int, directory: str) -> dict[str, Any]:
         sys.setprofile(None)
         threading.setprofile(None)
         engine.shutdown()
-        os.environ.clear()
-        os.environ.update(saved_env)
-    if mode == "workers":
-        _worker_side(report, os.path.join(workers_dir, "out"), spans)
-    shutil.rmtree(workers_dir, ignore_errors=True)
-    return report
+    return report, spans
 
 
 def _engine(mode: str, block_size: int, directory: str) -> tuple[Any, mmap.mmap]:

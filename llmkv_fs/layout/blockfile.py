@@ -152,7 +152,7 @@ class Trailer(NamedTuple):
     payload_xxh3: int
     created_ns: int
     key: bytes
-    has_checksum: bool  # FLAG_CHECKSUM set: payload_xxh3 holds the payload's
+    has_checksum: bool  # FLAG_CHECKSUM set: payload_xxh3 holds the payload's xxh3-64
     seal: SealRecord | None = None  # a sealed block's (SEALED_VERSION)
 
 

@@ -96,7 +96,7 @@ class ThreadExecutor:
             if taken is None:
                 return  # stopping, nothing left to take
             job = taken.job
-            # The job's deadline lets the compiled byte path run the slice.
+            # The job's deadline: the compiled byte path stops at it.
             deadline = math.inf if job.deadline is None else job.deadline
             results = step.run_slice(job.is_load, taken.keys, taken.chunks, job.cancelled, deadline)
             source.slice_done(taken, results)
