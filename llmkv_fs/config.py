@@ -195,6 +195,17 @@ class TierSettings:
             key_id_or_null,
         ),
     )
+    compiled_io: bool = dataclasses.field(
+        default=True,
+        metadata=declare(
+            "Move blocks and check their presence in the compiled extensions "
+            "(_bytepath, _presence: a job's slice or a chunk of keys in one call "
+            "without the GIL) where the install built them and the kernel has "
+            "openat2; off: the Python paths, which write and check the same files "
+            "(slower on small blocks). The start-up log says which runs.",
+            boolean,
+        ),
+    )
     io_mode: str = dataclasses.field(
         default="auto",
         metadata=declare(

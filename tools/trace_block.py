@@ -18,7 +18,7 @@ module (``engine/engine.py``) from any other thread -- a call back up.
 
 From the repository's root::
 
-    python -m tools.trace_block [--mode threads|workers|both] [--block-size 64K]
+    python -m tools.trace_block [--mode threads|workers|both] [--block-size 64K] [--python-path]
 
 ``workers`` mode (I/O worker processes) traces the engine's process and,
 through a ``sitecustomize`` this tool puts on the workers' ``PYTHONPATH``,
@@ -261,9 +261,10 @@ def _worker_side(
         report[op]["files_in_all"] = both
 
 
-def trace(mode: str, block_size: int, directory: str) -> dict[str, Any]:
-    """The walks of one block's store, load and lookup in ``mode``. Leaves
-    the process as it found it (profile functions, environment, files)."""
+def trace(mode: str, block_size: int, directory: str, compiled: bool = True) -> dict[str, Any]:
+    """The walks of one block's store, load and lookup in ``mode`` (the
+    ``compiled_io`` setting: ``compiled``). Leaves the process as it found
+    it (profile functions, environment, files)."""
     workers_dir = tempfile.mkdtemp(prefix="llmkv_fs_trace_")
     saved_env = dict(os.environ)
     try:
@@ -271,7 +272,7 @@ def trace(mode: str, block_size: int, directory: str) -> dict[str, Any]:
             os.mkdir(os.path.join(workers_dir, "hook"))
             os.mkdir(os.path.join(workers_dir, "out"))
             _trace_workers(os.path.join(workers_dir, "hook"), os.path.join(workers_dir, "out"))
-        report, spans = _traced_run(mode, block_size, directory)
+        report, spans = _traced_run(mode, block_size, directory, compiled)
         if mode == "workers":
             _worker_side(report, os.path.join(workers_dir, "out"), spans)
         return report
@@ -284,7 +285,7 @@ def trace(mode: str, block_size: int, directory: str) -> dict[str, Any]:
 
 
 def _traced_run(
-    mode: str, block_size: int, directory: str
+    mode: str, block_size: int, directory: str, compiled: bool
 ) -> tuple[dict[str, Any], dict[str, tuple[float, float]]]:
     # Housekeeping runs on its own clock, not for the block: left out.
     tracer = Tracer(
@@ -293,7 +294,7 @@ def _traced_run(
     spans: dict[str, tuple[float, float]] = {}
     threading.setprofile(tracer.profile)
     sys.setprofile(tracer.profile)
-    engine, primary = _engine(mode, block_size, directory)
+    engine, primary = _engine(mode, block_size, directory, compiled)
     key = os.urandom(32) + bytes(4)
     report: dict[str, Any] = {"mode": mode, "block_size": block_size}
     report["io_workers"] = engine.io_workers
@@ -329,7 +330,9 @@ def _traced_run(
     return report, spans
 
 
-def _engine(mode: str, block_size: int, directory: str) -> tuple[Any, mmap.mmap]:
+def _engine(
+    mode: str, block_size: int, directory: str, compiled: bool = True
+) -> tuple[Any, mmap.mmap]:
     from llmkv_fs.config import TierSettings
     from llmkv_fs.engine import FsEngine
     from llmkv_fs.layout.paths import CacheLayout
@@ -340,6 +343,7 @@ def _engine(mode: str, block_size: int, directory: str) -> tuple[Any, mmap.mmap]
         n_read_threads=1,
         n_write_threads=1,
         lookup_threads=1,
+        compiled_io=compiled,
     )
     layout = CacheLayout(directory, {"model_name": "trace/block", "block_size": block_size}, 0)
     primary = _primary(4 * block_size)
@@ -347,11 +351,13 @@ def _engine(mode: str, block_size: int, directory: str) -> tuple[Any, mmap.mmap]
     return FsEngine(settings, layout, primary, block_size), primary
 
 
-def bare(mode: str, block_size: int, directory: str, n: int, phases: str) -> None:
+def bare(
+    mode: str, block_size: int, directory: str, n: int, phases: str, compiled: bool = True
+) -> None:
     """No tracing: ``n`` one-block store jobs, then (``phases`` "store,load")
     as many loads of them, each job waited for, after a warm-up; for
     counting system calls from outside (``--syscalls``)."""
-    engine, _primary_buffer = _engine(mode, block_size, directory)
+    engine, _primary_buffer = _engine(mode, block_size, directory, compiled)
     try:
         _store_and_load(engine, os.urandom(32) + bytes(4), 1 << 30)
         keys = [os.urandom(32) + bytes(4) for _ in range(n)]
@@ -373,7 +379,7 @@ def bare(mode: str, block_size: int, directory: str, n: int, phases: str) -> Non
 _STRACE_ROW = re.compile(r"^\s*[\d.]+\s+[\d.]+\s+\d+\s+(\d+)\s+(?:\d+\s+)?(\w+)\s*$")
 
 
-def syscalls(mode: str, block_size: int, n: int) -> dict[str, Any]:
+def syscalls(mode: str, block_size: int, n: int, compiled: bool = True) -> dict[str, Any]:
     """System calls per one-block store job and per load job, every process
     of the engine (``strace -f``: its threads and worker processes), as the
     difference of runs with and without the phase."""
@@ -386,6 +392,7 @@ def syscalls(mode: str, block_size: int, n: int) -> dict[str, Any]:
             argv = ["strace", "-f", "-c", "-o", out.name, sys.executable, "-m"]
             argv += ["tools.trace_block", "--bare", phases, "--mode", mode]
             argv += ["--block-size", str(block_size), "--blocks", str(n), "--dir", directory]
+            argv += [] if compiled else ["--python-path"]
             done = subprocess.run(argv, capture_output=True, text=True, check=False)
             if done.returncode:
                 raise SystemExit(f"strace: {done.stderr[-2000:]}")
@@ -486,6 +493,11 @@ def main() -> None:
         default=0,
         help="also count system calls per one-block store and load job (strace -f, N jobs)",
     )
+    parser.add_argument(
+        "--python-path",
+        action="store_true",
+        help="the Python byte path and presence check (compiled_io off)",
+    )
     parser.add_argument("--blocks", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--bare", metavar="PHASES", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -494,15 +506,15 @@ def main() -> None:
     block_size = int(text[:-1] if unit != 1 else text) * unit
     modes = ("threads", "workers") if args.mode == "both" else (args.mode,)
     if args.bare:
-        bare(modes[0], block_size, args.dir, args.blocks, args.bare)
+        bare(modes[0], block_size, args.dir, args.blocks, args.bare, not args.python_path)
         return
     reports = []
     for mode in modes:
         with tempfile.TemporaryDirectory(dir=args.dir) as directory:
-            reports.append(trace(mode, block_size, directory))
+            reports.append(trace(mode, block_size, directory, not args.python_path))
         _print(reports[-1])
         if args.syscalls:
-            calls = syscalls(mode, block_size, args.syscalls)
+            calls = syscalls(mode, block_size, args.syscalls, not args.python_path)
             reports[-1]["syscalls"] = calls
             for phase in ("store", "load"):
                 print(f"  syscalls per {phase} job: {calls[phase]}  {calls[phase + '_calls']}")

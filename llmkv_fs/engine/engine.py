@@ -195,7 +195,7 @@ class FsEngine:
 
     def _presence_check(self) -> str:
         """Which presence check the lookups run, for the start-up line."""
-        presence = presence_path()
+        presence = presence_path(self._settings.compiled_io)
         if presence == COMPILED_PRESENCE and not self._presence.batched:
             presence = "python (a root without openat2)"
         return presence

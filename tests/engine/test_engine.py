@@ -22,7 +22,6 @@ from llmkv_fs.engine import (
     Tally,
     prepare_volume,
 )
-from llmkv_fs.engine.block.bytes_c import BYTE_PATH_ENV
 from llmkv_fs.layout.blockfile import TRAILER_SIZE, Corruption, unpack_trailer
 from llmkv_fs.layout.paths import CacheLayout
 from tests.kits.engine_kit import (
@@ -428,8 +427,8 @@ def test_a_crashing_existence_check_answers_miss_not_retry_forever(disk_root, en
 def test_repeated_block_errors_are_logged_once_per_interval(
     disk_root, engines, caplog, engine_clock, monkeypatch
 ):  # the interval is the test's clock: three jobs on a loaded machine stay inside it
-    monkeypatch.setenv(BYTE_PATH_ENV, "python")  # BlockIO.store is replaced in-process
-    engine, _, _primary = engines(disk_root, n_blocks=4)
+    # compiled_io off: BlockIO.store is replaced in-process
+    engine, _, _primary = engines(disk_root, n_blocks=4, compiled_io=False)
 
     def failing_store(key, row_view, cancelled=None, pause=None):
         raise OSError(5, "Input/output error")  # not ENOSPC: that trips the space guard
@@ -452,8 +451,8 @@ def test_repeated_block_errors_are_logged_once_per_interval(
 def test_rename_refused_because_another_writer_won_counts_as_present(
     disk_root, engines, monkeypatch
 ):
-    monkeypatch.setenv(BYTE_PATH_ENV, "python")  # os.access and os.rename are patched in-process
-    engine, layout, primary = engines(disk_root, n_blocks=2)
+    # compiled_io off: os.access and os.rename are patched in-process
+    engine, layout, primary = engines(disk_root, n_blocks=2, compiled_io=False)
     real_rename = os.rename
 
     def rename_like_a_shared_fs(src, dst, *, src_dir_fd=None, dst_dir_fd=None):

@@ -11,7 +11,6 @@ import pytest
 
 from llmkv_fs.config import TierSettings, store_queue_blocks
 from llmkv_fs.engine import Direction, Failure, Outcome
-from llmkv_fs.engine.block.bytes_c import BYTE_PATH_ENV
 from llmkv_fs.layout.blockfile import TRAILER_SIZE
 from tests.kits.engine_kit import (
     BS,
@@ -261,9 +260,8 @@ def test_io_threads_pin_to_the_node_holding_the_primary_buffer(disk_root, engine
     fake = numa.NumaTopology(nodes={0: node0, 1: node1}, allowed_cpus=frozenset(cpus))
     monkeypatch.setattr(engine_module, "read_topology", lambda: fake)
     monkeypatch.setattr(numa, "node_of_buffer", lambda buf, samples=8: 1)
-    monkeypatch.setenv(BYTE_PATH_ENV, "python")  # BlockIO.store is wrapped in-process below
-
-    engine, _layout, primary = engines(disk_root, n_blocks=8)
+    # compiled_io off: BlockIO.store is wrapped in-process below
+    engine, _layout, primary = engines(disk_root, n_blocks=8, compiled_io=False)
     assert engine.pinning.cpus == node1 and engine.pinning.node == 1
     if engines.mode.workers:  # each worker pins itself to the CPUs it was given
         pids = inside(engine).executor.worker_pids()

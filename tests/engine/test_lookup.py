@@ -30,7 +30,7 @@ import pytest
 from llmkv_fs.config import SETTINGS
 from llmkv_fs.engine import Direction, Failure, LookupAnswer, MissReason, lookup_checks
 from llmkv_fs.engine import lookup as lookup_module
-from llmkv_fs.engine.block.presence import PRESENCE_ENV, compiled_check
+from llmkv_fs.engine.block.presence import compiled_check
 from llmkv_fs.engine.lookup import _MAX_REMEMBERED_MISSES, AsyncExistence
 from llmkv_fs.layout.blockfile import Corruption
 from llmkv_fs.layout.placement import RootPlacement
@@ -470,10 +470,10 @@ def test_lookups_agree_with_the_files_on_disk(tmp_path, engines, monkeypatch, ca
     with the compiled check and with the Python path forced."""
     if presence == "compiled" and compiled_check() is None:
         pytest.skip("the compiled presence check is not built here (or no openat2)")
-    if presence == "python":
-        monkeypatch.setenv(PRESENCE_ENV, "python")
     with caplog.at_level(logging.INFO, logger="vllm.llmkv_fs.engine"):
-        engine, layout, primary = engines(str(tmp_path / "kv"), n_blocks=8, lookup_threads=1)
+        engine, layout, primary = engines(
+            str(tmp_path / "kv"), n_blocks=8, lookup_threads=1, compiled_io=presence == "compiled"
+        )
     started = [r.getMessage() for r in caplog.records if "presence check" in r.getMessage()]
     assert len(started) == 1 and started[0].split("presence check ")[1].startswith(presence)
 

@@ -2,24 +2,23 @@
 store of one block in I/O threads crosses at most 12 product files and
 enters none it has left again but the scheduler's publish; worker processes
 add at most 3 files; a lookup never calls back up into the owner's module.
-Traced on the Python byte path, the longer of the two (the compiled one runs
+Traced on the Python byte path (compiled_io off), the longer of the two (the compiled one runs
 a subset of its files)."""
 
 from __future__ import annotations
 
 import pytest
 
-from llmkv_fs.engine.block.bytes_c import BYTE_PATH_ENV, byte_path_line
+from llmkv_fs.engine.block.bytes_c import byte_path_line
 from tools import trace_block
 
 PUBLISH = "llmkv_fs/engine/scheduling/scheduler.py:slice_done"
 
 
 @pytest.fixture
-def traced(tmp_path, monkeypatch):
-    monkeypatch.setenv(BYTE_PATH_ENV, "python")
+def traced(tmp_path):
     return {
-        mode: trace_block.trace(mode, 64 << 10, str(tmp_path / mode))
+        mode: trace_block.trace(mode, 64 << 10, str(tmp_path / mode), compiled=False)
         for mode in ("threads", "workers")
     }
 
@@ -43,11 +42,10 @@ def test_one_block_crosses_each_file_once(traced):
         assert lookup["verdict"] is True
 
 
-def test_worker_processes_run_the_compiled_byte_path(tmp_path, monkeypatch):
+def test_worker_processes_run_the_compiled_byte_path(tmp_path):
     """Where it is built, a worker process stores and loads through the
     compiled call, as an I/O thread does (its walk enters bytes_c.py, and
     not the Python path's contents.py)."""
-    monkeypatch.delenv(BYTE_PATH_ENV, raising=False)
     if byte_path_line([]).startswith("python"):
         pytest.skip(f"the compiled byte path does not run here: {byte_path_line([])}")
     traced = trace_block.trace("workers", 64 << 10, str(tmp_path / "kv"))

@@ -34,7 +34,6 @@ from llmkv_fs.engine import (
     VolumeError,
     prepare_volume,
 )
-from llmkv_fs.engine.block.bytes_c import BYTE_PATH_ENV
 from llmkv_fs.engine.startup.io_setup import choose_o_direct
 from llmkv_fs.layout.blockfile import TRAILER_SIZE
 from llmkv_fs.layout.names import lease_dir, quarantine_dir, trash_path
@@ -533,10 +532,9 @@ def test_a_link_or_mount_seen_by_the_check_closes_the_walks_descriptor(
 
 def test_stores_land_where_openat2_answers_eagain_to_the_check(tmp_path, monkeypatch):
     """Threads only: the answer is made in this process (worker processes
-    are fresh interpreters and call the real openat2); the Python byte path,
-    whose walk is under test (the compiled one opens beneath the root in C
+    are fresh interpreters and call the real openat2); the Python byte path
+    (compiled_io off), whose walk is under test (the compiled one opens beneath the root in C
     and leaves what it cannot settle to this walk)."""
-    monkeypatch.setenv(BYTE_PATH_ENV, "python")
     dir_opens = Openat2Answers(errno.EAGAIN, range(1, 10**6))
 
     def answers(dir_fd: int, path: str, flags: int, mode: int = 0) -> int:
@@ -548,7 +546,7 @@ def test_stores_land_where_openat2_answers_eagain_to_the_check(tmp_path, monkeyp
     root = str(tmp_path / "kv")
     primary = mmap.mmap(-1, 4 * BS)
     engine = FsEngine(  # start-up makes the rank directory: a creating walk
-        TierSettings(root_dir=root, io_workers=0),
+        TierSettings(root_dir=root, io_workers=0, compiled_io=False),
         CacheLayout.for_identity(root, IDENTITY),
         primary,
         BS,

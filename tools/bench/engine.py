@@ -129,6 +129,7 @@ def open_tier(
             "durability": args.durability,
             "max_pending_store_bytes": max(2 << 30, primary.size),
             "io_workers_nice": int(variant.get("nice", 0)),
+            "compiled_io": variant.get("compiled", "on") != "off",
             **({"seal_key_files": {"1": variant["seal"]}} if "seal" in variant else {}),
         }
     )

@@ -13,6 +13,8 @@ A variant is ``NAME:key=value,...`` with keys
   (``engine/workers/prefault.py``) through a ``sitecustomize`` on the
   workers' PYTHONPATH: the engine itself has no such switch;
 * ``nice`` -- the workers' nice increment (the ``io_workers_nice`` setting);
+* ``compiled`` -- ``off`` for the Python byte path and presence check (the
+  ``compiled_io`` setting), e.g. ``--ours c: --ours py:compiled=off``;
 * ``seal`` -- a key file: blocks sealed with it (``seal_key_files``, key id
   1; layout/sealed.py), e.g. ``--ours plain: --ours sealed:seal=/tmp/k``
   for sealed against unsealed in one run;
@@ -42,7 +44,7 @@ from collections.abc import Iterator
 
 __all__ = ["Variant", "applied", "parse_variant"]
 
-_KEYS = ("io_workers", "hash_kib", "prefault", "nice", "site", "seal", "seal_kib")
+_KEYS = ("io_workers", "hash_kib", "prefault", "nice", "site", "seal", "seal_kib", "compiled")
 _SITECUSTOMIZE = """
 import os
 if os.environ.get("LLMKV_BENCH_NO_PREFAULT"):

@@ -152,7 +152,7 @@ class BlockIO:
         self._read_flags = self._open_flags(os.O_RDONLY | os.O_NONBLOCK)
         self._stamps = AccessStamps(self._below)
         self._presence = BlockPresence(
-            self._below, self._contents.valid_sizes, options.revalidate_misses
+            self._below, self._contents.valid_sizes, options.revalidate_misses, options.compiled
         )
 
     # -- per-thread scratch ------------------------------------------------

@@ -28,9 +28,8 @@ load fails, the rest of the slice is SKIPPED, as ``BlockStep.run_slice``.
 It serves a slice when: the module is built, ``openat2`` works and no root
 is sealed (``SealedBytes`` moves those), in an I/O thread (with the job's
 deadline) and in a worker process alike (deadline inf: its conductor keeps
-the deadline and sets the job's cancel byte). ``LLMKV_FS_BYTE_PATH=python``
-in the environment of the engine's process (its workers inherit it) keeps
-the Python path. A root lost or refusing
+the deadline and sets the job's cancel byte). The ``compiled_io`` setting
+off (``IoOptions.compiled``) keeps the Python path. A root lost or refusing
 stores, or whose descriptor cannot be had, is left to the Python path,
 checked before each call (the Python path checks before each block).
 While a test has a block's pause point armed, every slice takes the Python
@@ -67,7 +66,6 @@ if TYPE_CHECKING:
     from llmkv_fs.engine.block.pause import PausePoints
 
 __all__ = [
-    "BYTE_PATH_ENV",
     "COMPILED_BYTES",
     "STOPS",
     "CompiledSlices",
@@ -79,8 +77,6 @@ __all__ = [
 
 # A cancel byte never set: a call made without a job's (tests, tools).
 _WANTED = memoryview(bytes(1))
-# The environment variable that keeps the Python path ("python").
-BYTE_PATH_ENV = "LLMKV_FS_BYTE_PATH"
 COMPILED_BYTES = "compiled (_bytepath: a job's slice in one call without the GIL, xxh3 {})"
 # Why a compiled call stopped, by the code it answers (_bytepath.c, enum stop).
 STOPS = (
@@ -137,12 +133,12 @@ def _refusal(roots: Sequence[HasBlockIO]) -> str | None:
         return "no openat2 here"
     if _BUILT is None:
         return "the compiled _bytepath is not built: no C compiler at install"
-    if os.environ.get(BYTE_PATH_ENV, "").strip().lower() == "python":
-        return f"{BYTE_PATH_ENV}=python"
     for root in roots:
         blockio = root.blockio
         if not isinstance(blockio, BlockIO):
             return "a BlockIO of another kind"
+        if not blockio.options.compiled:
+            return "compiled_io is off"
         if blockio.options.sealed:
             return "sealed blocks"
         if not blockio._below.one_call:

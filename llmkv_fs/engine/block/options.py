@@ -52,3 +52,6 @@ class IoOptions:
     # (0: the whole block in one cipher call; block/sealed.py). Chosen, as
     # hash_chunk, by who moves the bytes: startup/io_setup.py.
     seal_piece: int = 0
+    # The compiled byte path and presence check may run (compiled_io;
+    # block/bytes_c.py, block/presence.py); False: the Python paths.
+    compiled: bool = True

@@ -16,9 +16,8 @@ and ``close``, in one C loop without the GIL, so a long prompt's checks do
 not take the scheduler's interpreter lock for every key.
 Whatever that loop cannot settle is decided here, key by key, as without
 it. The module is optional (built by the package's install where a C
-compiler is; see ``presence_path``), and ``LLMKV_FS_PRESENCE=python`` in
-the environment of the process that builds a BlockIO keeps the Python path
-(tests run both).
+compiler is; see ``presence_path``), and the ``compiled_io`` setting off
+(``IoOptions.compiled``) keeps the Python path (tests run both).
 
 Threading: shared by the I/O and lookup threads of one BlockIO; it holds
 only settings (descriptors are the Beneath's, per thread). Blocks on the
@@ -36,12 +35,10 @@ from collections.abc import Callable, Collection
 from llmkv_fs.layout.names import block_place
 from llmkv_fs.volume.beneath import OPENAT2, Beneath, LinkInTree
 
-__all__ = ["COMPILED_PRESENCE", "PRESENCE_ENV", "BlockPresence", "compiled_check", "presence_path"]
+__all__ = ["COMPILED_PRESENCE", "BlockPresence", "compiled_check", "presence_path"]
 
 # What a one-call open of a block's path answers when no block is there.
 _NOT_A_BLOCK = frozenset((errno.ENOENT, errno.ELOOP, errno.ENOTDIR))
-# The environment variable that keeps the Python path ("python").
-PRESENCE_ENV = "LLMKV_FS_PRESENCE"
 # The compiled check's answers per path (_presence.c).
 _BLOCK, _UNSETTLED = 1, 2
 COMPILED_PRESENCE = "compiled (_presence: openat2 and fstat in C, the GIL released per chunk)"
@@ -60,36 +57,39 @@ def _built() -> CompiledCheck | None:
 _BUILT = _built()
 
 
-def _forced_python() -> bool:
-    return os.environ.get(PRESENCE_ENV, "").strip().lower() == "python"
-
-
-def compiled_check() -> CompiledCheck | None:
+def compiled_check(allowed: bool = True) -> CompiledCheck | None:
     """The compiled batch check this process would use, or None (not
-    built, no ``openat2``, or ``LLMKV_FS_PRESENCE=python``)."""
-    return None if not OPENAT2 or _forced_python() else _BUILT
+    built, no ``openat2``, or not ``allowed``: compiled_io off)."""
+    return _BUILT if OPENAT2 and allowed else None
 
 
-def presence_path() -> str:
-    """Which presence check this process runs, for the start-up log."""
+def presence_path(allowed: bool = True) -> str:
+    """Which presence check this process runs, for the start-up log
+    (``allowed``: the compiled_io setting)."""
     if not OPENAT2:
         return "python (no openat2 here: the walk, one level at a time)"
     if _BUILT is None:
         return "python (the compiled _presence is not built: no C compiler at install)"
-    if _forced_python():
-        return f"python ({PRESENCE_ENV}=python)"
+    if not allowed:
+        return "python (compiled_io is off)"
     return COMPILED_PRESENCE
 
 
 class BlockPresence:
     """See the module doc. ``sizes``: the file lengths a block may have."""
 
-    def __init__(self, below: Beneath, sizes: Collection[int], revalidate_misses: bool):
+    def __init__(
+        self,
+        below: Beneath,
+        sizes: Collection[int],
+        revalidate_misses: bool,
+        compiled: bool = True,
+    ):
         self._below = below
         self._sizes = sizes
         self._size_list = tuple(sizes)
         self._revalidate_misses = revalidate_misses
-        self._compiled = compiled_check()
+        self._compiled = compiled_check(compiled)
 
     @property
     def compiled(self) -> bool:

@@ -96,6 +96,7 @@ def io_options(
         root=root,
         sealed=settings.seal_key_files is not None,
         seal_piece=_SEAL_PIECE_THREADS,
+        compiled=settings.compiled_io,
     )
 
 

@@ -16,6 +16,7 @@ module a failure, as for the presence check.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import logging
 import math
@@ -29,7 +30,7 @@ import pytest
 
 from llmkv_fs.engine.block import bytes_c
 from llmkv_fs.engine.block.blockio import BlockIO, BlockStep, StepRoot
-from llmkv_fs.engine.block.bytes_c import BYTE_PATH_ENV, byte_path_line, compiled_slices
+from llmkv_fs.engine.block.bytes_c import byte_path_line, compiled_slices
 from llmkv_fs.engine.block.options import IoOptions
 from llmkv_fs.engine.outcomes import BlockResult, Failed, Outcome
 from llmkv_fs.engine.upkeep.signals import VolumeSignals
@@ -54,7 +55,7 @@ def test_the_compiled_byte_path_is_built_in_this_install():
     """``pip install -e .`` compiles it wherever a C compiler and Python's
     headers are; a wheel without it still installs (optional)."""
     require_built(COMPILED_MODULE)
-    if OPENAT2 and not os.environ.get(BYTE_PATH_ENV):
+    if OPENAT2:
         assert byte_path_line([]).startswith("compiled")
 
 
@@ -69,10 +70,17 @@ def test_without_the_compiled_module_the_python_path_runs(monkeypatch):
     assert byte_path_line([]).startswith("python")
 
 
-def test_forcing_the_python_path(monkeypatch):
-    monkeypatch.setenv(BYTE_PATH_ENV, "python")
-    if OPENAT2 and _compiled_built():
-        assert byte_path_line([]) == f"python ({BYTE_PATH_ENV}=python)"
+def test_compiled_io_off_keeps_the_python_path(tmp_path):
+    options = IoOptions(BS, use_o_direct=False, fsync_file=False, fsync_dir=False, checksum=True)
+    side = Side(str(tmp_path), dataclasses.replace(options, compiled=False))
+    try:
+        assert side.step._compiled is None
+        if OPENAT2 and _compiled_built():
+            assert byte_path_line([StepRoot(side.blockio, side.signals)]) == (
+                "python (compiled_io is off)"
+            )
+    finally:
+        side.close()
 
 
 def test_the_xxh3_is_python_xxhash_s():
@@ -414,5 +422,5 @@ def test_the_engine_says_which_byte_path_runs(engines, caplog, tmp_path):
     with caplog.at_level(logging.INFO, logger="vllm.llmkv_fs.engine"):
         engines(str(tmp_path / "kv"))
     (line,) = [r.getMessage() for r in caplog.records if "byte path" in r.getMessage()]
-    if _compiled_built() and OPENAT2 and not os.environ.get(BYTE_PATH_ENV):
+    if _compiled_built() and OPENAT2:
         assert "compiled" in line

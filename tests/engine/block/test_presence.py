@@ -19,7 +19,7 @@ import sys
 import pytest
 
 from llmkv_fs.engine.block import presence as presence_module
-from llmkv_fs.engine.block.presence import PRESENCE_ENV, BlockPresence, presence_path
+from llmkv_fs.engine.block.presence import BlockPresence, presence_path
 from llmkv_fs.layout.names import block_place
 from llmkv_fs.volume.beneath import OPENAT2, Beneath
 from tests.kits.compiled_kit import built, require_built
@@ -37,7 +37,7 @@ def test_the_compiled_check_is_built_in_this_install():
     """``pip install -e .`` compiles it wherever a C compiler and Python's
     headers are; a wheel without it still installs (optional)."""
     require_built(COMPILED_MODULE)
-    if OPENAT2 and not os.environ.get(PRESENCE_ENV):
+    if OPENAT2:
         assert presence_path().startswith("compiled")
 
 
@@ -48,10 +48,12 @@ def test_without_the_compiled_module_the_python_path_runs(monkeypatch):
     assert presence_path().startswith("python")
 
 
-def test_forcing_the_python_path(monkeypatch):
-    monkeypatch.setenv(PRESENCE_ENV, "python")
-    assert presence_module.compiled_check() is None
-    assert presence_path() == f"python ({PRESENCE_ENV}=python)"
+def test_compiled_io_off_keeps_the_python_path(tmp_path):
+    assert presence_module.compiled_check(False) is None
+    if OPENAT2 and _compiled_built():
+        assert presence_path(False) == "python (compiled_io is off)"
+    presence = BlockPresence(Beneath(str(tmp_path)), SIZES, False, compiled=False)
+    assert not presence.compiled
 
 
 class Volume:
@@ -168,13 +170,9 @@ def made(vol: Volume) -> dict[str, bytes]:
 
 
 def _presence(root: str, compiled: bool, revalidate: bool, monkeypatch) -> BlockPresence:
-    if compiled:
-        if not _compiled_built() or not OPENAT2:
-            pytest.skip("the compiled check is not built here, or no openat2")
-        monkeypatch.delenv(PRESENCE_ENV, raising=False)
-    else:
-        monkeypatch.setenv(PRESENCE_ENV, "python")
-    presence = BlockPresence(Beneath(root), SIZES, revalidate)
+    if compiled and (not _compiled_built() or not OPENAT2):
+        pytest.skip("the compiled check is not built here, or no openat2")
+    presence = BlockPresence(Beneath(root), SIZES, revalidate, compiled)
     assert presence.compiled is compiled
     return presence
 
