@@ -30,7 +30,7 @@ import pytest
 
 from llmkv_fs.engine.block import bytes_c
 from llmkv_fs.engine.block.blockio import BlockIO, BlockStep, StepRoot
-from llmkv_fs.engine.block.bytes_c import byte_path_line, compiled_slices
+from llmkv_fs.engine.block.bytes_c import CompiledSlices, byte_path_line, compiled_slices
 from llmkv_fs.engine.block.options import IoOptions
 from llmkv_fs.engine.outcomes import BlockResult, Failed, Outcome
 from llmkv_fs.engine.upkeep.signals import VolumeSignals
@@ -365,17 +365,23 @@ def test_loads_of_planted_files_are_judged_as_the_python_path(sides, case, hash_
     assert c.files() == py.files()
 
 
-@needs_compiled
-def test_a_set_cancel_byte_stops_the_call_before_its_deadline(sides):
-    """The scheduler expires a job by its own clock and sets its cancel byte:
-    the compiled call reads it before each block, so nothing of the job is
-    started or published, whatever the deadline it was given says."""
+def _three_rows(sides) -> tuple[Side, list[bytes], CompiledSlices]:
+    """A compiled side with rows 0-2 filled, their keys, and its compiled slices."""
     c, _ = sides()
     keys = [make_key(i) for i in range(3)]
     for i in range(3):
         fill(c.rows, i)
     slices = c.step._compiled
     assert slices is not None
+    return c, keys, slices
+
+
+@needs_compiled
+def test_a_set_cancel_byte_stops_the_call_before_its_deadline(sides):
+    """The scheduler expires a job by its own clock and sets its cancel byte:
+    the compiled call reads it before each block, so nothing of the job is
+    started or published, whatever the deadline it was given says."""
+    c, keys, slices = _three_rows(sides)
     settled = slices.call(False, 0, keys, [0, 1, 2], 0, 3, math.inf, bytearray(b"\x01"))
     assert settled.results == [] and settled.stop == "deadline"
     assert not any(os.path.exists(c.path(k)) for k in keys)
@@ -388,12 +394,7 @@ def test_a_passed_deadline_leaves_the_blocks_to_the_cancel_byte(sides):
     """The compiled call starts no block after the deadline; the Python
     path then reads the job's cancel byte: blocks of a job not yet expired
     still move, those of an expired one do not."""
-    c, _ = sides()
-    keys = [make_key(i) for i in range(3)]
-    for i in range(3):
-        fill(c.rows, i)
-    slices = c.step._compiled
-    assert slices is not None
+    c, keys, slices = _three_rows(sides)
     settled = slices.call(False, 0, keys, [0, 1, 2], 0, 3, time.monotonic() - 1)
     assert settled.results == [] and settled.stop == "deadline"
     past = time.monotonic() - 1
