@@ -428,18 +428,20 @@ class Openat2Answers:
         return open_beneath(dir_fd, path, flags, mode)
 
 
-def _open_fds(below: Beneath) -> set[str]:
-    """This process's descriptors of the root and what lies below it (a count
-    of all of them would race whatever other threads of the process open)."""
-    found = set()
+def _open_fds(below: Beneath) -> list[str]:
+    """What this process's descriptors of the root and below it point at,
+    sorted (a count of all descriptors would race whatever other threads of
+    the process open; the numbers themselves may change, as when an ESTALE
+    makes the walk open its root again, so the targets are compared)."""
+    found = []
     for fd in os.listdir("/proc/self/fd"):
         try:
             target = os.readlink(f"/proc/self/fd/{fd}")
         except OSError:
             continue  # the listing's own descriptor, closed by now
         if target == below.path or target.startswith(below.path + "/"):
-            found.add(fd)
-    return found
+            found.append(target)
+    return sorted(found)
 
 
 @pytest.fixture

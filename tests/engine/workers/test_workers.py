@@ -575,33 +575,47 @@ def test_workers_import_the_engines_package_not_one_in_the_current_directory(tmp
         engine.shutdown()
 
 
-def _pipes() -> set[str]:
-    found = set()
-    for fd in os.listdir("/proc/self/fd"):
+def _still_open(made: list[tuple[int, str]]) -> list[tuple[int, str]]:
+    """Those of ``made`` (descriptor, its pipe) still open on the same pipe
+    (a number another thread reused names another pipe)."""
+    left = []
+    for fd, target in made:
         try:
-            if os.readlink(f"/proc/self/fd/{fd}").startswith("pipe:"):
-                found.add(fd)
+            if os.readlink(f"/proc/self/fd/{fd}") == target:
+                left.append((fd, target))
         except OSError:
-            continue  # closed meanwhile
-    return found
+            continue  # closed
+    return left
 
 
 def test_a_worker_that_cannot_be_started_leaves_no_pipe_open(root, monkeypatch):
     """A respawn whose fork the system refuses (EAGAIN under memory pressure)
-    is retried later: every failed start must close the pipes it made."""
+    is retried later: every failed start must close the pipes it made. The
+    pipes counted are those this thread's spawns made (a count of the whole
+    process's would race other threads)."""
     engine = start(root, memfd_primary())
     try:
         crew = executor(engine)._crew
-        before = _pipes()
+        made: list[tuple[int, str]] = []
+        me = threading.get_ident()
+        real_pipe2 = os.pipe2
+
+        def recorded(flags: int) -> tuple[int, int]:
+            ends = real_pipe2(flags)
+            if threading.get_ident() == me:
+                made.extend((fd, os.readlink(f"/proc/self/fd/{fd}")) for fd in ends)
+            return ends
 
         def refused(*args, **kwargs):
             raise OSError(errno.EAGAIN, "Resource temporarily unavailable")
 
+        monkeypatch.setattr(crew_module.os, "pipe2", recorded)
         monkeypatch.setattr(crew_module.subprocess, "Popen", refused)
         for _ in range(3):
             with pytest.raises(OSError, match="temporarily unavailable"):
                 crew.spawn(crew.workers[0], selectors.DefaultSelector())
-        assert _pipes() == before
+        assert made  # each spawn made its pipes before the fork was refused
+        assert _still_open(made) == []
     finally:
         monkeypatch.undo()
         engine.shutdown()
