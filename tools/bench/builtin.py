@@ -15,7 +15,8 @@ folder; finished jobs from ``get_finished()``. Paths are the FileMapper's
 shape: ``<base>_r0/<hhh>/<hh>_g<group>/<hash hex>.bin`` (``builtin_path``).
 What it leaves out of the manager is bookkeeping that moves no bytes (KV
 events); its lookups are ``BuiltinLookups`` (used by tools/bench/ttft_sides.py and
-tools/bench/lookup.py), over ``builtin_batch_lookup``.
+tools/bench/lookup.py): the payload's unmodified ``AsyncLookupManager`` over
+``builtin_batch_lookup``.
 
 Python < 3.12: ``fs_io_C`` returns None without a new reference, so every
 call lowers None's reference count by one and the process aborts
@@ -32,9 +33,7 @@ import functools
 import importlib
 import json
 import os
-import queue
 import sys
-import threading
 import time
 from collections.abc import Callable
 from types import ModuleType
@@ -55,24 +54,33 @@ if _KEEP_NONE:
 class Payload:
     io: ModuleType
     thread_pool: ModuleType
+    async_lookup: ModuleType
+    base: ModuleType  # the stand-in of vllm.v1.kv_offload.base: ReqContext
     manifest: dict
 
 
 def load_payload(path: str) -> Payload:
-    """Import the payload's io.py and thread_pool.py (ahead of any vLLM
-    installed here) and check that io.py runs its C path."""
+    """Import the payload's io.py, thread_pool.py and async_lookup.py (ahead
+    of any vLLM installed here) and check that io.py runs its C path."""
     path = os.path.abspath(path)
+    if not os.path.exists(os.path.join(path, "vllm/v1/kv_offload/tiering/async_lookup.py")):
+        raise RuntimeError(
+            f"{path} has no async_lookup.py (an older payload): make it again with "
+            "python -m tools.bench.builtin_payload"
+        )
     sys.path.insert(0, path)
     io = importlib.import_module("vllm.v1.kv_offload.tiering.fs.io")
     pool = importlib.import_module("vllm.v1.kv_offload.tiering.fs.thread_pool")
-    for module in (io, pool, sys.modules["vllm"]):
+    lookups = importlib.import_module("vllm.v1.kv_offload.tiering.async_lookup")
+    base = importlib.import_module("vllm.v1.kv_offload.base")
+    for module in (io, pool, lookups, base, sys.modules["vllm"]):
         if not os.path.abspath(module.__file__ or "").startswith(path + os.sep):
             raise RuntimeError(f"{module.__name__} came from {module.__file__}, not {path}")
     if not io._HAS_FSIO_C:
         raise RuntimeError("the payload's io.py did not load vllm.fs_io_C")
     with open(os.path.join(path, "MANIFEST.json"), encoding="utf-8") as f:
         manifest = json.load(f)
-    return Payload(io, pool, manifest)
+    return Payload(io, pool, lookups, base, manifest)
 
 
 def builtin_path(base: str, key: bytes) -> str:
@@ -175,59 +183,43 @@ class BuiltinTier:
 
 
 class BuiltinLookups:
-    """vLLM 0.33's lookups of its fs tier, mirrored: ``FsAsyncLookupManager``
-    (tiering/fs/manager.py) over ``AsyncLookupManager``
-    (tiering/async_lookup.py). ``lookup`` answers from the key's state (None
-    until known), collecting new keys; ``flush`` (the tier's
-    on_schedule_end) posts the step's keys as one batch to one background
-    thread, which checks the FileMapper paths with ``fs_io_C.batch_lookup``
-    (faccessat, GIL released; ``os.path.exists`` where the extension lacks
-    it, as there); the first lookup after a flush applies the answers."""
+    """vLLM 0.33's lookups of its fs tier, unmodified: the payload's
+    ``AsyncLookupManager`` (tiering/async_lookup.py, byte for byte: a
+    ``LookupState`` per key with its requests, the reverse index of each
+    request's keys, generations, one batch a step to one background
+    thread), its ``batch_lookup`` as ``FsAsyncLookupManager``
+    (tiering/fs/manager.py) implements it: the FileMapper paths checked by
+    ``fs_io_C.batch_lookup`` (faccessat, GIL released; ``os.path.exists``
+    where the extension lacks it, as there).
 
-    def __init__(self, path_of: Callable[[bytes], str], batch_lookup: Callable[..., Any]):
-        self._path_of, self._batch_lookup = path_of, batch_lookup
-        self._states: dict[bytes, bool | None] = {}
-        self._batch: list[bytes] = []
-        self._need_drain = False
-        self._to_worker: queue.SimpleQueue[list[bytes] | None] = queue.SimpleQueue()
-        self._answers: queue.SimpleQueue[list[tuple[bytes, bool]]] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._worker, daemon=True, name="builtin_lookup")
-        self._thread.start()
+    ``manager.lookup(key, context)`` is what ``FileSystemTierManager.lookup``
+    calls (the caller stands for that frame, as for ours), with the
+    request's ``context`` (``context(request_id)``: vLLM passes a request's
+    one ReqContext every time); ``flush`` is the tier's on_schedule_end,
+    ``cleanup`` its on_request_finished."""
 
-    def lookup(self, key: bytes) -> bool | None:
-        if self._need_drain:
-            self._drain()
-            self._need_drain = False
-        if key not in self._states:
-            self._states[key] = None
-            self._batch.append(key)
-        return self._states[key]
+    def __init__(
+        self, payload: Payload, path_of: Callable[[bytes], str], batch: Callable[..., Any]
+    ):
+        def batch_lookup(keys: list[bytes], req_context: Any) -> Any:
+            return batch([path_of(k) for k in keys])
+
+        manager_class = type(
+            "FsAsyncLookupManager",
+            (payload.async_lookup.AsyncLookupManager,),
+            {"batch_lookup": staticmethod(batch_lookup)},
+        )
+        self.manager = manager_class("fs")
+        self._req_context = payload.base.ReqContext
+
+    def context(self, request_id: str) -> Any:
+        return self._req_context(request_id)
 
     def flush(self) -> None:
-        self._drain()
-        self._need_drain = True
-        batch, self._batch = self._batch, []
-        if batch:
-            self._to_worker.put(batch)
+        self.manager.flush()
 
-    def cleanup(self) -> None:
-        self._drain()
-        self._states.clear()
+    def cleanup(self, request_id: str) -> None:
+        self.manager.cleanup(request_id)
 
     def close(self) -> None:
-        self._to_worker.put(None)
-        self._thread.join()
-
-    def _drain(self) -> None:
-        while not self._answers.empty():
-            for key, found in self._answers.get_nowait():
-                if key in self._states:
-                    self._states[key] = found
-
-    def _worker(self) -> None:
-        while (batch := self._to_worker.get()) is not None:
-            try:
-                hits = list(self._batch_lookup([self._path_of(k) for k in batch]))
-            except Exception:
-                hits = [False] * len(batch)
-            self._answers.put(list(zip(batch, hits)))
+        self.manager.shutdown()

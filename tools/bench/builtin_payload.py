@@ -10,11 +10,14 @@ What goes in (nothing of it is ever committed; the default output folder,
   removed by ``patchelf --remove-needed``; it uses only CPython and
   libstdc++ symbols (../shared/README.md), so it then loads in any
   CPython 3.10+ without torch;
-* ``vllm/v1/kv_offload/tiering/fs/io.py`` and ``thread_pool.py``, byte for
-  byte as installed;
-* one-line stand-ins for what those two import: ``vllm.logger.init_logger``
+* ``vllm/v1/kv_offload/tiering/fs/io.py`` and ``thread_pool.py`` (the byte
+  path) and ``vllm/v1/kv_offload/tiering/async_lookup.py`` (the lookups'
+  ``AsyncLookupManager``), byte for byte as installed;
+* short stand-ins for what those import: ``vllm.logger.init_logger``
   (the stdlib's ``logging.getLogger``), ``vllm.v1.kv_offload.tiering.base.JobId``
-  (``int``, as in vLLM), and empty ``__init__.py`` files;
+  (``int``, as in vLLM), ``vllm.v1.kv_offload.base``'s ``OffloadKey``
+  (``bytes``) and ``ReqContext`` (a dataclass of the one field the lookups
+  read, ``req_id``), and empty ``__init__.py`` files;
 * ``MANIFEST.json``: the vLLM version, where it came from, what was removed,
   and the sha256 of every file.
 
@@ -42,12 +45,23 @@ import sys
 
 EXTENSION = "fs_io_C.abi3.so"
 FS_DIR = "v1/kv_offload/tiering/fs"
-COPIED = (f"{FS_DIR}/io.py", f"{FS_DIR}/thread_pool.py")
+COPIED = (
+    f"{FS_DIR}/io.py",
+    f"{FS_DIR}/thread_pool.py",
+    "v1/kv_offload/tiering/async_lookup.py",
+)
 STAND_INS = {
     "__init__.py": "",
     "logger.py": "from logging import getLogger as init_logger  # noqa: F401\n",
     "v1/__init__.py": "",
     "v1/kv_offload/__init__.py": "",
+    "v1/kv_offload/base.py": (
+        "from dataclasses import dataclass\n"
+        "OffloadKey = bytes\n"
+        "@dataclass\n"
+        "class ReqContext:\n"
+        "    req_id: str\n"
+    ),
     "v1/kv_offload/tiering/__init__.py": "",
     "v1/kv_offload/tiering/base.py": "JobId = int\n",
     f"{FS_DIR}/__init__.py": "",
@@ -62,9 +76,14 @@ import sys
 sys.path.insert(0, sys.argv[1])
 import vllm.fs_io_C as c
 from vllm.v1.kv_offload.tiering.fs import io, thread_pool
+from vllm.v1.kv_offload.tiering import async_lookup
 assert io._HAS_FSIO_C, "io.py did not find the C extension"
 assert "torch" not in sys.modules
-print(c.__file__, thread_pool.DualQueueThreadPool.__name__)
+print(
+    c.__file__,
+    thread_pool.DualQueueThreadPool.__name__,
+    async_lookup.AsyncLookupManager.__name__,
+)
 """
 
 

@@ -254,12 +254,13 @@ def main() -> int:
     all_roots = list(dict.fromkeys(r for medium in args.media for r in medium))
     for d in all_roots:
         os.makedirs(d, exist_ok=True)
-    info = machine_info(all_roots)
     args.payload = None
-    if args.builtin:
+    if args.builtin:  # first: machine_info imports an installed vLLM, if any
         from tools.bench.builtin import load_payload
 
         args.payload = load_payload(args.builtin)
+    info = machine_info(all_roots)
+    if args.payload is not None:
         info["builtin_payload"] = args.payload.manifest
     print(
         f"# {info['node']}: {info['cpus']} CPUs ({info['cpu_model']}), {info['ram_gib']} GiB, "

@@ -8,9 +8,12 @@ then all misses -- from the first lookup to the last verdict.
   verdict; ``--threads`` sweeps ``lookup_threads`` (the threads one step's
   batch is checked on);
 * the built-in (``--builtin PAYLOAD_DIR``, tools/bench/builtin.py): its own
-  lookup path, ``BuiltinLookups`` mirroring vLLM's ``FsAsyncLookupManager``:
-  one batch per step to one background thread calling
-  ``fs_io_C.batch_lookup`` on the FileMapper paths;
+  lookup path, vLLM's unmodified ``AsyncLookupManager`` as its
+  ``FsAsyncLookupManager`` uses it (``BuiltinLookups``): one batch per step
+  to one background thread calling ``fs_io_C.batch_lookup`` on the
+  FileMapper paths. Each side is asked through one frame standing for its
+  tier's ``lookup`` (``FsTier.lookup``, ``FileSystemTierManager.lookup``),
+  with one request's id or ReqContext, as vLLM passes them;
 * plain stat: ``os.stat`` of each full path of our files on 1 and on each
   ``--threads`` count of threads, no tier at all (the reference: what the
   volume costs);
@@ -253,13 +256,20 @@ class Bench:
         from tools.bench.builtin import BuiltinLookups
 
         assert self.batch_lookup is not None
-        lookups = BuiltinLookups(self.builtin_path, self.batch_lookup)
+        lookups = BuiltinLookups(self.payload, self.builtin_path, self.batch_lookup)
+        lookup = lookups.manager.lookup
         out = {}
         try:
             for case in CASES:
                 self.settle()
-                got = step_until_known(lookups.lookup, lookups.flush, self.keys[case], self.step_s)
-                lookups.cleanup()
+                request = f"lookup-{case}-{time.monotonic_ns()}"
+                context = lookups.context(request)
+
+                def ask(key: bytes, context: Any = context) -> bool | None:
+                    return lookup(key, context)  # as FileSystemTierManager.lookup calls it
+
+                got = step_until_known(ask, lookups.flush, self.keys[case], self.step_s)
+                lookups.cleanup(request)
                 out[case] = {
                     "s": got.s,
                     "steps": got.steps,

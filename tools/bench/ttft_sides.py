@@ -152,7 +152,7 @@ class OursSide(Side):
 
 class BuiltinSide(Side):
     """vLLM's built-in fs tier byte path (tools/bench/builtin.py) with its
-    default 16 + 16 threads, its lookups mirrored by BuiltinLookups."""
+    default 16 + 16 threads, its lookups vLLM's own (BuiltinLookups)."""
 
     name = "builtin"
 
@@ -162,7 +162,8 @@ class BuiltinSide(Side):
         self.tier = BuiltinTier(payload, root, region.mm, chunk, threads)
         self.max_pending_blocks = 1 << 30
         batch, how = builtin_batch_lookup()
-        self.lookups = BuiltinLookups(self.path, batch)
+        self.lookups = BuiltinLookups(payload, self.path, batch)
+        self._contexts: dict[str, Any] = {}  # a request's one ReqContext, as vLLM keeps it
         self.info = {
             "threads": threads,
             "o_direct": self.tier.use_o_direct,
@@ -170,13 +171,17 @@ class BuiltinSide(Side):
         }
 
     def lookup(self, key: bytes, request: str) -> bool | None:
-        return self.lookups.lookup(key)
+        context = self._contexts.get(request)
+        if context is None:
+            context = self._contexts[request] = self.lookups.context(request)
+        return self.lookups.manager.lookup(key, context)
 
     def end_step(self) -> None:
         self.lookups.flush()
 
     def forget(self, request: str) -> None:
-        self.lookups.cleanup()
+        self._contexts.pop(request, None)
+        self.lookups.cleanup(request)
 
     def path(self, key: bytes) -> str:
         return self.tier._path(key)  # the FileMapper's path, as the tier writes it
