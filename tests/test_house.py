@@ -314,10 +314,6 @@ TESTED_ELSEWHERE = {
     "llmkv_fs/engine/block/stamps.py": (
         "the atime stamps of a load: tests/engine/test_access_and_modes.py"
     ),
-    "llmkv_fs/engine/launch.py": (
-        "the engine's start-up decisions through FsEngine: tests/engine/test_engine.py, "
-        "tests/engine/test_engine_pool.py"
-    ),
     "llmkv_fs/engine/lookup_checks.py": "the lookups' batched checks: tests/engine/test_lookup.py",
     "llmkv_fs/engine/outcomes.py": (
         "every outcome and failure through the engine: tests/engine/test_engine.py, "

@@ -143,13 +143,13 @@ class FsEngine:
         # Lost roots by index, as of the last recheck (the lookups are told).
         self._lost_roots: frozenset[int] = frozenset()
         self._stores_refused = False  # every root's guard, as of the same recheck
-        self._slice_blocks = slice_blocks(block_size)
+        self._slice_blocks, least = slice_blocks(block_size)
         accountant = JobAccountant(
             self._counters, block_size, self._error_log, settings.failed_load_miss_s
         )
         self.job_latencies = accountant.job_latencies
         self._scheduler = BlockScheduler(
-            store_queue_blocks(settings, block_size), self._slice_blocks, accountant
+            store_queue_blocks(settings, block_size), self._slice_blocks, accountant, least
         )
         self._started = self._start_io()
         self.io_workers = self._started.io_workers  # worker processes in use (0: I/O threads)

@@ -41,11 +41,19 @@ logger = logging.getLogger("vllm.llmkv_fs.engine")
 # still travels alone, 64 KiB ones by 16 (docs/benchmarks.md, "Small blocks").
 _SLICE_BYTES = 1 << 20
 _SLICE_MAX_BLOCKS = 16
+# ... and, while a job is spread over the places, at least this many: a
+# slice's own cost (its take, the compiled call, its publish: Python under
+# the interpreter lock every place shares) is about what moving 256 KiB
+# costs, so a small job cut finer waits on the handoffs, not on the bytes
+# (docs/benchmarks.md, "A small job's latency").
+_SLICE_LEAST_BYTES = 1 << 18
 
 
-def slice_blocks(block_size: int) -> int:
-    """How many blocks of one job an executor place may take at once."""
-    return max(1, min(_SLICE_MAX_BLOCKS, _SLICE_BYTES // block_size))
+def slice_blocks(block_size: int) -> tuple[int, int]:
+    """How many blocks of one job an executor place may take at once: the
+    most, and the fewest while more are queued than that."""
+    most = max(1, min(_SLICE_MAX_BLOCKS, _SLICE_BYTES // block_size))
+    return most, max(1, min(most, _SLICE_LEAST_BYTES // block_size))
 
 
 def sealing(

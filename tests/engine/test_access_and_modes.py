@@ -186,7 +186,7 @@ _MODES_SCRIPT = textwrap.dedent("""
     from llmkv_fs.volume.leases import lease_for, read_leases
     from llmkv_fs.layout.paths import CacheLayout, RunIdentity
 
-    BS = 64 * 1024
+    BS = args["block_size"]
     settings = TierSettings.from_mapping({
         "root_dir": args["root"], "n_read_threads": 1, "n_write_threads": 1,
         "lookup_threads": 1, "lease_interval_s": 5, **args["modes"]})
@@ -230,7 +230,7 @@ def run_modes_script(root: str, umask: int, modes: dict) -> dict:
             sys.executable,
             "-c",
             _MODES_SCRIPT,
-            json.dumps({"root": root, "umask": umask, "modes": modes}),
+            json.dumps({"root": root, "umask": umask, "modes": modes, "block_size": BS}),
         ],
         capture_output=True,
         text=True,

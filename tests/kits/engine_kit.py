@@ -26,7 +26,7 @@ from llmkv_fs.engine.scheduling import scheduler
 from llmkv_fs.layout.paths import CacheLayout, RunIdentity
 from tests.kits.clock_kit import ManualClock
 
-BS = 64 * 1024
+BS = 256 * 1024  # a lone job then spreads one block per place (engine/launch.py)
 DEADLINE_S = 20.0
 GATE_TIMEOUT_S = 15.0
 IDENTITY = RunIdentity(

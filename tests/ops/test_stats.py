@@ -158,7 +158,8 @@ def test_human_output_warns_loudly_on_seed_mismatch(volume, capsys):
         "QUAR",
         "OTHER",
     ]
-    assert out.splitlines()[2].split()[4:] == ["9", "612.0", "KiB", "2", "2", "2", "1", "2"]
+    # 9 files of BS + a 4 KiB trailer: 9 x 260 KiB
+    assert out.splitlines()[2].split()[4:] == ["9", "2.3", "MiB", "2", "2", "2", "1", "2"]
     loud = [line for line in out.splitlines() if "replicas will not share cache" in line]
     assert loud and all(line.lstrip().startswith("!!!") for line in loud)
     assert "live  node-a pid 4242  vllm 0.33.1" in out

@@ -17,8 +17,9 @@ Slices: a place takes several consecutive blocks of one job at once (a
 many twice over -- one lock round trip, one pipe record to a worker, one
 give-back for all of them -- never more than ``slice_blocks`` (set by the engine from the
 block size: a small block costs more besides its bytes than in them,
-docs/benchmarks.md, "Small blocks"). A lone job still spreads one block per
-place.
+docs/benchmarks.md, "Small blocks"). A lone job still spreads over the
+places, in slices of ``least_slice_blocks`` (a slice's own cost is worth
+that many blocks' bytes; 1: one block per place).
 
 The load prefix rule: vLLM can use only the blocks of a load job before the
 first one that failed, in key order (its built-in stops reading there). So
@@ -255,10 +256,12 @@ class BlockScheduler:
         max_queued_store_blocks: int,
         slice_blocks: int = 1,
         accountant: JobAccountant | None = None,
+        least_slice_blocks: int = 1,
     ):
         self._accountant = accountant
         self._max_queued_stores = max_queued_store_blocks
         self._slice_blocks = max(1, slice_blocks)
+        self._least_slice = max(1, min(self._slice_blocks, least_slice_blocks))
         self._places = 1  # the executor's capacity, once started
         self._lock = threading.Lock()
         self._all_done = threading.Condition(self._lock)
@@ -461,9 +464,10 @@ class BlockScheduler:
             count = 1
             if self._slice_blocks > 1 and left > 1:
                 # Enough queued for every place to take this many twice over
-                # (or the cap); less work spreads one block per place.
+                # (or the cap); less work spreads in the least slices.
                 queued = self._blocks_in[is_load] - self._blocks_out[is_load]
-                count = min(left, self._slice_blocks, max(1, queued // (2 * self._places)))
+                spread = max(self._least_slice, queued // (2 * self._places))
+                count = min(left, self._slice_blocks, spread)
             job.next_block = first + count
             if job.next_block == len(job.keys):
                 queue.popleft()

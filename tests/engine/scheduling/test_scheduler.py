@@ -47,8 +47,8 @@ class FakeExecutor:
         return 0
 
 
-def scheduler(places: int = 2, slice_blocks: int = 1, max_stores: int = 100):
-    sched = BlockScheduler(max_stores, slice_blocks)
+def scheduler(places: int = 2, slice_blocks: int = 1, max_stores: int = 100, least: int = 1):
+    sched = BlockScheduler(max_stores, slice_blocks, least_slice_blocks=least)
     executor = FakeExecutor(places)
     sched.start(executor)
     return sched, executor
@@ -108,6 +108,26 @@ def test_slices_grow_only_when_every_place_can_get_as_many_twice_over():
     taken = sched.take(True)
     assert taken is not None and taken.n_blocks == 16
     assert sched.blocks_in_flight() == 16 and sched.busy_places() == 1
+
+
+def test_a_lone_small_job_spreads_in_slices_no_smaller_than_the_least():
+    sched, _ = scheduler(places=8, slice_blocks=16, least=16)
+    sched.submit(*job(1, True, 32))  # 32 // (2 * 8) = 2, but a slice is worth 16
+    shapes = []
+    while (taken := sched.take(True)) is not None:
+        shapes.append((taken.first, taken.n_blocks))
+    assert shapes == [(0, 16), (16, 16)]
+    sched, _ = scheduler(places=8, slice_blocks=16, least=16)
+    sched.submit(*job(2, True, 5))  # fewer than the least: one slice
+    taken = sched.take(True)
+    assert taken is not None and taken.n_blocks == 5 and sched.take(True) is None
+
+
+def test_the_least_slice_never_exceeds_the_most():
+    sched, _ = scheduler(places=2, slice_blocks=4, least=16)
+    sched.submit(*job(1, True, 32))
+    taken = sched.take(True)
+    assert taken is not None and taken.n_blocks == 4
 
 
 def test_a_failed_load_block_skips_the_blocks_not_handed_out_yet():
