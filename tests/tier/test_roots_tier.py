@@ -10,6 +10,7 @@ import os
 import pytest
 from vllm.v1.kv_offload.base import LookupResult
 
+from llmkv_fs.layout.placement import RootPlacement
 from llmkv_fs.rootlist import RootListError
 from tests.kits.engine_kit import inside
 from tests.kits.tier_kit import (
@@ -46,13 +47,28 @@ def served(replica, keys) -> bool:
         replica.finish_request(ctx)
 
 
+def keys_homed_on_each(roots: list[str], each: int, seed: str) -> list[bytes]:
+    """``each`` keys whose home is each of ``roots`` (the placement follows
+    the roots' spelling, a temporary path here: keys drawn blindly could
+    leave a root with none)."""
+    placement = RootPlacement(roots)
+    homed: dict[int, list[bytes]] = {index: [] for index in range(len(roots))}
+    for key in make_keys(200 * each * len(roots), seed):
+        home = homed[placement.home(key)]
+        if len(home) < each:
+            home.append(key)
+        if all(len(keys) == each for keys in homed.values()):
+            return [key for keys in homed.values() for key in keys]
+    raise AssertionError("no key homed on some root")
+
+
 def test_replicas_listing_the_roots_in_another_order_share_every_block(tmp_path, replicas):
     roots = roots_in(tmp_path, "nvme0", "nvme1", "nvme2")
-    keys = make_keys(24, "shared")
+    keys = keys_homed_on_each(roots, 8, "shared")
     writer = start(replicas, ours(",".join(roots), **SHARDED))
     writer.store(keys)
     per_root = {root: len(block_files(root)) for root in roots}
-    assert sum(per_root.values()) == len(keys) and all(per_root.values()), per_root
+    assert per_root == dict.fromkeys(roots, 8)  # each block on its home root
     reader = start(replicas, ours(",".join(reversed(roots)), **SHARDED))
     assert served(reader, keys)
     assert reader.tier.config_info()["llmkv_fs_roots"] == 3
