@@ -149,7 +149,10 @@ class FsEngine:
         )
         self.job_latencies = accountant.job_latencies
         self._scheduler = BlockScheduler(
-            store_queue_blocks(settings, block_size), self._slice_blocks, accountant, least
+            store_queue_blocks(settings, block_size),
+            self._slice_blocks,
+            accountant,
+            least_slice_blocks=least,
         )
         self._started = self._start_io()
         self.io_workers = self._started.io_workers  # worker processes in use (0: I/O threads)
