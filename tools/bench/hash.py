@@ -1,5 +1,5 @@
 """The checksum's compute alone: xxh3-64 of 2 MiB blocks fed in the pieces the
-engine's workers use (``engine/startup/io_setup._HASH_CHUNK_WORKERS``), by the
+engine's workers use (``engine/startup/io_setup._HASH_PIECE``), by the
 xxhash that this interpreter imports, in N processes at once.
 
 ``hot``: every block is the same 2 MiB, in cache (what write-then-hash sees:
@@ -28,7 +28,7 @@ import time
 
 import xxhash
 
-from llmkv_fs.engine.startup.io_setup import _HASH_CHUNK_WORKERS as PIECE
+from llmkv_fs.engine.startup.io_setup import _HASH_PIECE as PIECE
 
 BLOCK = 2 << 20
 

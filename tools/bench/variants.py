@@ -7,7 +7,7 @@ A variant is ``NAME:key=value,...`` with keys
 * ``io_workers`` -- ``auto`` or a count (workers mode);
 * ``hash_kib`` -- the piece hashed next to each read or write on memory
   filesystems, for I/O threads and worker processes alike
-  (``engine/startup/io_setup._HASH_CHUNK`` and ``_HASH_CHUNK_WORKERS``; the
+  (``engine/startup/io_setup._HASH_PIECE`` and ``_HASH_PIECE_PYTHON_THREADS``; the
   options travel to worker processes with the spec);
 * ``prefault`` -- ``off`` turns the workers' page-table filler off
   (``engine/workers/prefault.py``) through a ``sitecustomize`` on the
@@ -88,12 +88,14 @@ def applied(variant: Variant) -> Iterator[None]:
     from llmkv_fs.engine.startup import io_setup
 
     saved_env = dict(os.environ)
-    saved_chunks = io_setup._HASH_CHUNK, io_setup._HASH_CHUNK_WORKERS
+    saved_chunks = io_setup._HASH_PIECE, io_setup._HASH_PIECE_PYTHON_THREADS
     saved_pieces = io_setup._SEAL_PIECE_THREADS, io_setup._SEAL_PIECE_WORKERS
     site = None
     try:
         if "hash_kib" in variant:
-            io_setup._HASH_CHUNK = io_setup._HASH_CHUNK_WORKERS = int(variant["hash_kib"]) << 10
+            io_setup._HASH_PIECE = io_setup._HASH_PIECE_PYTHON_THREADS = (
+                int(variant["hash_kib"]) << 10
+            )
         if "seal_kib" in variant:
             piece = int(variant["seal_kib"]) << 10
             io_setup._SEAL_PIECE_THREADS = io_setup._SEAL_PIECE_WORKERS = piece
@@ -107,7 +109,7 @@ def applied(variant: Variant) -> Iterator[None]:
             os.environ["LLMKV_BENCH_NO_PREFAULT"] = "1"
         yield
     finally:
-        io_setup._HASH_CHUNK, io_setup._HASH_CHUNK_WORKERS = saved_chunks
+        io_setup._HASH_PIECE, io_setup._HASH_PIECE_PYTHON_THREADS = saved_chunks
         io_setup._SEAL_PIECE_THREADS, io_setup._SEAL_PIECE_WORKERS = saved_pieces
         os.environ.clear()
         os.environ.update(saved_env)

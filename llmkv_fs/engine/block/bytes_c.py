@@ -72,6 +72,7 @@ __all__ = [
     "HasBlockIO",
     "Settled",
     "byte_path_line",
+    "compiled_available",
     "compiled_slices",
 ]
 
@@ -144,6 +145,12 @@ def _refusal(roots: Sequence[HasBlockIO]) -> str | None:
         if not blockio._below.one_call:
             return "a root without openat2"
     return None
+
+
+def compiled_available() -> bool:
+    """The compiled byte path is built and this kernel has openat2 (each
+    root's own refusals aside: ``byte_path_line`` says those)."""
+    return OPENAT2 and _BUILT is not None
 
 
 def byte_path_line(roots: Sequence[HasBlockIO]) -> str:

@@ -12,6 +12,7 @@ import os
 from collections.abc import Sequence
 
 from llmkv_fs.config import TierSettings
+from llmkv_fs.engine.block.bytes_c import compiled_available
 from llmkv_fs.engine.block.options import IoOptions
 from llmkv_fs.engine.startup.probe import probe_o_direct
 from llmkv_fs.engine.upkeep.prepare import EngineError
@@ -28,20 +29,26 @@ __all__ = [
 ]
 
 # Memory-backed volumes, where a load is a memcpy: hash each piece while it
-# is still in cache. The piece depends on who moves the bytes: I/O threads
-# share vLLM's GIL, and each piece is one more release and re-acquire (so a
-# large one); worker processes share no GIL, but many of them busy evict a
-# large piece before it is hashed (so a smaller one). The measurements that
-# chose both: docs/bench/history.md.
+# is still in cache, a piece that stays in L2 while every place copies at
+# once. I/O threads on the Python byte path take a larger one: there each
+# piece is one more release and re-acquire of vLLM's GIL (the compiled path
+# hashes a whole slice's pieces without it). The measurements that chose
+# both: docs/bench/history.md and docs/benchmarks.md, "The hash piece".
 _MEMORY_FS = frozenset(("tmpfs", "ramfs"))
-_HASH_CHUNK = 1 << 20
-_HASH_CHUNK_WORKERS = 256 << 10
+_HASH_PIECE = 256 << 10
+_HASH_PIECE_PYTHON_THREADS = 1 << 20
 # Sealed blocks, on any volume: I/O threads encrypt a whole block (up to
 # this) in one cipher call, since each call takes vLLM's GIL back once;
 # worker processes share no GIL and keep a piece in L2 between the copy and
 # the cipher (docs/benchmarks.md, "Sealed against unsealed", has the figures).
 _SEAL_PIECE_THREADS = 4 << 20
 _SEAL_PIECE_WORKERS = 256 << 10
+
+
+def _hash_piece(settings: TierSettings) -> int:
+    """The piece I/O threads hash a block in on memory-backed volumes."""
+    compiled = settings.compiled_io and compiled_available()
+    return _HASH_PIECE if compiled else _HASH_PIECE_PYTHON_THREADS
 
 
 def memory_backed(fstype: str) -> bool:
@@ -89,7 +96,7 @@ def io_options(
         accept_trailerless=settings.accept_trailerless,
         file_mode=settings.file_mode,
         dir_mode=settings.dir_mode,
-        hash_chunk=_HASH_CHUNK if fstype in _MEMORY_FS else 0,
+        hash_chunk=_hash_piece(settings) if fstype in _MEMORY_FS else 0,
         # A client's cached "no such file" hides a block another client
         # stored for up to acdirmax (measured ~30 s; docs/reliability.md).
         revalidate_misses=fstype.startswith("nfs"),
@@ -146,7 +153,8 @@ def choose_o_direct(mode: str, primary: memoryview, block_size: int, rank_dir: s
 
 def for_worker_processes(options: IoOptions) -> IoOptions:
     """The options an I/O worker process moves blocks with: those of the
-    engine's threads, with the smaller hash piece where pieces are used and
-    the smaller sealing piece."""
-    hash_chunk = _HASH_CHUNK_WORKERS if options.hash_chunk else 0
+    engine's threads, with the in-cache hash piece where pieces are used
+    (threads on the Python path take a larger one) and the smaller sealing
+    piece."""
+    hash_chunk = _HASH_PIECE if options.hash_chunk else 0
     return dataclasses.replace(options, hash_chunk=hash_chunk, seal_piece=_SEAL_PIECE_WORKERS)

@@ -6,9 +6,10 @@ checksum is the whole payload's, whatever the piece; a load hashes the same
 way.
 
 The piece depends on who moves the bytes (engine/startup/io_setup.py):
-1 MiB for I/O threads in vLLM's process (each piece is one more GIL
-hand-off), 256 KiB for worker processes (no GIL; many busy workers evict a
-1 MiB piece before it is hashed); sealed blocks likewise: threads seal a
+256 KiB, which stays in cache while every place copies at once, for worker
+processes and for I/O threads on the compiled byte path (it hashes a whole
+slice without the GIL); 1 MiB for I/O threads on the Python path (each
+piece there is one more GIL hand-off). Sealed blocks likewise: threads seal a
 whole block (up to 4 MiB) in one cipher call, workers 256 KiB pieces. What a
 worker process moves blocks with is what it was started with: the launch
 spec on its command line, read from /proc. Real tmpfs and ext4, real worker
@@ -21,14 +22,17 @@ import os
 import pytest
 import xxhash
 
+from llmkv_fs.config import TierSettings
+from llmkv_fs.engine import FsEngine
 from llmkv_fs.engine.block import contents
+from llmkv_fs.engine.block.bytes_c import compiled_available
 from llmkv_fs.engine.block.contents import BlockContents
 from llmkv_fs.engine.block.options import IoOptions
 from llmkv_fs.engine.outcomes import Outcome
 from llmkv_fs.engine.workers.crew import WorkerLaunch
 from llmkv_fs.layout.blockfile import TRAILER_SIZE, verify_block
 from llmkv_fs.layout.paths import CacheLayout
-from tests.kits.engine_kit import IDENTITY, inside, round_trip, worker_engine
+from tests.kits.engine_kit import IDENTITY, inside, memfd_primary, round_trip, worker_engine
 
 KEY = bytes(range(36))
 
@@ -158,7 +162,7 @@ def test_workers_hash_and_seal_in_smaller_pieces_than_threads(medium, mount_tmpf
         threads_piece = engine.roots[0].blockio.options.hash_chunk
         pieces = [worker_options(pid).hash_chunk for pid in inside(engine).executor.worker_pids()]
         if medium == "tmpfs":
-            assert threads_piece == 1 << 20
+            assert threads_piece == (256 << 10 if compiled_available() else 1 << 20)
             assert pieces == [256 << 10, 256 << 10]
         else:  # a disk: one large read matters more than the cache
             assert threads_piece == 0 and pieces == [0, 0]
@@ -167,5 +171,21 @@ def test_workers_hash_and_seal_in_smaller_pieces_than_threads(medium, mount_tmpf
             worker_options(pid).seal_piece for pid in inside(engine).executor.worker_pids()
         ] == [256 << 10] * 2
         round_trip(engine, primary, 8)
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.parametrize("compiled_io", [True, False])
+def test_threads_on_the_python_path_hash_in_larger_pieces(compiled_io, mount_tmpfs):
+    base = mount_tmpfs("64m")
+    settings = TierSettings(root_dir=f"{base}/kv", io_workers=0, compiled_io=compiled_io)
+    primary = memfd_primary(4 * (2 << 20))
+    engine = FsEngine(
+        settings, CacheLayout.for_identity(settings.root_dir, IDENTITY), primary, 2 << 20
+    )
+    try:
+        compiled = compiled_io and compiled_available()
+        assert engine.roots[0].blockio.options.hash_chunk == (256 << 10 if compiled else 1 << 20)
+        round_trip(engine, primary, 4)
     finally:
         engine.shutdown()
