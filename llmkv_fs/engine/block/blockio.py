@@ -150,7 +150,7 @@ class BlockIO:
         # O_NONBLOCK: a FIFO planted at a block path must not hang an I/O
         # thread in open(); it fails in preadv instead (no effect on files).
         self._read_flags = self._open_flags(os.O_RDONLY | os.O_NONBLOCK)
-        self._stamps = AccessStamps(self._below)
+        self._stamps = AccessStamps(self._below, self._rank)
         self._presence = BlockPresence(
             self._below, self._contents.valid_sizes, options.revalidate_misses, options.compiled
         )
@@ -446,7 +446,7 @@ class BlockIO:
                 bad, ident = exc, file_ident(os.fstat(fd))
             else:
                 if self.options.stamp_access:
-                    self._stamps.note(rel_dir, name)
+                    self._stamps.note((key,))
                 return outcome
         finally:
             # A read-only descriptor: closing it can lose nothing, and a
@@ -484,6 +484,12 @@ class BlockIO:
             # Still a bad file (counted as such); the engine remembers the
             # key as a miss so new requests do not re-read it.
             bad.left_because = f"could not be moved aside: {exc}"
+
+    def note_loaded(self, keys: Sequence[bytes]) -> None:
+        """Blocks of ``keys`` were loaded by the compiled byte path: their
+        access stamps, as ``load`` notes its own (with ``stamp_access``)."""
+        if self.options.stamp_access:
+            self._stamps.note(keys)
 
     def has_queued_stamps(self) -> bool:
         return self._stamps.pending()

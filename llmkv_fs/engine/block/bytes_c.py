@@ -56,7 +56,6 @@ from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 from llmkv_fs.engine.block.blockio import BlockIO, Cancel
 from llmkv_fs.engine.outcomes import SKIPPED, BlockResult, Outcome, failed
-from llmkv_fs.layout.names import block_place
 from llmkv_fs.layout.placement import RootPlacement
 from llmkv_fs.volume.beneath import DIR_FLAGS, OPENAT2
 from llmkv_fs.volume.files import needs_chmod
@@ -205,7 +204,6 @@ class _Root:
         "prefix",
         "read_flags",
         "signals",
-        "stamp",
         "temp_flags",
     )
 
@@ -229,7 +227,6 @@ class _Root:
         self.fsync_dir = opts.fsync_dir
         self.host = os.fsencode(blockio._host)
         self.pid = blockio._pid
-        self.stamp = opts.stamp_access
         self.loaded = Outcome.VERIFIED if opts.checksum else Outcome.UNVERIFIED
 
 
@@ -372,10 +369,8 @@ class CompiledSlices:
             deadline,
             cancelled,
         )
-        if root.stamp and done:  # as BlockIO.load notes each block it loaded
-            blockio = root.blockio
-            for key in keys[start : start + done]:
-                blockio._stamps.note(*block_place(blockio._rank, key))
+        if done:
+            root.blockio.note_loaded(keys[start : start + done])
         return Settled([root.loaded] * done, STOPS[why], code)
 
     def _store_run(
