@@ -37,10 +37,12 @@ __all__ = ["Started", "log_start", "sealing", "slice_blocks", "start_executor"]
 logger = logging.getLogger("vllm.llmkv_fs.engine")
 
 # An executor place takes up to this many bytes of one job's blocks at once
-# (a slice: one scheduler round trip, one record to a worker): a 2 MiB block
-# still travels alone, 64 KiB ones by 16 (docs/benchmarks.md, "Small blocks").
-_SLICE_BYTES = 1 << 20
-_SLICE_MAX_BLOCKS = 16
+# (a slice: one scheduler round trip, one record to a worker), and only while
+# every place can take as many twice over (scheduling/scheduler.py): with
+# work queued for all, fewer slices are fewer hand-offs under the interpreter
+# lock (docs/benchmarks.md, "Small blocks" and "The slice").
+_SLICE_BYTES = 4 << 20
+_SLICE_MAX_BLOCKS = 64
 # ... and, while a job is spread over the places, at least this many: a
 # slice's own cost (its take, the compiled call, its publish: Python under
 # the interpreter lock every place shares) is about what moving 256 KiB

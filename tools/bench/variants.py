@@ -22,6 +22,9 @@ A variant is ``NAME:key=value,...`` with keys
   for I/O threads and worker processes alike
   (``engine/startup/io_setup._SEAL_PIECE_THREADS`` and
   ``_SEAL_PIECE_WORKERS``);
+* ``slice_kib`` and ``slice_max`` -- the most bytes and blocks a place
+  takes of one job at once (``engine/launch._SLICE_BYTES`` and
+  ``_SLICE_MAX_BLOCKS``);
 * ``site`` -- a directory put first on the workers' PYTHONPATH, e.g. an
   unpacked wheel of another xxhash, so two builds of a dependency are
   compared in one run (workers mode: I/O threads hash in the benchmark's
@@ -44,7 +47,18 @@ from collections.abc import Iterator
 
 __all__ = ["Variant", "applied", "parse_variant"]
 
-_KEYS = ("io_workers", "hash_kib", "prefault", "nice", "site", "seal", "seal_kib", "compiled")
+_KEYS = (
+    "io_workers",
+    "hash_kib",
+    "prefault",
+    "nice",
+    "site",
+    "seal",
+    "seal_kib",
+    "compiled",
+    "slice_kib",
+    "slice_max",
+)
 _SITECUSTOMIZE = """
 import os
 if os.environ.get("LLMKV_BENCH_NO_PREFAULT"):
@@ -83,13 +97,15 @@ def _put_first_on_pythonpath(directory: str) -> None:
 
 @contextlib.contextmanager
 def applied(variant: Variant) -> Iterator[None]:
-    """``variant``'s hash piece and worker environment in force for the
-    engine started inside."""
+    """``variant``'s pieces, slices and worker environment in force for
+    the engine started inside."""
+    from llmkv_fs.engine import launch
     from llmkv_fs.engine.startup import io_setup
 
     saved_env = dict(os.environ)
     saved_chunks = io_setup._HASH_PIECE, io_setup._HASH_PIECE_PYTHON_THREADS
     saved_pieces = io_setup._SEAL_PIECE_THREADS, io_setup._SEAL_PIECE_WORKERS
+    saved_slices = launch._SLICE_BYTES, launch._SLICE_MAX_BLOCKS
     site = None
     try:
         if "hash_kib" in variant:
@@ -99,6 +115,10 @@ def applied(variant: Variant) -> Iterator[None]:
         if "seal_kib" in variant:
             piece = int(variant["seal_kib"]) << 10
             io_setup._SEAL_PIECE_THREADS = io_setup._SEAL_PIECE_WORKERS = piece
+        if "slice_kib" in variant:
+            launch._SLICE_BYTES = int(variant["slice_kib"]) << 10
+        if "slice_max" in variant:
+            launch._SLICE_MAX_BLOCKS = int(variant["slice_max"])
         if "site" in variant:
             _put_first_on_pythonpath(os.path.abspath(variant["site"]))
         if variant.get("prefault") == "off":
@@ -111,6 +131,7 @@ def applied(variant: Variant) -> Iterator[None]:
     finally:
         io_setup._HASH_PIECE, io_setup._HASH_PIECE_PYTHON_THREADS = saved_chunks
         io_setup._SEAL_PIECE_THREADS, io_setup._SEAL_PIECE_WORKERS = saved_pieces
+        launch._SLICE_BYTES, launch._SLICE_MAX_BLOCKS = saved_slices
         os.environ.clear()
         os.environ.update(saved_env)
         if site:

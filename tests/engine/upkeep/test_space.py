@@ -43,6 +43,17 @@ def small_tmpfs(mount_tmpfs):
     return mount_tmpfs("16m")
 
 
+# Blocks a place takes one at a time (engine/launch.py slices at most 4 MiB),
+# so the headroom is one block per place the executor has, plus one.
+BIG = 4 * MiB
+
+
+@pytest.fixture
+def tmpfs_of_15_big_blocks(mount_tmpfs):
+    """A real 64 MiB tmpfs of our own: 15 files of BIG blocks fit."""
+    return mount_tmpfs("64m")
+
+
 def wait_samples(engine, n: int = 1) -> None:
     """Wait until the housekeeping thread has sampled the volume n more times."""
     for _ in range(n):
@@ -176,10 +187,12 @@ def test_enospc_baseline_falls_back_to_the_next_sample(small_tmpfs, monkeypatch)
 # -- through the engine ---------------------------------------------------------------------
 
 
-def test_engine_resumes_stores_when_room_is_made_right_after_enospc(small_tmpfs, engines):
-    bs = MiB
+def test_engine_resumes_stores_when_room_is_made_right_after_enospc(
+    tmpfs_of_15_big_blocks, engines
+):
+    volume, bs = tmpfs_of_15_big_blocks, BIG
     engine, _layout, primary = engines(
-        small_tmpfs,
+        volume,
         n_blocks=2,
         block_size=bs,
         n_read_threads=1,
@@ -192,7 +205,7 @@ def test_engine_resumes_stores_when_room_is_made_right_after_enospc(small_tmpfs,
     assert engine.submit_store(1, keys, [i % 2 for i in range(24)])
     assert not wait_jobs(engine, [1])[1].success
     assert engine.roots[0].guard.reason == "ENOSPC"
-    for path in block_files(small_tmpfs):  # gc empties the volume at once
+    for path in block_files(volume):  # gc empties the volume at once
         os.unlink(path)
     wait_until(lambda: not tripped(engine), "the guard to lift")
     assert engine.submit_store(2, [make_key("after")], [0])
@@ -296,10 +309,12 @@ def test_min_free_bytes_trips_at_start_and_lifts_when_space_is_freed(small_tmpfs
     assert os.path.getsize(layout.block_path(make_key("m"))) == BS + TRAILER_SIZE
 
 
-def test_enospc_trips_the_guard_until_gc_frees_more_than_the_headroom(small_tmpfs, engines):
-    bs = MiB  # 15 block files fit the 16 MiB volume
+def test_enospc_trips_the_guard_until_gc_frees_more_than_the_headroom(
+    tmpfs_of_15_big_blocks, engines
+):
+    volume, bs = tmpfs_of_15_big_blocks, BIG
     engine, layout, primary = engines(
-        small_tmpfs,
+        volume,
         n_blocks=4,
         block_size=bs,
         n_read_threads=1,
@@ -319,14 +334,14 @@ def test_enospc_trips_the_guard_until_gc_frees_more_than_the_headroom(small_tmpf
     assert not job.success
 
     c = engine.counters
-    files = block_files(small_tmpfs)
+    files = block_files(volume)
     assert 0 < len(files) < 24
     assert c[Outcome.WRITTEN] == len(files) == len(job.succeeded)
     assert c[Direction.STORE, Failure.ERROR] >= 1  # the ENOSPC(s)
     assert c[Direction.STORE, Failure.ERROR] + c[Direction.STORE, Failure.SPACE] == 24 - len(files)
     assert c[Direction.STORE, Failure.SPACE] >= 1  # later blocks were not even tried
     assert {os.path.getsize(f) for f in files} == {bs + TRAILER_SIZE}  # nothing torn
-    assert temp_files(small_tmpfs) == []
+    assert temp_files(volume) == []
     assert engine.roots[0].guard.reason == "ENOSPC" and tripped(engine)
 
     wait_samples(engine, 2)  # the guard has its post-ENOSPC baseline

@@ -71,3 +71,13 @@ def test_bench_hash_reports_each_case_with_its_xxhash():
     lines = [json.loads(line) for line in out.splitlines()]
     assert [(line["procs"], line["kind"]) for line in lines] == [(1, "hot"), (2, "hot")]
     assert all(line["xxhash"] == xxhash.VERSION and line["gbps_total"] > 0 for line in lines)
+
+
+def test_a_slice_variant_is_in_force_only_inside(variants):
+    from llmkv_fs.engine import launch
+
+    with variants.applied(variants.parse_variant("s1m:slice_kib=1024,slice_max=16")):
+        assert launch.slice_blocks(512 << 10) == (2, 1)
+        assert launch.slice_blocks(16 << 10) == (16, 16)
+    assert launch.slice_blocks(512 << 10) == (8, 1)
+    assert launch.slice_blocks(16 << 10) == (64, 16)
