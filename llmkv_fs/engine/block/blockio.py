@@ -445,8 +445,7 @@ class BlockIO:
             except BlockFileError as exc:
                 bad, ident = exc, file_ident(os.fstat(fd))
             else:
-                if self.options.stamp_access:
-                    self._stamps.note((key,))
+                self.note_loaded((key,))
                 return outcome
         finally:
             # A read-only descriptor: closing it can lose nothing, and a
@@ -486,8 +485,8 @@ class BlockIO:
             bad.left_because = f"could not be moved aside: {exc}"
 
     def note_loaded(self, keys: Sequence[bytes]) -> None:
-        """Blocks of ``keys`` were loaded by the compiled byte path: their
-        access stamps, as ``load`` notes its own (with ``stamp_access``)."""
+        """Blocks of ``keys`` were loaded (here, or by the compiled byte
+        path): their access stamps, with ``stamp_access``."""
         if self.options.stamp_access:
             self._stamps.note(keys)
 
