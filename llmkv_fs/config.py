@@ -319,7 +319,8 @@ class TierSettings:
             "ENOSPC also trips the guard, "
             "until free space has grown by one block more than the tier can have in "
             "flight (one slice per I/O thread, two per I/O worker process; a slice is "
-            "up to 16 blocks of one job, at most 1 MiB of them, or one larger block): "
+            "up to 64 blocks of one job, at most 4 MiB of them, or one larger block), "
+            "or by half of what the volume could free where that is less: "
             "someone, e.g. gc, made room.",
             byte_size,
         ),

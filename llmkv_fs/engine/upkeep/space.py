@@ -34,7 +34,10 @@ class SpaceGuard:
     less than ``min_free_bytes`` free. ENOSPC trips it too, and then it stays
     tripped until free space grows by ``headroom_bytes`` beyond what was free
     at the failure -- someone (gc) must have made room, or every writer would
-    hit ENOSPC again at once.
+    hit ENOSPC again at once. On a volume too small for that (the headroom
+    more than half of what it could ever free: its usable size less the
+    baseline) half of that is enough; else the guard would never lift. Stores
+    then may meet ENOSPC again, which trips it again: a miss, never lost KV.
 
     The baseline is measured by the thread that saw ENOSPC, right then: taken
     at the next sample instead (up to a second later), it would include room
@@ -68,6 +71,12 @@ class SpaceGuard:
     def reason(self) -> str:
         return self.signals.refusal
 
+    def room_needed(self, baseline: int, usage: VolumeUsage) -> int:
+        """Bytes that must come free beyond ``baseline`` (free at ENOSPC)
+        before stores resume: the headroom, or half of what the volume
+        could ever free, whichever is less (see the class doc)."""
+        return min(self.headroom_bytes, max(0, usage.usable_bytes - baseline) // 2)
+
     def sample(self) -> VolumeUsage:
         usage = volume_usage(self.path)
         self.usage = usage
@@ -77,7 +86,7 @@ class SpaceGuard:
             baseline = signals.free_at_enospc()
             if baseline is None:
                 signals.set_free_at_enospc(usage.free_bytes)
-            elif usage.free_bytes >= baseline + self.headroom_bytes:
+            elif usage.free_bytes >= baseline + self.room_needed(baseline, usage):
                 signals.clear_enospc()
         signals.set_refused(over)
         return usage

@@ -131,6 +131,7 @@ def test_enospc_holds_until_free_space_grows_by_the_headroom(small_tmpfs):
     write_filler(f"{small_tmpfs}/a", MiB // 2)
     write_filler(f"{small_tmpfs}/b", MiB // 2)
     write_filler(f"{small_tmpfs}/c", MiB // 2)
+    write_filler(f"{small_tmpfs}/rest", volume_usage(small_tmpfs).free_bytes)  # full
 
     trip_on_enospc(guard.signals, guard.path)  # the baseline: what is free at the failure
     assert not guard.allows_store() and guard.reason == "ENOSPC"
@@ -168,6 +169,41 @@ def test_room_made_right_after_enospc_lifts_the_guard(small_tmpfs):
     os.unlink(f"{small_tmpfs}/fill")  # room made before the next sample
     guard.sample()
     assert guard.allows_store() and guard.reason == "ok"
+
+
+def test_a_volume_smaller_than_the_headroom_lifts_once_half_of_it_is_free(small_tmpfs):
+    """The headroom (every block the executor can hold) can exceed what a
+    small volume could ever free: the guard then wants half of that, and
+    lifts -- it would otherwise refuse stores for good."""
+    guard = SpaceGuard(small_tmpfs, 100.0, 0, headroom_bytes=64 * MiB)  # 4x the volume
+    guard.sample()
+    free = volume_usage(small_tmpfs).free_bytes
+    write_filler(f"{small_tmpfs}/a", free // 4)
+    write_filler(f"{small_tmpfs}/b", free // 4)
+    write_filler(f"{small_tmpfs}/c", volume_usage(small_tmpfs).free_bytes)
+    with pytest.raises(OSError):  # a real ENOSPC: the volume is full
+        write_filler(f"{small_tmpfs}/more", MiB)
+    trip_on_enospc(guard.signals, guard.path)
+    baseline = guard.signals.free_at_enospc()
+    usage = guard.sample()
+    needed = guard.room_needed(baseline, usage)
+    assert needed == (usage.usable_bytes - baseline) // 2 < guard.headroom_bytes
+    assert not guard.allows_store()
+
+    os.unlink(f"{small_tmpfs}/a")  # a quarter: less than half of what could come free
+    guard.sample()
+    assert volume_usage(small_tmpfs).free_bytes < baseline + needed
+    assert not guard.allows_store() and guard.reason == "ENOSPC"
+    os.unlink(f"{small_tmpfs}/b")  # half
+    guard.sample()
+    assert guard.allows_store() and guard.reason == "ok"
+
+
+def test_a_volume_larger_than_the_headroom_still_wants_all_of_it(small_tmpfs):
+    guard = SpaceGuard(small_tmpfs, 100.0, 0, headroom_bytes=MiB)
+    usage = guard.sample()
+    assert guard.room_needed(0, usage) == MiB  # half the volume is 8 MiB: the headroom is less
+    assert guard.room_needed(usage.usable_bytes - MiB, usage) == MiB // 2
 
 
 def test_enospc_baseline_falls_back_to_the_next_sample(small_tmpfs, monkeypatch):
@@ -210,6 +246,40 @@ def test_engine_resumes_stores_when_room_is_made_right_after_enospc(
     wait_until(lambda: not tripped(engine), "the guard to lift")
     assert engine.submit_store(2, [make_key("after")], [0])
     assert wait_jobs(engine, [2])[2].success
+
+
+def test_engine_on_a_volume_smaller_than_its_headroom_resumes_after_gc(small_tmpfs, engines):
+    """Up to 3 BIG blocks fit the 16 MiB volume; the headroom is 3 or 5 of
+    them. gc freeing 2 lifts the guard: at least half of what the volume
+    could free (2 or 3 files were written, as concurrent stores met ENOSPC)."""
+    volume, bs = small_tmpfs, BIG
+    engine, layout, primary = engines(
+        volume,
+        n_blocks=2,
+        block_size=bs,
+        n_read_threads=1,
+        n_write_threads=1,
+        max_usage_percent=100,
+    )
+    guard = engine.roots[0].guard
+    assert guard.headroom_bytes >= 3 * bs
+    for c in range(2):
+        fill(primary, c, pattern(c, bs), bs)
+    keys = [make_key(f"small{i}") for i in range(8)]
+    assert engine.submit_store(1, keys, [i % 2 for i in range(8)])
+    assert not wait_jobs(engine, [1])[1].success
+    assert guard.reason == "ENOSPC"
+    files = sorted(block_files(volume))
+    assert len(files) in (2, 3)
+    wait_samples(engine, 2)  # the guard has its post-ENOSPC baseline
+    for path in files[:2]:  # gc frees 2 blocks: less than the headroom
+        os.unlink(path)
+    wait_until(lambda: not tripped(engine), "the guard to lift")
+    assert guard.headroom_bytes > guard.usage.free_bytes - guard.signals.free_at_enospc()
+    assert engine.submit_store(2, [make_key("after")], [1])
+    assert wait_jobs(engine, [2])[2].success
+    with open(layout.block_path(make_key("after")), "rb") as f:
+        assert f.read(bs) == pattern(1, bs)
 
 
 def test_watermark_drops_stores_loads_continue_and_gc_lifts_it(small_tmpfs, engines):
