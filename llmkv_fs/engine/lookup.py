@@ -139,7 +139,9 @@ class AsyncExistence:
     """The lookups of one engine (the module doc), checking keys against
     ``presence`` (the engine's roots: ``RootsPresence``) on a lookup thread
     and up to ``n_threads - 1`` helpers. ``placement`` places keys on the
-    roots ``recheck`` names by index (None: one root, index 0)."""
+    roots ``recheck`` names by index (None: one root, index 0). ``cpus``:
+    the CPUs the checks may use (None: the process's affinity;
+    lookup_checks.BatchChecks)."""
 
     def __init__(
         self,
@@ -149,6 +151,7 @@ class AsyncExistence:
         timeout: float = 5.0,
         miss_for_s: float = 60.0,
         placement: RootPlacement | None = None,
+        cpus: int | None = None,
     ):
         self._timeout = timeout
         self._placement = placement
@@ -178,7 +181,7 @@ class AsyncExistence:
             queue.SimpleQueue()
         )
         self._answers = Answers()
-        self._checks = BatchChecks(presence, n_threads - 1, self._answers, name)
+        self._checks = BatchChecks(presence, n_threads - 1, self._answers, name, cpus)
         self._thread = threading.Thread(target=self._worker, name=f"{name}_lookup", daemon=True)
         self._thread.start()
 

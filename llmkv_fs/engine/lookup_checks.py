@@ -1,6 +1,7 @@
 """The checking side of the lookups (engine/lookup.py): one posted batch of
 keys checked in order, in chunks, by the lookup thread -- and by helper
-threads as soon as the volume makes checks wait.
+threads as soon as the volume makes checks wait, or by one helper beside it
+where a long batch is checked in CPU time by the compiled check (below).
 
 Which it is follows the volume as the batch goes: every chunk's checks are
 timed one by one, and a chunk most of whose checks waited on the volume (a
@@ -10,7 +11,12 @@ dentries) gains nothing from more threads, which only queue for the GIL
 (docs/benchmarks.md), so a batch on such a volume stays on the lookup
 thread. The decision is taken again at every chunk, never from a batch's
 first checks alone: a batch whose first names are cached and whose later
-ones wait on the volume recruits the helpers when they start waiting.
+ones wait on the volume recruits the helpers when they start waiting. The
+compiled check is the exception: it checks a whole chunk without the GIL,
+so two threads on two CPUs do check twice as fast, and a long batch
+(SPREAD_KEYS untaken) is shared with SPREAD_HELPERS helpers where the
+process has that many CPUs more, chunks still growing but never past a
+thread's share of the rest.
 
 What is checked is the ``Presence`` the lookups are given (the engine's:
 ``RootsPresence``, engine/roots.py). A chunk is checked in one call where it
@@ -53,6 +59,7 @@ check never returns.
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
@@ -75,6 +82,14 @@ logger = logging.getLogger("vllm.llmkv_fs.lookup")
 CHUNK_KEYS = 16
 CHUNK_BUDGET_S = 0.02
 WAITS_ON_THE_VOLUME_S = 100e-6
+# A batch answered in CPU time by a compiled check (which holds no GIL while
+# it checks) is shared with this many helpers once at least SPREAD_KEYS of it
+# are untaken, where the process has a CPU for each: two CPUs halve a long
+# prompt's verdict (a step sooner on 2 cores, docs/benchmarks.md); a batch of
+# Python checks stays on one thread, where more threads only queue for the
+# GIL. More helpers would take CPUs the scheduler and vLLM's workers use.
+SPREAD_HELPERS = 1
+SPREAD_KEYS = 1024
 
 # One key's answer: there, checked and not there, or unknown (the module doc).
 Found = bool | None
@@ -146,11 +161,13 @@ class _Run:
         "recruited",
         "returned",
         "scanned",
+        "spread",
         "taken",
     )
 
     def __init__(self, batch_id: int, batch: list[tuple[bytes, int]]):
         self.batch_id = batch_id
+        self.spread = 0  # threads sharing its chunks in CPU time (0: one, or recruited)
         self.batch = batch
         self.taken = 0  # keys handed to a checking thread, from the start
         self.found: list[Found] = [None] * len(batch)
@@ -178,9 +195,15 @@ class _Run:
                     given[0] = end
                 return start, end
             start = self.taken
-            if start >= len(self.batch):
+            untaken = len(self.batch) - start
+            if untaken <= 0:
                 return None
-            size = CHUNK_KEYS if self.recruited else max(CHUNK_KEYS, start)
+            if self.recruited:
+                size = CHUNK_KEYS
+            elif self.spread:  # doubling, but never more than a thread's share of the rest
+                size = max(CHUNK_KEYS, min(start, -(-untaken // self.spread)))
+            else:
+                size = max(CHUNK_KEYS, start)
             self.taken = end = min(start + size, len(self.batch))
         return start, end
 
@@ -201,10 +224,15 @@ class BatchChecks:
         n_helpers: int,
         answers: Answers,
         name: str = "llmkv_fs",
+        cpus: int | None = None,
     ):
         self._presence = presence
         self._batched = presence.batched
         self._n_helpers = n_helpers
+        # Helpers a batch in CPU time is shared with (SPREAD_HELPERS); ``cpus``:
+        # the CPUs this process may run on (None: its affinity).
+        cpus = len(os.sched_getaffinity(0)) if cpus is None else cpus
+        self._spread = min(n_helpers, SPREAD_HELPERS, cpus - 1) if self._batched else 0
         self._answers = answers
         self._name = name
         self._help: queue.SimpleQueue[_Run | None] = queue.SimpleQueue()
@@ -245,6 +273,8 @@ class BatchChecks:
             self.progress_at = time.monotonic()
             if 2 * waited > len(found) and not run.recruited:
                 self._recruit(run)
+            elif self._spread and not run.spread and len(keys) - run.taken >= SPREAD_KEYS:
+                self._spread_out(run)
             if lo + len(found) < hi:
                 run.give_back(lo + len(found), hi)
             self._decided(run, lo, found)
@@ -290,7 +320,12 @@ class BatchChecks:
         run.recruited = True
         if not self._n_helpers:
             return
-        while len(self._helpers) < self._n_helpers:
+        self._start_helpers(self._n_helpers)
+        for _ in range(self._n_helpers):
+            self._help.put(run)
+
+    def _start_helpers(self, n: int) -> None:
+        while len(self._helpers) < n:
             helper = threading.Thread(
                 target=self._help_out,
                 name=f"{self._name}_stat{len(self._helpers)}",
@@ -298,7 +333,11 @@ class BatchChecks:
             )
             helper.start()
             self._helpers.append(helper)
-        for _ in range(self._n_helpers):
+
+    def _spread_out(self, run: _Run) -> None:
+        run.spread = 1 + self._spread
+        self._start_helpers(self._spread)
+        for _ in range(self._spread):
             self._help.put(run)
 
     def _help_out(self) -> None:

@@ -307,14 +307,15 @@ def _budgeted(clock: ThreadClock, cost_s: Callable[[int], float], calls: list[tu
     return exist_many
 
 
-def _checked_in_chunks(monkeypatch, name: str, cost_s: Callable[[int], float]):
-    """8,192 keys through the lookups with a budgeted compiled check: the
-    verdicts, the calls made and the helper threads started."""
+def _checked_in_chunks(monkeypatch, name: str, cost_s: Callable[[int], float], cpus: int = 1):
+    """8,192 keys through the lookups with a budgeted compiled check (two
+    lookup threads, ``cpus`` CPUs): the verdicts, the calls made and the
+    helper threads started."""
     clock = ThreadClock()
     monkeypatch.setattr(lookup_checks, "time", clock)
     calls: list[tuple[int, float]] = []
     checks = Checks(lambda key: True, _budgeted(clock, cost_s, calls))
-    lookups = AsyncExistence(checks, 2, timeout=60.0, name=name)
+    lookups = AsyncExistence(checks, 2, timeout=60.0, name=name, cpus=cpus)
     try:
         verdicts = step_until_known(lookups, [number(i) for i in range(8192)])
         helpers = [t for t in threading.enumerate() if t.name.startswith(f"{name}_stat")]
@@ -325,8 +326,9 @@ def _checked_in_chunks(monkeypatch, name: str, cost_s: Callable[[int], float]):
 
 def test_chunks_grow_while_the_volume_answers_in_cpu_time(monkeypatch):
     """A long prompt on a fast volume is checked in few compiled calls (each
-    gives the interpreter lock back once): chunks double; on a volume that
-    makes checks wait they stay small, for the helpers."""
+    gives the interpreter lock back once): chunks double (one CPU: on one
+    thread); on a volume that makes checks wait they stay small, for the
+    helpers."""
     verdicts, fast, helpers = _checked_in_chunks(monkeypatch, "fast", lambda i: 2e-6)
     assert verdicts == [True] * 8192 and not helpers
     assert [asked for asked, _spent in fast] == [16, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096]
@@ -334,6 +336,74 @@ def test_chunks_grow_while_the_volume_answers_in_cpu_time(monkeypatch):
     verdicts, slow, helpers = _checked_in_chunks(monkeypatch, "slow", lambda i: 3e-3)
     assert verdicts == [True] * 8192 and len(helpers) == 1
     assert max(asked for asked, _spent in slow) == lookup_checks.CHUNK_KEYS
+
+
+def test_a_long_batch_in_cpu_time_is_shared_with_a_helper_where_there_is_a_cpu(monkeypatch):
+    """The compiled check holds no GIL: with a second CPU a long prompt on a
+    fast volume is checked on two threads at once (a long chunk is held
+    inside the check until the other thread has checked too: a batch left
+    on one thread never gets past it), each chunk at most a thread's share
+    of the keys left; every key checked once."""
+    clock = ThreadClock()
+    monkeypatch.setattr(lookup_checks, "time", clock)
+    inside: set[int] = set()
+    both_inside = threading.Event()
+    lock = threading.Lock()
+    calls: list[tuple[int, int]] = []  # (first key, keys asked)
+
+    def exist_many(keys: list[bytes], budget_s: float) -> list[bool]:
+        first = int.from_bytes(keys[0], "big")
+        with lock:
+            calls.append((first, len(keys)))
+            inside.add(threading.get_ident())
+            if len(inside) == 2:
+                both_inside.set()
+        if len(keys) >= 256:  # a long chunk waits for the other thread to be checking too
+            assert both_inside.wait(DEADLINE_S), "one thread checked the batch alone"
+        clock.spend(2e-6 * len(keys))
+        return [True] * len(keys)
+
+    lookups = AsyncExistence(
+        Checks(lambda key: True, exist_many), 32, timeout=60.0, name="spread", cpus=2
+    )
+    try:
+        verdicts = step_until_known(lookups, [number(i) for i in range(8192)])
+        helpers = [t for t in threading.enumerate() if t.name.startswith("spread_stat")]
+    finally:
+        lookups.shutdown()
+    assert verdicts == [True] * 8192
+    assert len(helpers) == lookup_checks.SPREAD_HELPERS == 1  # not the 31 lookup_threads allow
+    assert both_inside.is_set()
+    checked = sorted(k for first, n in calls for k in range(first, first + n))
+    assert checked == list(range(8192))
+    untaken = 8192
+    for _first, n in sorted(calls):  # in the order they were taken
+        assert n <= max(lookup_checks.CHUNK_KEYS, -(-untaken // 2))
+        untaken -= n
+    assert max(n for _first, n in calls) == 2048  # on one thread: 4096, half the batch
+
+
+def test_a_short_batch_or_one_cpu_keeps_one_thread(monkeypatch):
+    verdicts, calls, helpers = _checked_in_chunks(monkeypatch, "onecpu", lambda i: 2e-6, cpus=1)
+    assert verdicts == [True] * 8192 and not helpers
+    assert max(asked for asked, _spent in calls) == 4096  # doubling on the one thread
+    clock = ThreadClock()
+    monkeypatch.setattr(lookup_checks, "time", clock)
+    threads: set[int] = set()
+
+    def exist_many(keys: list[bytes], budget_s: float) -> list[bool]:
+        threads.add(threading.get_ident())
+        return [True] * len(keys)
+
+    lookups = AsyncExistence(Checks(lambda key: True, exist_many), 32, name="short", cpus=16)
+    try:
+        # Fewer than SPREAD_KEYS untaken once the first chunk is taken.
+        keys = [number(i) for i in range(lookup_checks.SPREAD_KEYS)]
+        assert step_until_known(lookups, keys) == [True] * len(keys)
+        assert not [t for t in threading.enumerate() if t.name.startswith("short_stat")]
+    finally:
+        lookups.shutdown()
+    assert len(threads) == 1
 
 
 def test_a_chunk_stops_itself_when_the_volume_turns_slow(monkeypatch):
