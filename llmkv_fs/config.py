@@ -320,8 +320,8 @@ class TierSettings:
             "until free space has grown by one block more than the tier can have in "
             "flight (one slice per I/O thread, two per I/O worker process; a slice is "
             "up to 64 blocks of one job, at most 4 MiB of them, or one larger block), "
-            "or by half of what the volume could free where that is less: "
-            "someone, e.g. gc, made room.",
+            "or by a tenth of the bytes in use at the failure where that is less (gc's "
+            "default band frees a quarter of a full volume): someone, e.g. gc, made room.",
             byte_size,
         ),
     )

@@ -124,7 +124,7 @@ ALLOWED: dict[str, str] = {
         "nothing trips it again (the volume was emptied)"
     ),
     "tests/engine/upkeep/test_space.py::"
-    "test_engine_on_a_volume_smaller_than_its_headroom_resumes_after_gc": (
+    "test_engine_resumes_after_one_gc_pass_with_its_default_band": (
         "the store is an action: submit_store asks the very guard tripped() read, and "
         "nothing trips it again (no watermark, nothing written until this store)"
     ),
@@ -136,11 +136,6 @@ ALLOWED: dict[str, str] = {
     "tests/engine/upkeep/test_space.py::"
     "test_queued_stores_are_dropped_when_the_guard_trips_under_them": (
         "the submit is an action while the volume is not full yet (the filler is written after it)"
-    ),
-    "tests/engine/upkeep/test_space.py::"
-    "test_enospc_trips_the_guard_until_gc_frees_more_than_the_headroom": (
-        "an ENOSPC trip lifts only on a sample with the headroom free: the guard's state "
-        "after a whole sample is the asserted one, and free_bytes is that sample's figure"
     ),
     "tests/engine/workers/test_workers.py::test_a_store_past_its_deadline_is_never_published": (
         "in_flight == 0 means no block is inside a worker: stuck_blocks, which "

@@ -140,8 +140,8 @@ class AsyncExistence:
     ``presence`` (the engine's roots: ``RootsPresence``) on a lookup thread
     and up to ``n_threads - 1`` helpers. ``placement`` places keys on the
     roots ``recheck`` names by index (None: one root, index 0). ``cpus``:
-    the CPUs the checks may use (None: the process's affinity;
-    lookup_checks.BatchChecks)."""
+    the CPUs the checks may use (None: the constructing thread's affinity
+    mask, as the executor counts them; lookup_checks.BatchChecks)."""
 
     def __init__(
         self,

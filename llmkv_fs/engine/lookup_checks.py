@@ -13,7 +13,7 @@ thread. The decision is taken again at every chunk, never from a batch's
 first checks alone: a batch whose first names are cached and whose later
 ones wait on the volume recruits the helpers when they start waiting. The
 compiled check is the exception: it checks a whole chunk without the GIL,
-so two threads on two CPUs do check twice as fast, and a long batch
+so two threads on two CPUs do check in parallel, and a long batch
 (SPREAD_KEYS untaken) is shared with SPREAD_HELPERS helpers where the
 process has that many CPUs more, chunks still growing but never past a
 thread's share of the rest.
@@ -51,9 +51,11 @@ file is gone.
 
 Threading: ``check`` runs on the lookup thread, one batch at a time; the
 helpers are daemon threads (a check held inside a stalled mount must not
-hold up the interpreter's exit); ``stop`` from the owner. A chunk taken is
-always decided (a check that raises is a miss), so a batch ends unless a
-check never returns.
+hold up the interpreter's exit); ``stop`` from the owner. Whichever checking
+thread first sees a batch wait on the volume (or first shares it) starts the
+helpers; one thread at a time starts them. A chunk taken is always decided
+(a check that raises is a miss) before any helper is started, so a batch
+ends unless a check never returns.
 """
 
 from __future__ import annotations
@@ -84,10 +86,10 @@ CHUNK_BUDGET_S = 0.02
 WAITS_ON_THE_VOLUME_S = 100e-6
 # A batch answered in CPU time by a compiled check (which holds no GIL while
 # it checks) is shared with this many helpers once at least SPREAD_KEYS of it
-# are untaken, where the process has a CPU for each: two CPUs halve a long
-# prompt's verdict (a step sooner on 2 cores, docs/benchmarks.md); a batch of
-# Python checks stays on one thread, where more threads only queue for the
-# GIL. More helpers would take CPUs the scheduler and vLLM's workers use.
+# are untaken, where the process has a CPU for each: a long prompt's verdict
+# comes sooner (docs/benchmarks.md); a batch of Python checks stays on one
+# thread, where more threads only queue for the GIL. More helpers would take
+# CPUs the scheduler and vLLM's workers use.
 SPREAD_HELPERS = 1
 SPREAD_KEYS = 1024
 
@@ -167,7 +169,7 @@ class _Run:
 
     def __init__(self, batch_id: int, batch: list[tuple[bytes, int]]):
         self.batch_id = batch_id
-        self.spread = 0  # threads sharing its chunks in CPU time (0: one, or recruited)
+        self.spread = 0  # threads sharing its chunks in CPU time (0: not shared); recruited wins
         self.batch = batch
         self.taken = 0  # keys handed to a checking thread, from the start
         self.found: list[Found] = [None] * len(batch)
@@ -207,6 +209,24 @@ class _Run:
             self.taken = end = min(start + size, len(self.batch))
         return start, end
 
+    def mark_recruited(self) -> bool:
+        """Mark the batch as waiting on the volume; True for the one thread
+        that marked it (it calls the helpers)."""
+        with self.lock:
+            if self.recruited:
+                return False
+            self.recruited = True
+            return True
+
+    def mark_spread(self, threads: int) -> bool:
+        """Share the batch (in CPU time) among ``threads``; True for the one
+        thread that did (it calls the helper), False once shared or recruited."""
+        with self.lock:
+            if self.recruited or self.spread:
+                return False
+            self.spread = threads
+            return True
+
     def give_back(self, start: int, end: int) -> None:
         """Keys a chunk took and did not check (its budget spent)."""
         with self.lock:
@@ -230,13 +250,14 @@ class BatchChecks:
         self._batched = presence.batched
         self._n_helpers = n_helpers
         # Helpers a batch in CPU time is shared with (SPREAD_HELPERS); ``cpus``:
-        # the CPUs this process may run on (None: its affinity).
+        # the CPUs the checks may run on (None: this thread's affinity mask).
         cpus = len(os.sched_getaffinity(0)) if cpus is None else cpus
         self._spread = min(n_helpers, SPREAD_HELPERS, cpus - 1) if self._batched else 0
         self._answers = answers
         self._name = name
         self._help: queue.SimpleQueue[_Run | None] = queue.SimpleQueue()
         self._helpers: list[threading.Thread] = []
+        self._starting = threading.Lock()  # helpers are started by one thread at a time
         self.progress_at = time.monotonic()
 
     def check(self, batch_id: int, batch: list[tuple[bytes, int]]) -> None:
@@ -271,13 +292,19 @@ class BatchChecks:
                 logger.exception("llmkv_fs: existence checks failed; answering miss")
                 found, waited = [None] * (hi - lo), 0
             self.progress_at = time.monotonic()
-            if 2 * waited > len(found) and not run.recruited:
-                self._recruit(run)
-            elif self._spread and not run.spread and len(keys) - run.taken >= SPREAD_KEYS:
-                self._spread_out(run)
             if lo + len(found) < hi:
                 run.give_back(lo + len(found), hi)
             self._decided(run, lo, found)
+            # After the chunk is decided: starting a helper may fail.
+            if 2 * waited > len(found):
+                if run.mark_recruited():
+                    self._call_helpers(run, self._n_helpers)
+            elif (
+                self._spread
+                and len(keys) - run.taken >= SPREAD_KEYS
+                and run.mark_spread(1 + self._spread)
+            ):
+                self._call_helpers(run, self._spread)
 
     def _check_chunk(self, pairs: list[tuple[bytes, int]]) -> tuple[list[Found], int]:
         """The answers of the chunk's first keys (all, unless its budget was
@@ -316,29 +343,25 @@ class BatchChecks:
             logger.warning("llmkv_fs: existence check failed (%s); treating as a miss", exc)
             return None
 
-    def _recruit(self, run: _Run) -> None:
-        run.recruited = True
-        if not self._n_helpers:
-            return
-        self._start_helpers(self._n_helpers)
-        for _ in range(self._n_helpers):
-            self._help.put(run)
-
-    def _start_helpers(self, n: int) -> None:
-        while len(self._helpers) < n:
-            helper = threading.Thread(
-                target=self._help_out,
-                name=f"{self._name}_stat{len(self._helpers)}",
-                daemon=True,
-            )
-            helper.start()
-            self._helpers.append(helper)
-
-    def _spread_out(self, run: _Run) -> None:
-        run.spread = 1 + self._spread
-        self._start_helpers(self._spread)
-        for _ in range(self._spread):
-            self._help.put(run)
+    def _call_helpers(self, run: _Run, n: int) -> None:
+        """Start helpers up to ``n`` (any thread; serialized) and hand each
+        the run. A helper that cannot be started (no threads left) is
+        logged; the run goes on with those there are."""
+        with self._starting:
+            while len(self._helpers) < n:
+                helper = threading.Thread(
+                    target=self._help_out,
+                    name=f"{self._name}_stat{len(self._helpers)}",
+                    daemon=True,
+                )
+                try:
+                    helper.start()
+                except RuntimeError as exc:
+                    logger.warning("llmkv_fs: lookup helper not started (%s)", exc)
+                    break
+                self._helpers.append(helper)
+            for _ in range(min(n, len(self._helpers))):
+                self._help.put(run)
 
     def _help_out(self) -> None:
         while (run := self._help.get()) is not None:

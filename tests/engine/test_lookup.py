@@ -22,6 +22,7 @@ import os
 import subprocess
 import threading
 import time
+import types
 from collections import Counter
 from collections.abc import Callable
 
@@ -277,9 +278,9 @@ def test_checks_on_a_volume_answering_in_cpu_time_stay_on_one_thread(monkeypatch
         clock.spend(2e-6)
         return True
 
-    lookups = AsyncExistence(Checks(exists), 8, name="fastvol")
+    lookups = AsyncExistence(Checks(exists), 8, name="fastvol", cpus=2)  # Python checks: no spread
     try:
-        assert step_until_known(lookups, [number(i) for i in range(400)]) == [True] * 400
+        assert step_until_known(lookups, [number(i) for i in range(2048)]) == [True] * 2048
         assert not [t for t in threading.enumerate() if t.name.startswith("fastvol_stat")]
     finally:
         lookups.shutdown()
@@ -383,6 +384,32 @@ def test_a_long_batch_in_cpu_time_is_shared_with_a_helper_where_there_is_a_cpu(m
     assert max(n for _first, n in calls) == 2048  # on one thread: 4096, half the batch
 
 
+def test_a_helper_that_cannot_be_started_leaves_the_batch_to_the_lookup_thread(monkeypatch, caplog):
+    """No thread can be started (a pids limit): the batch that would be
+    shared, or recruited, is decided on the lookup thread all the same."""
+    clock = ThreadClock()
+    monkeypatch.setattr(lookup_checks, "time", clock)
+
+    class NoThread(threading.Thread):
+        def start(self):
+            raise RuntimeError("can't start new thread")
+
+    no_threads = types.SimpleNamespace(**{**vars(threading), "Thread": NoThread})
+    lookups = AsyncExistence(
+        Checks(lambda key: True, lambda keys, budget: [True] * len(keys)),
+        32,
+        name="nothreads",
+        cpus=2,
+    )
+    monkeypatch.setattr(lookup_checks, "threading", no_threads)  # after the lookup thread
+    try:
+        with caplog.at_level(logging.WARNING, logger="vllm.llmkv_fs.lookup"):
+            assert step_until_known(lookups, [number(i) for i in range(4096)]) == [True] * 4096
+    finally:
+        lookups.shutdown()
+    assert "lookup helper not started" in caplog.text
+
+
 def test_a_short_batch_or_one_cpu_keeps_one_thread(monkeypatch):
     verdicts, calls, helpers = _checked_in_chunks(monkeypatch, "onecpu", lambda i: 2e-6, cpus=1)
     assert verdicts == [True] * 8192 and not helpers
@@ -406,14 +433,15 @@ def test_a_short_batch_or_one_cpu_keeps_one_thread(monkeypatch):
     assert len(threads) == 1
 
 
-def test_a_chunk_stops_itself_when_the_volume_turns_slow(monkeypatch):
+@pytest.mark.parametrize("cpus", [1, 2])  # 2: the batch was shared when it turned slow
+def test_a_chunk_stops_itself_when_the_volume_turns_slow(monkeypatch, cpus):
     """A prompt whose head answers from cache (2 us a key) and whose tail
     takes 3 ms a key: the long chunk that reaches the tail stops once its
     budget is spent, gives the rest back, and the helpers share it -- no
     call holds verdicts for much longer than the budget (a 2,048-key chunk
     would have taken 3.2 s)."""
     verdicts, calls, helpers = _checked_in_chunks(
-        monkeypatch, "turning", lambda i: 2e-6 if i < 3000 else 3e-3
+        monkeypatch, f"turning{cpus}", lambda i: 2e-6 if i < 3000 else 3e-3, cpus
     )
     assert verdicts == [True] * 8192 and len(helpers) == 1
     assert lookup_checks.CHUNK_BUDGET_S <= 0.05

@@ -17,6 +17,10 @@ from llmkv_fs.volume.fsinfo import VolumeUsage, volume_usage
 
 __all__ = ["SpaceGuard", "trip_on_enospc"]
 
+# After ENOSPC, a 1/_IN_USE_SHARE of the bytes then in use coming free is
+# enough to resume stores where the headroom is more (SpaceGuard's doc).
+_IN_USE_SHARE = 10
+
 
 def trip_on_enospc(signals: VolumeSignals, path: str) -> None:
     """A write on the volume of ``path`` failed with ENOSPC/EDQUOT: refuse
@@ -34,10 +38,14 @@ class SpaceGuard:
     less than ``min_free_bytes`` free. ENOSPC trips it too, and then it stays
     tripped until free space grows by ``headroom_bytes`` beyond what was free
     at the failure -- someone (gc) must have made room, or every writer would
-    hit ENOSPC again at once. On a volume too small for that (the headroom
-    more than half of what it could ever free: its usable size less the
-    baseline) half of that is enough; else the guard would never lift. Stores
-    then may meet ENOSPC again, which trips it again: a miss, never lost KV.
+    hit ENOSPC again at once -- or by a tenth of the bytes in use at the
+    failure (its usable size less the baseline), where that is less: gc's
+    default band (``--high 85 --low 75``) frees a quarter of a full volume
+    and stops, so on a volume with less than ten headrooms in use, waiting
+    for the whole headroom would refuse stores for good. Stores after such a
+    lift may meet ENOSPC again, which trips it again: a miss, never lost KV.
+    At least one byte must come free: a volume whose numbers never move
+    (nothing in use, nothing freed) is not retried every sample.
 
     The baseline is measured by the thread that saw ENOSPC, right then: taken
     at the next sample instead (up to a second later), it would include room
@@ -73,9 +81,10 @@ class SpaceGuard:
 
     def room_needed(self, baseline: int, usage: VolumeUsage) -> int:
         """Bytes that must come free beyond ``baseline`` (free at ENOSPC)
-        before stores resume: the headroom, or half of what the volume
-        could ever free, whichever is less (see the class doc)."""
-        return min(self.headroom_bytes, max(0, usage.usable_bytes - baseline) // 2)
+        before stores resume: the headroom, or a tenth of the bytes in use
+        at the failure where that is less; one at least (the class doc)."""
+        in_use = max(0, usage.usable_bytes - baseline)
+        return max(1, min(self.headroom_bytes, in_use // _IN_USE_SHARE))
 
     def sample(self) -> VolumeUsage:
         usage = volume_usage(self.path)
