@@ -252,7 +252,7 @@ class BatchChecks:
         # Helpers a batch in CPU time is shared with (SPREAD_HELPERS); ``cpus``:
         # the CPUs the checks may run on (None: this thread's affinity mask).
         cpus = len(os.sched_getaffinity(0)) if cpus is None else cpus
-        self._spread = min(n_helpers, SPREAD_HELPERS, cpus - 1) if self._batched else 0
+        self._spread = max(0, min(n_helpers, SPREAD_HELPERS, cpus - 1)) if self._batched else 0
         self._answers = answers
         self._name = name
         self._help: queue.SimpleQueue[_Run | None] = queue.SimpleQueue()
