@@ -259,7 +259,7 @@ def test_engine_resumes_stores_when_room_is_made_right_after_enospc(
 
 def test_engine_resumes_after_one_gc_pass_with_its_default_band(tmpfs_of_15_big_blocks, engines):
     """The tier fills its 64 MiB volume with BIG blocks until ENOSPC; one
-    gc pass with its default watermarks (85 -> 75 %) frees a quarter of the volume,
+    gc pass with its default watermarks (85 -> 75 %) frees down to 75 %,
     less than the headroom with worker processes (5 blocks): stores resume,
     as they did not when the guard waited for the whole headroom."""
     volume, bs = tmpfs_of_15_big_blocks, BIG
